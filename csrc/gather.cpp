@@ -1,0 +1,161 @@
+#include "gather.h"
+
+#include <atomic>
+#include <cstring>
+#include <string>
+
+#include "thread_pool.h"
+
+namespace streamcache {
+namespace {
+
+// Below this many bytes a batch is copied on the calling thread: waking the pool costs more.
+constexpr size_t kParallelBytes = 1 << 20;
+
+std::string row_message(size_t i, int32_t shard, int64_t row) {
+  return "batch item " + std::to_string(i) + " asks for shard " + std::to_string(shard) +
+         " row " + std::to_string(row);
+}
+
+// The first error found by any chunk wins; the others stop early.
+class FirstError {
+ public:
+  bool failed() const { return failed_.load(std::memory_order_relaxed); }
+  void set(Status s) {
+    bool expected = false;
+    if (failed_.compare_exchange_strong(expected, true)) status_ = std::move(s);
+  }
+  Status take() { return failed() ? std::move(status_) : Status::Ok(); }
+
+ private:
+  std::atomic<bool> failed_{false};
+  Status status_;
+};
+
+inline int64_t load_offset(const Span& offsets, int64_t index) {
+  int64_t v;
+  std::memcpy(&v, offsets.data + static_cast<size_t>(index) * 8, 8);
+  return v;
+}
+
+// Bounds-checks one variable-width row and returns its [begin, end) in elements.
+Status var_row(const VarSource& src, size_t elem_size, size_t i, int32_t shard, int64_t row,
+               int64_t* begin, int64_t* end) {
+  int64_t n_rows = static_cast<int64_t>(src.offsets.size / 8) - 1;
+  if (row < 0 || row >= n_rows) {
+    return Status::Error(StatusCode::kOutOfRange, static_cast<int64_t>(i),
+                         row_message(i, shard, row) + " but it has " + std::to_string(n_rows) +
+                             " rows");
+  }
+  *begin = load_offset(src.offsets, row);
+  *end = load_offset(src.offsets, row + 1);
+  int64_t n_elems = static_cast<int64_t>(src.values.size / elem_size);
+  if (*begin < 0 || *end < *begin || *end > n_elems) {
+    return Status::Error(StatusCode::kCorrupt, static_cast<int64_t>(i),
+                         row_message(i, shard, row) + ": offsets [" + std::to_string(*begin) +
+                             ", " + std::to_string(*end) + ") do not fit its " +
+                             std::to_string(n_elems) + " elements");
+  }
+  return Status::Ok();
+}
+
+Status check_shard(size_t i, int32_t shard, size_t n_sources) {
+  if (shard < 0 || static_cast<size_t>(shard) >= n_sources) {
+    return Status::Error(StatusCode::kOutOfRange, static_cast<int64_t>(i),
+                         "batch item " + std::to_string(i) + " names shard " +
+                             std::to_string(shard) + " of " + std::to_string(n_sources));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status gather_fixed(const std::vector<Span>& sources, size_t stride, const int32_t* which,
+                    const int64_t* rows, size_t n, uint8_t* out, size_t out_size) {
+  if (stride == 0) return Status::Error(StatusCode::kInvalid, -1, "stride must be positive");
+  if (out_size < n * stride) {
+    return Status::Error(StatusCode::kInvalid, -1,
+                         "output holds " + std::to_string(out_size) + " bytes, batch needs " +
+                             std::to_string(n * stride));
+  }
+  FirstError error;
+  auto body = [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end && !error.failed(); ++i) {
+      Status s = check_shard(i, which[i], sources.size());
+      if (!s.ok()) return error.set(std::move(s));
+      const Span& src = sources[static_cast<size_t>(which[i])];
+      int64_t n_rows = static_cast<int64_t>(src.size / stride);
+      if (rows[i] < 0 || rows[i] >= n_rows) {
+        return error.set(Status::Error(StatusCode::kOutOfRange, static_cast<int64_t>(i),
+                                       row_message(i, which[i], rows[i]) + " but it has " +
+                                           std::to_string(n_rows) + " rows"));
+      }
+      std::memcpy(out + i * stride, src.data + static_cast<size_t>(rows[i]) * stride, stride);
+    }
+  };
+  if (n * stride < kParallelBytes) {
+    body(0, n);
+  } else {
+    global_pool().parallel_for(n, 1, body);
+  }
+  return error.take();
+}
+
+Status var_offsets(const std::vector<VarSource>& sources, size_t elem_size, const int32_t* which,
+                   const int64_t* rows, size_t n, int64_t* out_offsets, int64_t* total) {
+  if (elem_size == 0) return Status::Error(StatusCode::kInvalid, -1, "elem_size must be positive");
+  int64_t running = 0;
+  out_offsets[0] = 0;
+  for (size_t i = 0; i < n; ++i) {
+    Status s = check_shard(i, which[i], sources.size());
+    if (!s.ok()) return s;
+    int64_t begin = 0, end = 0;
+    s = var_row(sources[static_cast<size_t>(which[i])], elem_size, i, which[i], rows[i], &begin,
+                &end);
+    if (!s.ok()) return s;
+    running += end - begin;
+    out_offsets[i + 1] = running;
+  }
+  *total = running;
+  return Status::Ok();
+}
+
+Status gather_var(const std::vector<VarSource>& sources, size_t elem_size, const int32_t* which,
+                  const int64_t* rows, size_t n, const int64_t* out_offsets, uint8_t* out_values,
+                  size_t out_size) {
+  if (elem_size == 0) return Status::Error(StatusCode::kInvalid, -1, "elem_size must be positive");
+  if (n > 0 && static_cast<size_t>(out_offsets[n]) * elem_size > out_size) {
+    return Status::Error(StatusCode::kInvalid, -1,
+                         "output holds " + std::to_string(out_size) + " bytes, batch needs " +
+                             std::to_string(static_cast<size_t>(out_offsets[n]) * elem_size));
+  }
+  FirstError error;
+  auto body = [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end && !error.failed(); ++i) {
+      Status s = check_shard(i, which[i], sources.size());
+      if (!s.ok()) return error.set(std::move(s));
+      const VarSource& src = sources[static_cast<size_t>(which[i])];
+      int64_t row_begin = 0, row_end = 0;
+      s = var_row(src, elem_size, i, which[i], rows[i], &row_begin, &row_end);
+      if (!s.ok()) return error.set(std::move(s));
+      if (row_end - row_begin != out_offsets[i + 1] - out_offsets[i]) {
+        return error.set(Status::Error(StatusCode::kInvalid, static_cast<int64_t>(i),
+                                       "out_offsets do not match the rows asked for"));
+      }
+      size_t bytes = static_cast<size_t>(row_end - row_begin) * elem_size;
+      if (bytes > 0) {
+        std::memcpy(out_values + static_cast<size_t>(out_offsets[i]) * elem_size,
+                    src.values.data + static_cast<size_t>(row_begin) * elem_size, bytes);
+      }
+    }
+  };
+  size_t total_bytes = n > 0 ? static_cast<size_t>(out_offsets[n]) * elem_size : 0;
+  if (total_bytes < kParallelBytes) {
+    body(0, n);
+  } else {
+    global_pool().parallel_for(n, 1, body);
+  }
+  return error.take();
+}
+
+}  // namespace streamcache

@@ -1,0 +1,42 @@
+// Row gathers from memory-mapped shard columns into contiguous output buffers.
+//
+// A column of one shard is either fixed-width (every row `stride` bytes, packed) or
+// variable-width (int64 offsets of n_rows + 1 entries, counted in elements, over a values
+// buffer of elements of `elem_size` bytes). A batch names, for each output row, the shard
+// (an index into the list of sources) and the row inside that shard.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "status.h"
+
+namespace streamcache {
+
+struct Span {
+  const uint8_t* data = nullptr;
+  size_t size = 0;  // bytes
+};
+
+struct VarSource {
+  Span values;        // elements, elem_size bytes each
+  Span offsets;       // int64, n_rows + 1 entries
+};
+
+// out[i*stride : (i+1)*stride] = sources[which[i]][rows[i]*stride : ...]
+Status gather_fixed(const std::vector<Span>& sources, size_t stride, const int32_t* which,
+                    const int64_t* rows, size_t n, uint8_t* out, size_t out_size);
+
+// Fill out_offsets[0..n] with the prefix sums of the chosen rows' lengths (in elements) and
+// return the total in *total. Validates every offset it reads against its values buffer.
+Status var_offsets(const std::vector<VarSource>& sources, size_t elem_size, const int32_t* which,
+                   const int64_t* rows, size_t n, int64_t* out_offsets, int64_t* total);
+
+// Copy the chosen rows' elements into out_values at the positions out_offsets gives
+// (as produced by var_offsets for the same request).
+Status gather_var(const std::vector<VarSource>& sources, size_t elem_size, const int32_t* which,
+                  const int64_t* rows, size_t n, const int64_t* out_offsets, uint8_t* out_values,
+                  size_t out_size);
+
+}  // namespace streamcache

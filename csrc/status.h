@@ -1,0 +1,34 @@
+// Errors travel out of native code as values, never as C++ exceptions across threads.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+namespace streamcache {
+
+enum class StatusCode : int {
+  kOk = 0,
+  kOutOfRange = 1,  // a row or shard index outside its table
+  kCorrupt = 2,     // a buffer whose structure contradicts itself (offsets, sizes)
+  kIo = 3,          // an operating-system I/O failure
+  kInvalid = 4,     // an argument that can never be valid
+};
+
+struct Status {
+  StatusCode code = StatusCode::kOk;
+  int64_t item = -1;  // the position in the request that failed, when there is one
+  std::string message;
+
+  static Status Ok() { return {}; }
+  static Status Error(StatusCode c, int64_t at, std::string msg) {
+    Status s;
+    s.code = c;
+    s.item = at;
+    s.message = std::move(msg);
+    return s;
+  }
+  bool ok() const { return code == StatusCode::kOk; }
+};
+
+}  // namespace streamcache

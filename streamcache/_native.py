@@ -1,0 +1,134 @@
+"""The native functions, from the C++ extension or from their pure-Python twin.
+
+``STREAMCACHE_NATIVE=0`` selects the twin (``streamcache._twin``) at import; tests switch
+between the two with :func:`use`. Both return errors as values; this module turns them into
+:class:`~streamcache.errors.StreamcacheError` subclasses, so callers see one exception family.
+
+Thread safety: every function may be called from any thread; the native ones release the GIL
+for the whole job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from . import _twin
+from .errors import CorruptDataError, NativeError, RowOutOfRangeError, StreamcacheError
+
+try:
+    from . import _core as _compiled
+except ImportError:  # an install without the extension; the twin still works
+    _compiled = None
+
+CODE_OUT_OF_RANGE = 1
+CODE_CORRUPT = 2
+CODE_IO = 3
+
+_backend: ModuleType
+
+
+def _initial_backend() -> ModuleType:
+    wanted = os.environ.get("STREAMCACHE_NATIVE", "1").strip().lower()
+    if wanted in ("0", "false", "no", "twin", "python"):
+        return _twin
+    if _compiled is None:
+        raise StreamcacheError(
+            "the streamcache C++ extension is not built; reinstall with "
+            "`pip install -e .` or set STREAMCACHE_NATIVE=0 to use the pure-Python twin"
+        )
+    return _compiled
+
+
+_backend = _initial_backend()
+
+
+def backend_name() -> str:
+    """``"native"`` or ``"twin"``: which implementation is in use."""
+    return "twin" if _backend is _twin else "native"
+
+
+def available_backends() -> list[str]:
+    return ["native", "twin"] if _compiled is not None else ["twin"]
+
+
+@contextlib.contextmanager
+def use(name: str) -> Iterator[None]:
+    """Select ``"native"`` or ``"twin"`` for the duration of a ``with`` block (tests)."""
+    global _backend
+    previous = _backend
+    if name == "twin":
+        _backend = _twin
+    elif name == "native":
+        if _compiled is None:
+            raise StreamcacheError("the C++ extension is not built")
+        _backend = _compiled
+    else:
+        raise ValueError(f"unknown backend {name!r}; use 'native' or 'twin'")
+    try:
+        yield
+    finally:
+        _backend = previous
+
+
+def _raise(code: int, item: int, message: str) -> None:
+    if code == 0:
+        return
+    if code == CODE_OUT_OF_RANGE:
+        raise RowOutOfRangeError(message, code, item)
+    if code == CODE_CORRUPT:
+        raise CorruptDataError(message)
+    raise NativeError(message, code, item)
+
+
+def xxh64(data: Any, seed: int = 0) -> int:
+    """XXH64 of a contiguous buffer (bytes, memoryview, numpy array)."""
+    buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+    return int(_backend.xxh64(buf.reshape(-1).view(np.uint8), seed))
+
+
+def xxh64_file(path: str, seed: int = 0) -> tuple[int, int]:
+    """XXH64 of a file's bytes and the number of bytes read. Raises OSError-like errors."""
+    code, item, message, digest, size = _backend.xxh64_file(os.fspath(path), seed)
+    if code != 0:
+        raise NativeError(f"cannot checksum {path}: {message}", code, item)
+    return int(digest), int(size)
+
+
+def gather_fixed(
+    sources: Sequence[np.ndarray], stride: int, which: np.ndarray, rows: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """Copy row ``rows[i]`` of ``sources[which[i]]`` (``stride`` bytes) into ``out``'s row i."""
+    _raise(*_backend.gather_fixed(list(sources), stride, which, rows, out))
+
+
+def gather_var(
+    values: Sequence[np.ndarray], offsets: Sequence[np.ndarray], elem_size: int,
+    which: np.ndarray, rows: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Gather variable-width rows; returns (values as uint8 bytes, int64 offsets in elements)."""
+    values = list(values)
+    offsets = list(offsets)
+    out_offsets = np.empty(len(rows) + 1, dtype=np.int64)
+    code, item, message, total = _backend.var_offsets(
+        values, offsets, elem_size, which, rows, out_offsets
+    )
+    _raise(code, item, message)
+    out_values = np.empty(int(total) * elem_size, dtype=np.uint8)
+    _raise(*_backend.gather_var(values, offsets, elem_size, which, rows, out_offsets, out_values))
+    return out_values, out_offsets
+
+
+def set_num_threads(threads: int) -> None:
+    """Size of the native thread pool (0 = one per core). No effect on the twin."""
+    _backend.set_num_threads(int(threads))
+
+
+def get_num_threads() -> int:
+    return int(_backend.get_num_threads())

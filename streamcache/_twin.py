@@ -1,0 +1,226 @@
+"""Pure-Python twin of the C++ core (``csrc/``): the same functions, the same results.
+
+It is the test oracle and the readable statement of what the native code must do. Select it
+with ``STREAMCACHE_NATIVE=0``. Functions return errors as values, exactly as the extension does:
+``(code, item, message)`` tuples, with the codes of ``csrc/status.h``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+OK, OUT_OF_RANGE, CORRUPT, IO, INVALID = 0, 1, 2, 3, 4
+_MASK = (1 << 64) - 1
+_P1 = 0x9E3779B185EBCA87
+_P2 = 0xC2B2AE3D27D4EB4F
+_P3 = 0x165667B19E3779F9
+_P4 = 0x85EBCA77C2B2AE63
+_P5 = 0x27D4EB2F165667C5
+_num_threads = 1
+
+Status = tuple[int, int, str]
+
+
+def _rotl(x: int, r: int) -> int:
+    return ((x << r) | (x >> (64 - r))) & _MASK
+
+
+def _round(acc: int, lane: int) -> int:
+    acc = (acc + lane * _P2) & _MASK
+    return (_rotl(acc, 31) * _P1) & _MASK
+
+
+class _Xxh64:
+    """Streaming XXH64 state, as in the xxHash specification."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed & _MASK
+        self.acc = [
+            (seed + _P1 + _P2) & _MASK, (seed + _P2) & _MASK, seed & _MASK, (seed - _P1) & _MASK,
+        ]
+        self.total = 0
+        self.pending = b""
+
+    def update(self, data: bytes) -> None:
+        self.total += len(data)
+        data = self.pending + data
+        usable = len(data) - len(data) % 32
+        acc = self.acc
+        for start in range(0, usable, 32):
+            a, b, c, d = struct.unpack_from("<4Q", data, start)
+            acc[0], acc[1] = _round(acc[0], a), _round(acc[1], b)
+            acc[2], acc[3] = _round(acc[2], c), _round(acc[3], d)
+        self.pending = data[usable:]
+
+    def digest(self) -> int:
+        if self.total >= 32:
+            a = self.acc
+            h = (_rotl(a[0], 1) + _rotl(a[1], 7) + _rotl(a[2], 12) + _rotl(a[3], 18)) & _MASK
+            for lane in a:
+                h ^= _round(0, lane)
+                h = (h * _P1 + _P4) & _MASK
+        else:
+            h = (self.seed + _P5) & _MASK
+        h = (h + self.total) & _MASK
+        rest = self.pending
+        pos = 0
+        while len(rest) - pos >= 8:
+            h ^= _round(0, struct.unpack_from("<Q", rest, pos)[0])
+            h = (_rotl(h, 27) * _P1 + _P4) & _MASK
+            pos += 8
+        if len(rest) - pos >= 4:
+            h ^= (struct.unpack_from("<I", rest, pos)[0] * _P1) & _MASK
+            h = (_rotl(h, 23) * _P2 + _P3) & _MASK
+            pos += 4
+        for byte in rest[pos:]:
+            h ^= (byte * _P5) & _MASK
+            h = (_rotl(h, 11) * _P1) & _MASK
+        h ^= h >> 33
+        h = (h * _P2) & _MASK
+        h ^= h >> 29
+        h = (h * _P3) & _MASK
+        h ^= h >> 32
+        return h
+
+
+def xxh64(data: np.ndarray, seed: int = 0) -> int:
+    state = _Xxh64(seed)
+    state.update(np.ascontiguousarray(data).tobytes())
+    return state.digest()
+
+
+def xxh64_file(path: str, seed: int = 0) -> tuple[int, int, str, int, int]:
+    state = _Xxh64(seed)
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(4 << 20):
+                state.update(block)
+    except OSError as exc:
+        return IO, -1, f"{path}: {exc.strerror}", 0, 0
+    return OK, -1, "", state.digest(), state.total
+
+
+def _row_message(i: int, shard: int, row: int) -> str:
+    return f"batch item {i} asks for shard {shard} row {row}"
+
+
+def _check_shard(i: int, shard: int, n_sources: int) -> Status | None:
+    if shard < 0 or shard >= n_sources:
+        return OUT_OF_RANGE, i, f"batch item {i} names shard {shard} of {n_sources}"
+    return None
+
+
+def gather_fixed(
+    sources: Sequence[np.ndarray], stride: int, which: np.ndarray, rows: np.ndarray,
+    out: np.ndarray,
+) -> Status:
+    if len(which) != len(rows):
+        return INVALID, -1, "which and rows differ in length"
+    if stride <= 0:
+        return INVALID, -1, "stride must be positive"
+    out_bytes = out.reshape(-1).view(np.uint8)
+    if out_bytes.size < len(rows) * stride:
+        return INVALID, -1, (
+            f"output holds {out_bytes.size} bytes, batch needs {len(rows) * stride}"
+        )
+    for i, (shard, row) in enumerate(zip(which.tolist(), rows.tolist(), strict=True)):
+        if (err := _check_shard(i, shard, len(sources))) is not None:
+            return err
+        src = sources[shard]
+        n_rows = src.size // stride
+        if row < 0 or row >= n_rows:
+            return OUT_OF_RANGE, i, f"{_row_message(i, shard, row)} but it has {n_rows} rows"
+        out_bytes[i * stride:(i + 1) * stride] = src[row * stride:(row + 1) * stride]
+    return OK, -1, ""
+
+
+def _var_row(
+    values: np.ndarray, offsets: np.ndarray, elem_size: int, i: int, shard: int, row: int,
+) -> tuple[Status | None, int, int]:
+    n_rows = offsets.size - 1
+    if row < 0 or row >= n_rows:
+        return (OUT_OF_RANGE, i, f"{_row_message(i, shard, row)} but it has {n_rows} rows"), 0, 0
+    begin, end = int(offsets[row]), int(offsets[row + 1])
+    n_elems = values.size // elem_size
+    if begin < 0 or end < begin or end > n_elems:
+        message = (
+            f"{_row_message(i, shard, row)}: offsets [{begin}, {end}) do not fit its "
+            f"{n_elems} elements"
+        )
+        return (CORRUPT, i, message), 0, 0
+    return None, begin, end
+
+
+def _check_var_sources(values: Sequence[np.ndarray], offsets: Sequence[np.ndarray]) -> Status | None:
+    if len(values) != len(offsets):
+        return INVALID, -1, "values and offsets lists differ in length"
+    for i, off in enumerate(offsets):
+        if off.size == 0:
+            return CORRUPT, i, "an offsets buffer must hold at least one entry"
+    return None
+
+
+def var_offsets(
+    values: Sequence[np.ndarray], offsets: Sequence[np.ndarray], elem_size: int,
+    which: np.ndarray, rows: np.ndarray, out_offsets: np.ndarray,
+) -> tuple[int, int, str, int]:
+    if len(which) != len(rows):
+        return INVALID, -1, "which and rows differ in length", 0
+    if out_offsets.size != len(rows) + 1:
+        return INVALID, -1, "out_offsets must hold len(rows) + 1 entries", 0
+    if (err := _check_var_sources(values, offsets)) is not None:
+        return (*err, 0)
+    if elem_size <= 0:
+        return INVALID, -1, "elem_size must be positive", 0
+    running = 0
+    out_offsets[0] = 0
+    for i, (shard, row) in enumerate(zip(which.tolist(), rows.tolist(), strict=True)):
+        if (err := _check_shard(i, shard, len(values))) is not None:
+            return (*err, 0)
+        err, begin, end = _var_row(values[shard], offsets[shard], elem_size, i, shard, row)
+        if err is not None:
+            return (*err, 0)
+        running += end - begin
+        out_offsets[i + 1] = running
+    return OK, -1, "", running
+
+
+def gather_var(
+    values: Sequence[np.ndarray], offsets: Sequence[np.ndarray], elem_size: int,
+    which: np.ndarray, rows: np.ndarray, out_offsets: np.ndarray, out_values: np.ndarray,
+) -> Status:
+    if len(which) != len(rows):
+        return INVALID, -1, "which and rows differ in length"
+    if out_offsets.size != len(rows) + 1:
+        return INVALID, -1, "out_offsets must hold len(rows) + 1 entries"
+    if (err := _check_var_sources(values, offsets)) is not None:
+        return err
+    out_bytes = out_values.reshape(-1).view(np.uint8)
+    needed = int(out_offsets[-1]) * elem_size if len(rows) else 0
+    if needed > out_bytes.size:
+        return INVALID, -1, f"output holds {out_bytes.size} bytes, batch needs {needed}"
+    for i, (shard, row) in enumerate(zip(which.tolist(), rows.tolist(), strict=True)):
+        if (err := _check_shard(i, shard, len(values))) is not None:
+            return err
+        err, begin, end = _var_row(values[shard], offsets[shard], elem_size, i, shard, row)
+        if err is not None:
+            return err
+        if end - begin != out_offsets[i + 1] - out_offsets[i]:
+            return INVALID, i, "out_offsets do not match the rows asked for"
+        dst = int(out_offsets[i]) * elem_size
+        out_bytes[dst:dst + (end - begin) * elem_size] = (
+            values[shard][begin * elem_size:end * elem_size]
+        )
+    return OK, -1, ""
+
+
+def set_num_threads(threads: int) -> None:
+    global _num_threads
+    _num_threads = max(1, threads)
+
+
+def get_num_threads() -> int:
+    return _num_threads

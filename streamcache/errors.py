@@ -1,0 +1,60 @@
+"""The one exception family of streamcache.
+
+Every error the project raises on purpose derives from :class:`StreamcacheError`, so a training
+script can catch all of them in one place. Each message says what is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+
+class StreamcacheError(Exception):
+    """Base class of every streamcache error."""
+
+
+class NativeError(StreamcacheError):
+    """A native (C++) job failed; ``code`` and ``item`` say what and where."""
+
+    def __init__(self, message: str, code: int = -1, item: int = -1) -> None:
+        super().__init__(message)
+        self.code = code
+        self.item = item
+
+
+class RowOutOfRangeError(NativeError, IndexError):
+    """A batch asked for a row or shard that does not exist."""
+
+
+class CorruptDataError(StreamcacheError):
+    """Bytes on disk or on the wire contradict their own structure or their index."""
+
+
+class ShardCorruptError(CorruptDataError):
+    """A shard is truncated, unreadable or structurally wrong."""
+
+
+class ChecksumMismatchError(ShardCorruptError):
+    """A shard's bytes do not hash to the checksum its index records."""
+
+
+class IndexNotFoundError(StreamcacheError, FileNotFoundError):
+    """There is no index.json where a dataset was expected."""
+
+
+class IndexFormatError(CorruptDataError):
+    """index.json is unreadable, of an unknown version, or inconsistent."""
+
+
+class SchemaError(StreamcacheError, ValueError):
+    """A sample or a shard does not match the dataset's schema, or a type is unsupported."""
+
+
+class EmptyDatasetError(StreamcacheError, ValueError):
+    """A dataset (or a conversion source) holds no samples."""
+
+
+class DestinationError(StreamcacheError):
+    """A destination cannot be written, or already holds a dataset."""
+
+
+class SourceError(StreamcacheError):
+    """A conversion or index source cannot be found or read."""
