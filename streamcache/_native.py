@@ -11,6 +11,7 @@ for the whole job.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from collections.abc import Iterator, Sequence
 from types import ModuleType
@@ -21,8 +22,9 @@ import numpy as np
 from . import _twin
 from .errors import CorruptDataError, NativeError, RowOutOfRangeError, StreamcacheError
 
+_compiled: ModuleType | None
 try:
-    from . import _core as _compiled
+    _compiled = importlib.import_module("streamcache._core")
 except ImportError:  # an install without the extension; the twin still works
     _compiled = None
 

@@ -154,7 +154,9 @@ def _var_row(
     return None, begin, end
 
 
-def _check_var_sources(values: Sequence[np.ndarray], offsets: Sequence[np.ndarray]) -> Status | None:
+def _check_var_sources(
+    values: Sequence[np.ndarray], offsets: Sequence[np.ndarray],
+) -> Status | None:
     if len(values) != len(offsets):
         return INVALID, -1, "values and offsets lists differ in length"
     for i, off in enumerate(offsets):

@@ -1,0 +1,178 @@
+"""Random access to a whole dataset by global sample id.
+
+:class:`DatasetReader` resolves a sample id to (shard, row) with the index's row counts, asks
+its shard store for a local copy of the shard in the local layout, and gathers rows with the
+native core. It is the building block under the streaming dataset; it is also useful on its
+own (inspection, evaluation, tests).
+
+:class:`FolderStore` is the simplest store: local shards already in the local layout are read
+in place; anything else (remote, compressed, Parquet) is fetched whole, verified against the
+index (size and checksum) and materialized into a folder, once. It has no byte budget and no
+prefetching; the node cache (cache.py) adds those for streaming.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from . import storage
+from .checksum import verify_bytes
+from .errors import RowOutOfRangeError, ShardCorruptError
+from .index import DatasetIndex, load_index
+from .materialize import is_local_layout, materialize
+from .reader import Ragged, ShardReader, first_row, gather
+
+
+class ShardStore(Protocol):
+    """Gives the local path of a shard in the local layout, installing it if needed."""
+
+    def local_path(self, shard: int) -> str: ...
+
+    def close(self) -> None: ...
+
+
+def _local_name(index: DatasetIndex, shard: int) -> str:
+    stem = os.path.basename(index.shards[shard].path).rsplit(".", 1)[0]
+    return f"{shard:06d}-{stem}.arrow"
+
+
+class FolderStore:
+    """Materialize shards into ``folder`` (a temporary one by default) on first use.
+
+    Thread safety: ``local_path`` may be called from several threads; a shard is installed
+    once per store (concurrent callers wait for the first).
+    """
+
+    def __init__(self, index: DatasetIndex, folder: str | None = None, *,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        self.index = index
+        self._owned = folder is None
+        self.folder = folder or tempfile.mkdtemp(prefix="streamcache-")
+        self._dataset_folder = os.path.join(self.folder, index.fingerprint.replace(":", "-"))
+        os.makedirs(self._dataset_folder, exist_ok=True)
+        self._storage_options = storage_options
+        self._paths: dict[int, str] = {}
+        self._locks: dict[int, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def local_path(self, shard: int) -> str:
+        if shard in self._paths:
+            return self._paths[shard]
+        with self._guard:
+            lock = self._locks.setdefault(shard, threading.Lock())
+        with lock:
+            if shard not in self._paths:
+                self._paths[shard] = self._install(shard)
+        return self._paths[shard]
+
+    def _install(self, shard: int) -> str:
+        info = self.index.shards[shard]
+        url = self.index.shard_url(shard)
+        fs, path = storage.filesystem(url, self._storage_options)
+        if storage.is_local(fs) and info.format == "arrow" and is_local_layout(
+            path, self.index.schema
+        ):
+            return str(path)
+        target = os.path.join(self._dataset_folder, _local_name(self.index, shard))
+        if os.path.exists(target):
+            return target
+        data = fs.cat_file(path)
+        if len(data) != info.bytes:
+            raise ShardCorruptError(
+                f"{url} is {len(data)} bytes, the index says {info.bytes}; it is truncated or "
+                "was rewritten after indexing"
+            )
+        verify_bytes(data, info.checksum, what=url)
+        materialize(data, info.format, self.index.schema, target, where=url,
+                    expected_rows=info.rows)
+        return target
+
+    def close(self) -> None:
+        if self._owned:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class DatasetReader:
+    """Read samples of a dataset by global id (shard k's row r has id sum(rows[:k]) + r).
+
+    Args:
+        source: a dataset URL (folder or index.json) or a loaded :class:`DatasetIndex`.
+        fields: the fields to read (default: all).
+        store: where local copies of shards come from (default: a :class:`FolderStore` in
+            ``local_dir``, or a temporary folder removed on close).
+
+    Thread safety: ``read_batch`` may be called from several threads.
+    """
+
+    def __init__(self, source: str | DatasetIndex, *, fields: Sequence[str] | None = None,
+                 local_dir: str | None = None, store: ShardStore | None = None,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        self.index = source if isinstance(source, DatasetIndex) else load_index(
+            source, storage_options
+        )
+        self.schema = self.index.schema.select(fields)
+        self.store: ShardStore = store or FolderStore(self.index, local_dir,
+                                                      storage_options=storage_options)
+        rows = self.index.shard_rows
+        self._starts = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(rows, out=self._starts[1:])
+        self._readers: dict[int, ShardReader] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    @property
+    def num_samples(self) -> int:
+        return len(self)
+
+    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shard, row) for each global id. Raises RowOutOfRangeError for a bad id."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
+            bad = int(ids[(ids < 0) | (ids >= len(self))][0])
+            raise RowOutOfRangeError(f"sample id {bad} is outside [0, {len(self)})")
+        shards = np.searchsorted(self._starts, ids, side="right") - 1
+        return shards, ids - self._starts[shards]
+
+    def shard_reader(self, shard: int) -> ShardReader:
+        reader = self._readers.get(shard)
+        if reader is None:
+            path = self.store.local_path(shard)
+            reader = ShardReader(path, self.schema, expected_rows=self.index.shards[shard].rows)
+            with self._lock:
+                reader = self._readers.setdefault(shard, reader)
+        return reader
+
+    def read_batch(self, ids: Sequence[int] | np.ndarray) -> dict[str, np.ndarray | Ragged]:
+        """The samples ``ids`` as batch arrays, in the order given."""
+        shards, rows = self.locate(np.asarray(ids, dtype=np.int64))
+        unique, which = np.unique(shards, return_inverse=True)
+        readers = [self.shard_reader(int(s)) for s in unique]
+        return gather(readers, which.astype(np.int32), rows, list(self.schema))
+
+    def __getitem__(self, sample_id: int) -> dict[str, Any]:
+        batch = self.read_batch([int(sample_id)])
+        return {f.name: first_row(f, batch[f.name]) for f in self.schema}
+
+    def close(self) -> None:
+        with self._lock:
+            readers, self._readers = self._readers, {}
+        for reader in readers.values():
+            with contextlib.suppress(Exception):
+                reader.close()
+        self.store.close()
+
+    def __enter__(self) -> DatasetReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

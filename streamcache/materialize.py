@@ -1,0 +1,120 @@
+"""From a stored shard to the local layout the reader maps: uncompressed, canonical Arrow IPC.
+
+A stored shard (zstd-compressed Arrow IPC, or a Parquet file written by anyone) is decoded
+once, on install, into an Arrow IPC file with one record batch, no compression and the
+canonical type of every field. Reads after that are memcpy from a memory map. A local file
+that is already in that layout is read in place (:func:`is_local_layout`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+
+from .columns import to_canonical
+from .errors import SchemaError, ShardCorruptError
+from .schema import Schema
+
+
+def decode_shard(data: Any, fmt: str, schema: Schema, *, where: str,
+                 expected_rows: int | None = None) -> pa.RecordBatch:
+    """Decode a stored shard (bytes-like or a local path) into one canonical record batch.
+
+    Raises:
+        ShardCorruptError: the bytes are not a readable shard of that format, or hold another
+            number of rows than the index says.
+        SchemaError: a column is missing, null or of a type that cannot be cast.
+    """
+    source = pa.BufferReader(data) if not isinstance(data, str) else data
+    try:
+        if fmt == "parquet":
+            table = pq.read_table(source, columns=schema.names)
+        else:
+            table = ipc.open_file(source).read_all()
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+        raise ShardCorruptError(
+            f"{where} is not a readable {fmt} shard ({exc}); it is truncated or corrupt: "
+            "re-fetch it, or rewrite it and rebuild the index"
+        ) from exc
+    except pa.ArrowKeyError as exc:
+        raise SchemaError(f"{where}: {exc}") from exc
+    if expected_rows is not None and table.num_rows != expected_rows:
+        raise ShardCorruptError(
+            f"{where} holds {table.num_rows} rows but the index says {expected_rows}; the "
+            "shard was rewritten after indexing: rebuild the index"
+        )
+    missing = [n for n in schema.names if n not in table.column_names]
+    if missing:
+        raise SchemaError(f"{where} lacks the columns {missing}")
+    columns = [to_canonical(f, table.column(f.name), where=where) for f in schema]
+    return pa.RecordBatch.from_arrays(columns, schema=schema.arrow_schema())
+
+
+def write_local_layout(batch: pa.RecordBatch, path: str, *, durable: bool = False) -> int:
+    """Write ``batch`` as an uncompressed one-batch Arrow IPC file, published by rename.
+
+    Returns the file's size. A crash leaves at most a temporary file (named ``.tmp-*``), never
+    a partial file under ``path``.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".arrow", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as raw, ipc.new_file(raw, batch.schema) as writer:
+            writer.write_batch(batch)
+            raw.flush()
+            if durable:
+                os.fsync(raw.fileno())
+        size = os.path.getsize(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return size
+
+
+def materialize(data: Any, fmt: str, schema: Schema, path: str, *, where: str,
+                expected_rows: int | None = None, durable: bool = False) -> int:
+    """Decode a stored shard and install it at ``path`` in the local layout; returns bytes."""
+    batch = decode_shard(data, fmt, schema, where=where, expected_rows=expected_rows)
+    return write_local_layout(batch, path, durable=durable)
+
+
+def is_local_layout(path: str, schema: Schema) -> bool:
+    """Whether a local file can be memory-mapped as it is (and need not be materialized)."""
+    if not path.endswith((".arrow", ".feather", ".ipc")):
+        return False
+    try:
+        with pa.memory_map(path, "r") as mm:
+            reader = ipc.open_file(mm)
+            if reader.num_record_batches > 1:
+                return False
+            if reader.num_record_batches == 0:
+                return True
+            batch = reader.get_batch(0)
+            base = _base_address(mm)
+            end = base + mm.size()
+            for f in schema:
+                if f.name not in batch.schema.names:
+                    return False
+                column = batch.column(f.name)
+                if not column.type.equals(f.arrow_type()) or column.null_count:
+                    return False
+                if not all(b is None or base <= b.address < end for b in column.buffers()):
+                    return False  # decompressed into memory: not mappable as it is
+            return True
+    except (pa.ArrowInvalid, OSError):
+        return False
+
+
+def _base_address(mm: pa.MemoryMappedFile) -> int:
+    mm.seek(0)
+    address = int(mm.read_buffer(1).address)
+    mm.seek(0)
+    return address

@@ -1,0 +1,170 @@
+"""Reading local shards: one row as Python values, or a batch of rows as contiguous arrays.
+
+A :class:`ShardReader` memory-maps one shard in the local layout (see materialize.py) and
+keeps zero-copy byte views of its columns. :func:`gather` hands those views to the native
+core, which copies the chosen rows, from any number of shards, into fresh contiguous arrays
+with the GIL released: fixed-width fields as one ``[B, ...]`` array, variable-width fields as
+a :class:`Ragged` (values plus int64 offsets).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from . import _native
+from .columns import ColumnBuffers, column_buffers
+from .errors import SchemaError, ShardCorruptError
+from .schema import Field, Schema
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """A batch of variable-length rows: row i is ``values[offsets[i]:offsets[i+1]]``.
+
+    ``kind`` is the field kind: for ``str`` and ``bytes`` the values are UTF-8 / raw bytes.
+    """
+
+    values: np.ndarray
+    offsets: np.ndarray  # int64, len(self) + 1 entries
+    kind: str = "sequence"
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> Any:
+        row = self.values[self.offsets[i]:self.offsets[i + 1]]
+        if self.kind == "bytes":
+            return row.tobytes()
+        if self.kind == "str":
+            return row.tobytes().decode("utf-8")
+        return row
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(len(self)))
+
+    def tolist(self) -> list[Any]:
+        return list(self)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def to_padded(self, pad_value: Any = 0, max_length: int | None = None,
+                  ) -> tuple[np.ndarray, np.ndarray]:
+        """``(padded [B, L], lengths [B])``; rows longer than ``max_length`` are cut."""
+        lengths = self.lengths
+        width = int(lengths.max(initial=0)) if max_length is None else max_length
+        out = np.full((len(self), width), pad_value, dtype=self.values.dtype)
+        kept = np.minimum(lengths, width)
+        columns = np.arange(width)
+        mask = columns[None, :] < kept[:, None]
+        starts = self.offsets[:-1]
+        out[mask] = self.values[(starts[:, None] + columns[None, :])[mask]]
+        return out, kept
+
+
+class ShardReader:
+    """One shard in the local layout, memory-mapped (zero-copy column views).
+
+    Unlinking the file while it is open is safe: the mapping stays valid until close.
+    Thread safety: read-only after construction; any thread may read.
+    """
+
+    def __init__(self, path: str, schema: Schema, *, expected_rows: int | None = None) -> None:
+        self.path = path
+        self.schema = schema
+        try:
+            self._mmap = pa.memory_map(path, "r")
+            reader = ipc.open_file(self._mmap)
+            if reader.num_record_batches > 1:
+                raise ShardCorruptError(
+                    f"{path} holds {reader.num_record_batches} record batches; the local "
+                    "layout has one: materialize the shard first"
+                )
+            batch = reader.get_batch(0) if reader.num_record_batches else None
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise ShardCorruptError(
+                f"{path} is not a readable local shard ({exc}); it is truncated or corrupt: "
+                "delete it so that it is fetched again"
+            ) from exc
+        if batch is None:  # a shard of zero rows
+            batch = pa.RecordBatch.from_arrays(
+                [pa.array([], type=f.arrow_type()) for f in schema], schema=schema.arrow_schema()
+            )
+        self.num_rows = batch.num_rows
+        if expected_rows is not None and self.num_rows != expected_rows:
+            raise ShardCorruptError(
+                f"{path} holds {self.num_rows} rows, the index says {expected_rows}"
+            )
+        self._batch = batch
+        self._buffers: dict[str, ColumnBuffers] = {}
+        for field in schema:
+            if field.name not in batch.schema.names:
+                raise SchemaError(f"{path} has no column {field.name!r}")
+            self._buffers[field.name] = column_buffers(field, batch.column(field.name))
+
+    def buffers(self, name: str) -> ColumnBuffers:
+        return self._buffers[name]
+
+    def row(self, i: int, fields: Sequence[str] | None = None) -> dict[str, Any]:
+        """Row ``i`` as Python values (arrays for tensors and sequences)."""
+        names = fields if fields is not None else self.schema.names
+        batch = gather([self], np.zeros(1, np.int32), np.array([i], np.int64),
+                       [self.schema[n] for n in names])
+        return {name: first_row(self.schema[name], value) for name, value in batch.items()}
+
+    def close(self) -> None:
+        self._buffers.clear()
+        self._mmap.close()
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def first_row(field: Field, value: Any) -> Any:
+    """The first row of a gathered batch column, as a sample value."""
+    if isinstance(value, Ragged):
+        return value[0]
+    row = value[0]
+    return row.item() if field.shape == () and isinstance(row, np.generic) else row
+
+
+def gather(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray,
+           fields: Sequence[Field]) -> dict[str, np.ndarray | Ragged]:
+    """Rows ``rows[i]`` of ``shards[which[i]]`` for each field, as contiguous batch arrays.
+
+    Args:
+        which: int32 indices into ``shards``; rows: int64 row numbers inside those shards.
+
+    Raises:
+        RowOutOfRangeError: a row or shard index does not exist.
+        CorruptDataError: a shard's offsets contradict its buffers.
+    """
+    which = np.ascontiguousarray(which, dtype=np.int32)
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    out: dict[str, np.ndarray | Ragged] = {}
+    for field in fields:
+        views = [shard.buffers(field.name) for shard in shards]
+        if field.fixed_width:
+            array = np.empty((len(rows), *field.shape), dtype=field.numpy_dtype)
+            _native.gather_fixed([v.data for v in views], field.row_bytes, which, rows, array)
+            out[field.name] = array
+            continue
+        values, offsets = _native.gather_var(
+            [v.data for v in views], [v.offsets for v in views],  # type: ignore[misc]
+            field.elem_size, which, rows,
+        )
+        dtype = field.numpy_dtype
+        if field.kind == "sequence" and field.elem_size != dtype.itemsize:
+            offsets //= dtype.itemsize  # stored as raw bytes: offsets counted bytes
+        out[field.name] = Ragged(values.view(dtype), offsets, field.kind)
+    return out

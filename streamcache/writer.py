@@ -1,0 +1,294 @@
+"""ShardWriter: samples in, Arrow IPC shards and an index.json out, on any fsspec destination.
+
+Shards are cut at a target size, encoded (zstd by default) and uploaded by a background
+thread while the caller keeps writing, so the caller's core and the encoder's run in
+parallel. ``index.json`` is published last and atomically, only by a clean ``close()``: an
+exception inside the ``with`` body (or :meth:`ShardWriter.abort`) publishes no index, so a
+half-written dataset is never readable.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from . import storage
+from .checksum import checksum_bytes
+from .columns import build_column, field_from_arrow, normalize_value, to_canonical
+from .errors import DestinationError, EmptyDatasetError, SchemaError, StreamcacheError
+from .index import INDEX_NAME, DatasetIndex, ShardInfo, save_index
+from .schema import Field, Schema, infer_schema
+
+DEFAULT_SHARD_SIZE = 64 << 20
+COMPRESSIONS = ("zstd", "lz4", None)
+
+
+@dataclass
+class WriterStats:
+    """What a writer has produced so far."""
+
+    samples: int = 0
+    shards: int = 0
+    bytes_written: int = 0  # stored (compressed) bytes
+    raw_bytes: int = 0  # uncompressed Arrow bytes
+
+
+class ShardWriter:
+    """Write samples into shards of about ``shard_size`` bytes under ``dst``, then an index.
+
+    Args:
+        dst: a folder URL (local path, ``memory://...``, ``s3://bucket/prefix``...).
+        schema: a :class:`Schema`, a ``{name: Field | "spec"}`` mapping (see
+            :meth:`Field.parse`), or None to infer it from the first sample.
+        shard_size: target uncompressed bytes per shard.
+        compression: ``"zstd"`` (default), ``"lz4"`` or None for the Arrow IPC buffers.
+        compression_level: codec level (None: the codec's default).
+        overwrite: replace a dataset already at ``dst`` (its index is removed first).
+        storage_options: passed to fsspec.
+        max_pending: shards encoded or uploaded in the background at once.
+
+    Raises:
+        DestinationError: ``dst`` is not writable, or holds a dataset and not ``overwrite``.
+        SchemaError: a sample does not match the schema (the message names the field).
+
+    Thread safety: one writer is used from one thread.
+    """
+
+    def __init__(self, dst: str, *, schema: Schema | Mapping[str, Field | str] | None = None,
+                 shard_size: int = DEFAULT_SHARD_SIZE, compression: str | None = "zstd",
+                 compression_level: int | None = None, overwrite: bool = False,
+                 storage_options: Mapping[str, Any] | None = None, max_pending: int = 2) -> None:
+        if compression == "none":
+            compression = None
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
+        if shard_size <= 0:
+            raise ValueError("shard_size must be positive")
+        self.url = dst
+        self.schema: Schema | None = Schema.coerce(schema) if schema is not None else None
+        self.shard_size = int(shard_size)
+        self.compression = compression
+        self._options = ipc.IpcWriteOptions(
+            compression=pa.Codec(compression, compression_level) if compression else None,
+        )
+        self._storage_options = storage_options
+        self._fs, self._root = storage.filesystem(dst, storage_options)
+        self._prepare_destination(overwrite)
+        self.stats = WriterStats()
+        self._rows: dict[str, list[Any]] = {}
+        self._row_bytes = 0
+        self._parts: list[pa.RecordBatch] = []
+        self._part_bytes = 0
+        self._shards: list[ShardInfo] = []
+        self._futures: list[Future[ShardInfo]] = []
+        self._max_pending = max(1, max_pending)
+        self._pool = ThreadPoolExecutor(max_workers=self._max_pending,
+                                        thread_name_prefix="streamcache-writer")
+        self._closed = False
+        self.index: DatasetIndex | None = None
+
+    # ------------------------------------------------------------ destination
+
+    def _prepare_destination(self, overwrite: bool) -> None:
+        where = storage.unstrip(self._fs, self._root)
+        index_path = storage.join(self._root, INDEX_NAME)
+        try:
+            if storage.is_local(self._fs):
+                os.makedirs(self._root, exist_ok=True)
+                if not os.access(self._root, os.W_OK | os.X_OK):
+                    raise PermissionError(f"{self._root} is not writable")
+            else:
+                self._fs.makedirs(self._root, exist_ok=True)
+            exists = self._fs.exists(index_path)
+        except PermissionError as exc:
+            raise DestinationError(
+                f"cannot write to {where}: permission denied; choose a writable destination"
+            ) from exc
+        except OSError as exc:
+            raise DestinationError(f"cannot write to {where}: {exc}") from exc
+        if exists and not overwrite:
+            raise DestinationError(
+                f"{where} already holds a dataset ({INDEX_NAME}); pass overwrite=True "
+                "(--overwrite) to replace it, or choose another destination"
+            )
+        if exists:
+            self._fs.rm_file(index_path)  # the old index must not describe the new shards
+
+    # ------------------------------------------------------------ writing
+
+    def write(self, sample: Mapping[str, Any]) -> None:
+        """Add one sample (a dict of field name -> value)."""
+        self._check_open()
+        if self.schema is None:
+            self.schema = infer_schema(sample)
+        schema = self.schema
+        if len(sample) != len(schema) or any(name not in sample for name in schema.names):
+            missing = [n for n in schema.names if n not in sample]
+            extra = [str(n) for n in sample if n not in schema]
+            raise SchemaError(
+                f"sample {self.stats.samples} does not match the schema: missing fields "
+                f"{missing}, unexpected fields {extra}"
+            )
+        if not self._rows:
+            self._rows = {name: [] for name in schema.names}
+        size = 0
+        for field in schema:
+            value = normalize_value(field, sample[field.name])
+            self._rows[field.name].append(value)
+            size += value.nbytes if hasattr(value, "nbytes") else len(value)
+        self._row_bytes += size
+        self.stats.samples += 1
+        if self._row_bytes + self._part_bytes >= self.shard_size:
+            self._move_rows_to_parts()
+            self._cut_shard()
+
+    def write_batch(self, data: pa.RecordBatch | pa.Table) -> None:
+        """Add many samples at once from Arrow data (the fast path for conversions).
+
+        Columns are matched by name and cast to the schema's canonical types; a schema is
+        inferred from the Arrow schema when none was given.
+        """
+        self._check_open()
+        if self.schema is None:
+            self.schema = Schema(field_from_arrow(f) for f in data.schema)
+        schema = self.schema
+        missing = [n for n in schema.names if n not in data.schema.names]
+        if missing:
+            raise SchemaError(f"a batch lacks the fields {missing}; it has {data.schema.names}")
+        where = f"batch at sample {self.stats.samples}"
+        columns = [to_canonical(f, data.column(f.name), where=where) for f in schema]
+        table = pa.Table.from_arrays(columns, schema=schema.arrow_schema())
+        self._move_rows_to_parts()
+        self.stats.samples += table.num_rows
+        offset = 0
+        row_bytes = max(1, table.nbytes // max(1, table.num_rows))
+        while offset < table.num_rows:
+            room = max(1, -(-(self.shard_size - self._part_bytes) // row_bytes))
+            piece = table.slice(offset, room)
+            offset += piece.num_rows
+            self._parts.extend(piece.to_batches())
+            self._part_bytes += piece.nbytes
+            if self._part_bytes >= self.shard_size:
+                self._cut_shard()
+
+    def _move_rows_to_parts(self) -> None:
+        if not self._rows or not next(iter(self._rows.values())):
+            return
+        assert self.schema is not None
+        columns = [build_column(f, self._rows[f.name]) for f in self.schema]
+        self._parts.append(pa.RecordBatch.from_arrays(columns, schema=self.schema.arrow_schema()))
+        self._part_bytes += self._row_bytes
+        self._rows = {name: [] for name in self.schema.names}
+        self._row_bytes = 0
+
+    def _cut_shard(self) -> None:
+        if not self._parts:
+            return
+        assert self.schema is not None
+        table = pa.Table.from_batches(self._parts, schema=self.schema.arrow_schema())
+        batch = table.combine_chunks().to_batches()[0]
+        self._parts, self._part_bytes = [], 0
+        name = f"shard-{len(self._futures):05d}.arrow"
+        while len([f for f in self._futures if not f.done()]) >= self._max_pending:
+            next(f for f in self._futures if not f.done()).result()
+        self._raise_background_errors()
+        self._futures.append(self._pool.submit(self._encode_and_store, name, batch))
+
+    def _encode_and_store(self, name: str, batch: pa.RecordBatch) -> ShardInfo:
+        sink = pa.BufferOutputStream()
+        with ipc.new_file(sink, batch.schema, options=self._options) as writer:
+            writer.write_batch(batch)
+        data = sink.getvalue()
+        checksum = checksum_bytes(data)
+        path = storage.join(self._root, name)
+        try:
+            if storage.is_local(self._fs):
+                storage.write_atomic_local(path, memoryview(data))  # type: ignore[arg-type]
+            else:
+                self._fs.pipe_file(path, data.to_pybytes())
+        except PermissionError as exc:
+            raise DestinationError(f"cannot write {path}: permission denied") from exc
+        except OSError as exc:
+            raise DestinationError(
+                f"cannot write {storage.unstrip(self._fs, path)}: {exc} (is the disk full?)"
+            ) from exc
+        return ShardInfo(name, "arrow", batch.num_rows, data.size, checksum,
+                         self.compression, batch.nbytes)
+
+    def _raise_background_errors(self) -> None:
+        for future in self._futures:
+            if future.done() and future.exception() is not None:
+                self.abort()
+                raise future.exception()  # type: ignore[misc]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StreamcacheError("this ShardWriter is closed; open a new one to write more")
+
+    # ------------------------------------------------------------ finishing
+
+    def close(self) -> DatasetIndex:
+        """Finish the last shard, wait for every upload, publish index.json; returns the index.
+
+        Raises:
+            EmptyDatasetError: nothing was written (nothing is published).
+        """
+        if self._closed:
+            if self.index is None:
+                raise StreamcacheError("this ShardWriter was aborted; nothing was published")
+            return self.index
+        try:
+            self._move_rows_to_parts()
+            self._cut_shard()
+            shards = [future.result() for future in self._futures]
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        if not shards or self.schema is None:
+            raise EmptyDatasetError(
+                f"no samples were written to {self.url}; nothing was published"
+            )
+        index = DatasetIndex(self.schema, tuple(shards), created=time.time())
+        url = save_index(index, storage.unstrip(self._fs, self._root), self._storage_options)
+        self.index = DatasetIndex(index.schema, index.shards, index.fingerprint, url,
+                                  index.created)
+        self.stats.shards = len(shards)
+        self.stats.bytes_written = sum(s.bytes for s in shards)
+        self.stats.raw_bytes = sum(s.raw_bytes or 0 for s in shards)
+        return self.index
+
+    def abort(self) -> None:
+        """Stop without publishing an index. Shards already stored stay, unreferenced."""
+        if self._closed:
+            return
+        self._closed = True
+        for future in self._futures:
+            future.cancel()
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.abort()
+        else:
+            self.close()
+
+
+def write_dataset(samples: Iterable[Mapping[str, Any]], dst: str, **options: Any) -> DatasetIndex:
+    """Write an iterable of sample dicts to ``dst`` (see :class:`ShardWriter` for options)."""
+    with ShardWriter(dst, **options) as writer:
+        for sample in samples:
+            writer.write(sample)
+    assert writer.index is not None
+    return writer.index
