@@ -106,8 +106,14 @@ def gather_fixed(
     sources: Sequence[np.ndarray], stride: int, which: np.ndarray, rows: np.ndarray,
     out: np.ndarray,
 ) -> None:
-    """Copy row ``rows[i]`` of ``sources[which[i]]`` (``stride`` bytes) into ``out``'s row i."""
-    _raise(*_backend.gather_fixed(list(sources), stride, which, rows, out))
+    """Copy row ``rows[i]`` of ``sources[which[i]]`` (``stride`` bytes) into ``out``'s row i.
+
+    ``out`` is any C-contiguous array (bytes are what count: datetimes and bools too).
+    """
+    if not out.flags.c_contiguous:
+        raise ValueError("out must be C-contiguous")
+    flat = out.reshape(-1).view(np.uint8)
+    _raise(*_backend.gather_fixed(list(sources), stride, which, rows, flat))
 
 
 def gather_var(

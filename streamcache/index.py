@@ -307,13 +307,16 @@ def build_index(url: str, *, fields: Sequence[str] | None = None, checksums: boo
                 f"{where} does not match the schema of {first_url}: {'; '.join(diff)}"
             )
     shards = [info for info, _, _ in infos]
+    target = output or storage.unstrip(fs, root)
+    if output is not None and storage.filesystem(output, storage_options)[1].rstrip("/") != root:
+        # the index lives elsewhere: name every file by its full URL
+        shards = [replace(s, path=storage.unstrip(fs, storage.join(root, s.path))) for s in shards]
     if checksums:
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
             shards = list(pool.map(lambda s: _with_checksum(fs, root, s), shards))
     index = DatasetIndex(schema, tuple(shards), created=time.time())
     if index.num_samples == 0:
         raise EmptyDatasetError(f"the files at {url} hold no rows")
-    target = output or storage.unstrip(fs, root)
     if write:
         written = save_index(index, target, storage_options)
         index = replace(index, url=written)

@@ -83,6 +83,7 @@ def publish_bytes(fs: Any, path: str, data: bytes) -> None:
     """Publish a whole object atomically: rename on a local disk, one PUT on an object store."""
     try:
         if is_local(fs):
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             write_atomic_local(path, data)
         else:
             fs.pipe_file(path, data)

@@ -138,9 +138,10 @@ class ShardWriter:
             )
         if not self._rows:
             self._rows = {name: [] for name in schema.names}
+        # validate every field before storing any, so a bad sample leaves no partial row
+        values = [normalize_value(field, sample[field.name]) for field in schema]
         size = 0
-        for field in schema:
-            value = normalize_value(field, sample[field.name])
+        for field, value in zip(schema, values, strict=True):
             self._rows[field.name].append(value)
             size += value.nbytes if hasattr(value, "nbytes") else len(value)
         self._row_bytes += size
