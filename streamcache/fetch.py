@@ -217,12 +217,9 @@ def _optional_transient_types() -> tuple[type[BaseException], ...]:
         pass
     try:
         boto = importlib.import_module("botocore.exceptions")  # untyped; Any is fine here
-        found += [
-            boto.HTTPClientError,
-            boto.ConnectionError,
-            boto.IncompleteReadError,
-            boto.ResponseStreamingError,
-        ]
+        names = ("HTTPClientError", "ConnectionError", "IncompleteReadError",
+                 "ResponseStreamingError", "FlexibleChecksumError")  # the last: corrupt body
+        found += [getattr(boto, name) for name in names if hasattr(boto, name)]
     except ImportError:
         pass
     return tuple(found)

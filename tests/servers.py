@@ -1,0 +1,557 @@
+"""Real servers on 127.0.0.1 for the tests: an S3-compatible server and a faulty HTTP server.
+
+- :class:`MotoServer` runs moto's standalone S3-compatible server as a subprocess on a free
+  port; :class:`S3Bucket` is a bucket in it, with the fsspec ``storage_options`` that reach it.
+- :class:`FaultServer` is an HTTP/1.1 server that either serves the files of a directory
+  (GET and HEAD, single ranges) or forwards every request to an upstream server (a reverse
+  proxy, e.g. in front of moto, so that s3fs -> proxy -> moto runs under faults). It counts
+  requests per method and path, tracks how many are in flight at once, and injects faults
+  chosen by a :class:`FaultInjector`: at random at a given rate, or by a per-path script.
+
+Only the standard library (plus boto3 to create buckets). Credentials are dummies set by
+:func:`aws_test_environment`; nothing here ever leaves the loopback interface.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import http.client
+import http.server
+import os
+import random
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+HOST = "127.0.0.1"
+
+#: What a :class:`FaultServer` can do to a request instead of answering it well.
+#: error: answer ``status`` (503 by default) with a short body;
+#: slow: wait ``delay_s`` before answering;
+#: stall: send the headers and half the body, wait ``delay_s``, then send the rest;
+#: reset: send the headers and half the body, then abort the connection (TCP RST);
+#: truncate: announce the full Content-Length, send half the body, close the connection;
+#: corrupt: send the whole body with one byte flipped.
+FAULT_KINDS = ("error", "slow", "stall", "reset", "truncate", "corrupt")
+
+_HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
+     "upgrade", "expect", "content-length"}
+)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+# ------------------------------------------------------------------------------ fault choice
+
+
+class FaultInjector:
+    """Decides, request by request, which fault (if any) a :class:`FaultServer` injects.
+
+    A path's script (see :meth:`script`) is used first, one entry per request, ``None``
+    meaning "answer well"; once it is used up, a fault is drawn with probability ``rate``
+    from ``kinds`` (seeded, so a run is repeatable). Only requests whose method is in
+    ``methods`` are touched (GET by default, so uploads and HEADs pass cleanly).
+
+    Thread safety: all methods may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        *,
+        rate: float = 0.0,
+        kinds: Iterable[str] = ("error",),
+        status: int = 503,
+        delay_s: float = 1.0,
+        methods: Iterable[str] = ("GET",),
+        seed: int = 0,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._random = random.Random(seed)
+        self._scripts: dict[str, collections.deque[str | None]] = {}
+        self.rate = rate
+        self.kinds = tuple(kinds)
+        self.status = status
+        self.delay_s = delay_s
+        self.methods = frozenset(methods)
+        self.injected: collections.Counter[str] = collections.Counter()
+        self._validate()
+
+    def configure(self, **settings: Any) -> None:
+        """Change ``rate``, ``kinds``, ``status``, ``delay_s`` or ``methods`` at once."""
+        with self._lock:
+            for name, value in settings.items():
+                if name not in ("rate", "kinds", "status", "delay_s", "methods"):
+                    raise TypeError(f"unknown fault setting {name!r}")
+                setattr(self, name, frozenset(value) if name == "methods" else value)
+            self.kinds = tuple(self.kinds)
+            self._validate()
+
+    def script(self, path: str, faults: Iterable[str | None]) -> None:
+        """Queue ``faults`` for the next requests to ``path`` (``None``: answer well)."""
+        steps = list(faults)
+        for kind in steps:
+            _check_kind(kind)
+        with self._lock:
+            self._scripts.setdefault(path, collections.deque()).extend(steps)
+
+    def clear(self) -> None:
+        """No scripts, no random faults, counters of injected faults at zero."""
+        with self._lock:
+            self._scripts.clear()
+            self.rate = 0.0
+            self.injected.clear()
+
+    def choose(self, method: str, path: str) -> str | None:
+        """The fault for this request, or None."""
+        with self._lock:
+            if method not in self.methods:
+                return None
+            script = self._scripts.get(path)
+            if script:
+                kind = script.popleft()
+            elif self.rate > 0 and self._random.random() < self.rate:
+                kind = self._random.choice(self.kinds)
+            else:
+                kind = None
+            if kind is not None:
+                self.injected[kind] += 1
+            return kind
+
+    def _validate(self) -> None:
+        if not 0.0 <= self.rate <= 1.0:
+            raise ValueError(f"rate must be in [0, 1], not {self.rate}")
+        for kind in self.kinds:
+            _check_kind(kind)
+
+
+def _check_kind(kind: str | None) -> None:
+    if kind is not None and kind not in FAULT_KINDS:
+        raise ValueError(f"unknown fault {kind!r}; choose from {FAULT_KINDS}")
+
+
+class RequestLog:
+    """Requests seen by a server: counts per (method, path) and concurrency.
+
+    Thread safety: all methods may be called from any thread.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    def begin(self, method: str, path: str) -> None:
+        with self._lock:
+            self._counts[(method, path)] += 1
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
+    def end(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    def count(self, path: str | None = None, method: str = "GET") -> int:
+        """Requests with ``method`` to ``path`` (to any path when None)."""
+        with self._lock:
+            return sum(n for (m, p), n in self._counts.items()
+                       if m == method and (path is None or p == path))
+
+    def counts(self, method: str = "GET") -> dict[str, int]:
+        """Requests with ``method``, per path."""
+        with self._lock:
+            return {p: n for (m, p), n in self._counts.items() if m == method}
+
+    def reset(self) -> None:
+        with self._lock:
+            self._counts.clear()
+            self.max_in_flight = self.in_flight
+
+
+# ------------------------------------------------------------------------------ HTTP server
+
+
+@dataclasses.dataclass
+class _Reply:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+    length: int | None = None  # the Content-Length of a HEAD reply (it has no body)
+
+
+class FaultServer:
+    """A threaded HTTP/1.1 server on 127.0.0.1 that serves ``root`` or proxies ``upstream``.
+
+    Args:
+        root: a directory whose files are served at ``/<relative path>``.
+        upstream: a base URL (``http://host:port``) to forward every request to.
+        faults: the fault policy (a quiet :class:`FaultInjector` by default).
+
+    Attributes:
+        url: ``http://127.0.0.1:<port>``.
+        faults: the :class:`FaultInjector`; change it at any time.
+        requests: the :class:`RequestLog`.
+
+    Use it as a context manager, or call :meth:`start` and :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        *,
+        root: str | os.PathLike[str] | None = None,
+        upstream: str | None = None,
+        faults: FaultInjector | None = None,
+    ) -> None:
+        if (root is None) == (upstream is None):
+            raise ValueError("give exactly one of root= (serve files) or upstream= (proxy)")
+        self.root = None if root is None else os.path.realpath(os.fspath(root))
+        self.upstream = None if upstream is None else urllib.parse.urlsplit(upstream)
+        self.faults = faults or FaultInjector()
+        self.requests = RequestLog()
+        self.stopping = threading.Event()
+        self._httpd = _ThreadingServer((HOST, 0), _Handler, owner=self)
+        self.port = int(self._httpd.server_address[1])
+        self.url = f"http://{HOST}:{self.port}"
+        self._thread: threading.Thread | None = None
+
+    def url_for(self, path: str) -> str:
+        return f"{self.url}/{urllib.parse.quote(path.lstrip('/'))}"
+
+    def start(self) -> FaultServer:
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+            name=f"fault-server-{self.port}", daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self.stopping.set()  # wakes handlers sleeping in a slow or stall fault
+        if self._thread is not None:
+            self._httpd.shutdown()
+            self._thread.join(timeout=10)
+            self._thread = None
+        self._httpd.server_close()
+
+    def __enter__(self) -> FaultServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def respond(self, method: str, target: str, headers: Mapping[str, str], body: bytes) -> _Reply:
+        """The well-formed answer to a request (before any fault)."""
+        if self.upstream is not None:
+            return _forward(self.upstream, method, target, headers, body)
+        assert self.root is not None
+        return _serve_file(self.root, method, target, headers)
+
+
+class _ThreadingServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type, *, owner: FaultServer) -> None:
+        self.owner = owner
+        super().__init__(address, handler)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    timeout = 30  # an idle keep-alive connection frees its thread after this
+    server: _ThreadingServer
+
+    def do_GET(self) -> None:
+        self._handle()
+
+    do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # quiet tests
+
+    def _handle(self) -> None:
+        owner = self.server.owner
+        path = urllib.parse.urlsplit(self.path).path
+        body = self._read_body()
+        owner.requests.begin(self.command, path)
+        try:
+            fault = owner.faults.choose(self.command, path)
+            if fault == "slow" and owner.stopping.wait(owner.faults.delay_s):
+                self.close_connection = True
+                return
+            if fault == "error":
+                reply = _Reply(owner.faults.status, [("Content-Type", "text/plain")],
+                               b"injected fault\n")
+            else:
+                reply = owner.respond(self.command, self.path, self.headers, body)
+            self._send(reply, fault)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client gave up; nothing more to say
+        finally:
+            owner.requests.end()
+
+    def _read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            parts = []
+            while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
+                parts.append(self.rfile.read(size))
+                self.rfile.readline()
+            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                pass  # trailers
+            return b"".join(parts)
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def _send(self, reply: _Reply, fault: str | None) -> None:
+        self.send_response(reply.status)
+        for name, value in reply.headers:
+            self.send_header(name, value)
+        head = self.command == "HEAD" and reply.length is not None
+        self.send_header("Content-Length", str(reply.length if head else len(reply.body)))
+        self.end_headers()
+        if self.command == "HEAD":
+            return
+        body = reply.body
+        if fault == "corrupt" and body:
+            middle = len(body) // 2
+            body = body[:middle] + bytes([body[middle] ^ 0xFF]) + body[middle + 1 :]
+        if fault in ("stall", "reset", "truncate") and len(body) > 1:
+            half = len(body) // 2
+            self.wfile.write(body[:half])
+            self.wfile.flush()
+            if fault == "stall":
+                if self.server.owner.stopping.wait(self.server.owner.faults.delay_s):
+                    return
+                self.wfile.write(body[half:])
+                return
+            self.close_connection = True
+            if fault == "reset":  # close with RST instead of FIN
+                self.connection.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
+            return
+        self.wfile.write(body)
+
+
+def _serve_file(root: str, method: str, target: str, headers: Mapping[str, str]) -> _Reply:
+    if method not in ("GET", "HEAD"):
+        return _Reply(405, [("Allow", "GET, HEAD")], b"")
+    relative = urllib.parse.unquote(urllib.parse.urlsplit(target).path).lstrip("/")
+    full = os.path.realpath(os.path.join(root, relative))
+    if not full.startswith(root + os.sep) or not os.path.isfile(full):
+        return _Reply(404, [("Content-Type", "text/plain")], b"not found\n")
+    with open(full, "rb") as f:
+        data = f.read()
+    common = [("Content-Type", "application/octet-stream"), ("Accept-Ranges", "bytes")]
+    wanted = _parse_range(headers.get("Range"), len(data))
+    if wanted is None:
+        return _Reply(200, common, data, len(data))
+    start, stop = wanted
+    if start >= stop:
+        return _Reply(416, [("Content-Range", f"bytes */{len(data)}")], b"")
+    content_range = ("Content-Range", f"bytes {start}-{stop - 1}/{len(data)}")
+    return _Reply(206, [*common, content_range], data[start:stop], stop - start)
+
+
+def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """``(start, stop)`` of a single ``bytes=`` range, or None for the whole body."""
+    if not header or not header.startswith("bytes=") or "," in header:
+        return None
+    first, _, last = header[len("bytes="):].strip().partition("-")
+    if not first:  # the last N bytes
+        return max(0, size - int(last)), size
+    start = int(first)
+    stop = size if not last else min(size, int(last) + 1)
+    return start, stop
+
+
+def _forward(
+    upstream: urllib.parse.SplitResult, method: str, target: str,
+    headers: Mapping[str, str], body: bytes,
+) -> _Reply:
+    connection = http.client.HTTPConnection(upstream.hostname or HOST, upstream.port, timeout=60)
+    try:
+        # The Host header travels unchanged: S3 signatures cover it.
+        connection.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
+        for name, value in headers.items():
+            if name.lower() not in _HOP_BY_HOP:
+                connection.putheader(name, value)
+        if body or method in ("PUT", "POST"):
+            connection.putheader("Content-Length", str(len(body)))
+        connection.endheaders(body or None)
+        response = connection.getresponse()
+        data = response.read()
+        kept = [(k, v) for k, v in response.getheaders() if k.lower() not in _HOP_BY_HOP]
+        length = response.getheader("Content-Length")
+        return _Reply(response.status, kept, data, int(length) if length else len(data))
+    finally:
+        connection.close()
+
+
+# ------------------------------------------------------------------------------ S3 (moto)
+
+_AWS_TEST_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+}
+_AWS_UNSET = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+              "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ROLE_ARN",
+              "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CA_BUNDLE")
+
+
+@contextlib.contextmanager
+def aws_test_environment() -> Iterator[None]:
+    """Dummy AWS credentials and no user AWS configuration, restored afterwards."""
+    saved = {name: os.environ.get(name) for name in (*_AWS_TEST_ENV, *_AWS_UNSET)}
+    os.environ.update(_AWS_TEST_ENV)
+    for name in _AWS_UNSET:
+        os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def s3_storage_options(endpoint_url: str, *, client_retries: bool = False) -> dict[str, Any]:
+    """fsspec ``storage_options`` for s3fs against a loopback endpoint, with dummy keys.
+
+    ``client_retries=False`` turns botocore's own retries off, so that the retries a test
+    observes are the Fetcher's (s3fs still retries a failed connection by itself).
+    """
+    options: dict[str, Any] = {
+        "key": _AWS_TEST_ENV["AWS_ACCESS_KEY_ID"],
+        "secret": _AWS_TEST_ENV["AWS_SECRET_ACCESS_KEY"],
+        "client_kwargs": {"endpoint_url": endpoint_url, "region_name": "us-east-1"},
+    }
+    if not client_retries:
+        options["config_kwargs"] = {"retries": {"max_attempts": 0, "mode": "standard"}}
+    return options
+
+
+class MotoServer:
+    """moto's S3-compatible server as a subprocess on a free port of 127.0.0.1.
+
+    Attributes:
+        endpoint_url: ``http://127.0.0.1:<port>`` once started.
+    """
+
+    def __init__(self, *, startup_timeout_s: float = 30.0) -> None:
+        self.startup_timeout_s = startup_timeout_s
+        self.endpoint_url = ""
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115  (the server's output; closed on exit)
+
+    def start(self) -> MotoServer:
+        for _ in range(3):  # a free port can be taken between the probe and the bind
+            port = free_port()
+            env = {**os.environ, **_AWS_TEST_ENV}
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(port)],
+                stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            )
+            self.endpoint_url = f"http://{HOST}:{port}"
+            if self._wait_ready(port):
+                return self
+            self.stop()
+        self._log.seek(0)
+        output = self._log.read().decode(errors="replace")
+        raise RuntimeError(f"moto server did not start:\n{output}")
+
+    def _wait_ready(self, port: int) -> bool:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            assert self._process is not None
+            if self._process.poll() is not None:
+                return False
+            try:
+                connection = http.client.HTTPConnection(HOST, port, timeout=2)
+                connection.request("GET", "/moto-api/data.json")
+                connection.getresponse().read()
+                connection.close()
+                return True
+            except OSError:
+                time.sleep(0.05)
+        return False
+
+    def reset(self) -> None:
+        """Forget every bucket and object (moto's reset API)."""
+        connection = http.client.HTTPConnection(urllib.parse.urlsplit(self.endpoint_url).netloc)
+        connection.request("POST", "/moto-api/reset")
+        connection.getresponse().read()
+        connection.close()
+
+    def stop(self) -> None:
+        if self._process is None:
+            return
+        self._process.terminate()
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait(timeout=10)
+        self._process = None
+
+    def __enter__(self) -> MotoServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+        self._log.close()
+
+
+@dataclasses.dataclass
+class S3Bucket:
+    """A bucket on a loopback S3 server (created by :meth:`create`)."""
+
+    endpoint_url: str
+    name: str
+
+    @classmethod
+    def create(cls, endpoint_url: str, name: str) -> S3Bucket:
+        bucket = cls(endpoint_url, name)
+        bucket.client().create_bucket(Bucket=name)
+        return bucket
+
+    def client(self) -> Any:
+        """A boto3 S3 client for the server (dummy credentials)."""
+        import boto3
+
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
+            aws_access_key_id=_AWS_TEST_ENV["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=_AWS_TEST_ENV["AWS_SECRET_ACCESS_KEY"],
+        )
+
+    def url(self, key: str) -> str:
+        return f"s3://{self.name}/{key.lstrip('/')}"
+
+    def put(self, key: str, data: bytes) -> str:
+        """Store ``data`` at ``key``; returns its ``s3://`` URL."""
+        self.client().put_object(Bucket=self.name, Key=key.lstrip("/"), Body=data)
+        return self.url(key)
+
+    def storage_options(self, *, via: str | None = None, client_retries: bool = False,
+                        ) -> dict[str, Any]:
+        """s3fs options reaching this bucket directly, or through the proxy at ``via``."""
+        return s3_storage_options(via or self.endpoint_url, client_retries=client_retries)
