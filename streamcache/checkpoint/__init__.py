@@ -1,0 +1,37 @@
+"""Checkpointing of training state through PyTorch Distributed Checkpoint (DCP).
+
+Public names: :class:`Checkpointer`, :class:`GlobalState`, :class:`ModelState`,
+:class:`CheckpointInfo`, :class:`AsyncMode`, :class:`IfBusy`, :class:`SaveStats` and the
+errors. ``add_arguments``/``run`` implement ``streamcache checkpoints``.
+Design and measured defaults: docs/checkpoint.md.
+"""
+
+from __future__ import annotations
+
+from .checkpointer import AsyncMode, Checkpointer, IfBusy, SaveStats
+from .cli import add_arguments, run
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+)
+from .layout import CheckpointInfo
+from .state import GlobalState, ModelState, is_global_state
+
+__all__ = [
+    "AsyncMode",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "CheckpointWriteError",
+    "Checkpointer",
+    "GlobalState",
+    "IfBusy",
+    "ModelState",
+    "SaveStats",
+    "add_arguments",
+    "is_global_state",
+    "run",
+]

@@ -1,0 +1,226 @@
+"""The on-disk layout of a checkpoint root and the commit marker that makes a checkpoint count.
+
+Layout under ``root`` (any fsspec URL)::
+
+    step-0000000120-5f2c9a-3/        one save attempt of step 120 (run id, save sequence)
+        __0_0.distcp, __1_0.distcp   DCP data files, one per rank
+        .metadata                    DCP metadata (written by DCP's coordinator)
+        global.json                  global (rank-independent) states, e.g. the loader cursor
+        COMMIT.json                  the commit marker, published last and atomically
+
+A directory without a valid ``COMMIT.json`` is a partial save and is never loaded. The marker
+lists every file with its size and checksum and carries a checksum of its own body, so a
+truncated or edited marker is as invalid as a missing one. Finding the newest complete
+checkpoint costs one listing of ``root`` plus one marker read and one directory listing per
+candidate, newest first; it never lists every checkpoint's files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..checksum import checksum_bytes
+from .errors import CheckpointCorruptError
+from .tiers import Location
+
+FORMAT = "streamcache.checkpoint"
+VERSION = 1
+MARKER_NAME = "COMMIT.json"
+GLOBAL_NAME = "global.json"
+DCP_METADATA_NAME = ".metadata"
+
+# marker keys
+K_FORMAT, K_VERSION, K_STEP, K_TIME = "format", "version", "step", "time"
+K_WORLD, K_FILES, K_SIZE, K_CHECKSUM, K_BODY = "world_size", "files", "size", "checksum", "body"
+
+_DIR_RE = re.compile(r"^step-(\d{10})-([0-9a-f]+)-(\d+)$")
+
+
+def dir_name(step: int, run_id: str, sequence: int) -> str:
+    """The directory of one save attempt; unique, so a retry never overwrites an older try."""
+    return f"step-{step:010d}-{run_id}-{sequence}"
+
+
+def parse_dir_name(name: str) -> tuple[int, str, int] | None:
+    """(step, run id, sequence) of a checkpoint directory name, or None for anything else."""
+    match = _DIR_RE.match(name)
+    if match is None:
+        return None
+    return int(match.group(1)), match.group(2), int(match.group(3))
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class Marker:
+    """The parsed commit marker of one complete checkpoint."""
+
+    step: int
+    time: float
+    world_size: int
+    files: dict[str, FileEntry]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.size for entry in self.files.values())
+
+    def to_json(self) -> bytes:
+        body = {
+            K_FORMAT: FORMAT,
+            K_VERSION: VERSION,
+            K_STEP: self.step,
+            K_TIME: self.time,
+            K_WORLD: self.world_size,
+            K_FILES: {
+                name: {K_SIZE: e.size, K_CHECKSUM: e.checksum}
+                for name, e in sorted(self.files.items())
+            },
+        }
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        return json.dumps({K_BODY: body, K_CHECKSUM: checksum_bytes(canonical)}, indent=1).encode()
+
+    @staticmethod
+    def from_json(data: bytes, *, where: str) -> Marker:
+        """Parse and self-check a marker; :class:`CheckpointCorruptError` if it is not valid."""
+        try:
+            outer = json.loads(data)
+            body = outer[K_BODY]
+            canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+            if checksum_bytes(canonical) != outer[K_CHECKSUM]:
+                raise ValueError("the marker's body does not match its checksum")
+            if body[K_FORMAT] != FORMAT or body[K_VERSION] != VERSION:
+                raise ValueError(f"unknown format/version {body[K_FORMAT]!r}/{body[K_VERSION]!r}")
+            files = {
+                str(name): FileEntry(int(e[K_SIZE]), str(e[K_CHECKSUM]))
+                for name, e in body[K_FILES].items()
+            }
+            return Marker(int(body[K_STEP]), float(body[K_TIME]), int(body[K_WORLD]), files)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointCorruptError(
+                f"{where}: commit marker is unreadable ({exc}); the checkpoint is not trusted, "
+                "delete the directory or load an older step"
+            ) from exc
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint directory under a root, complete or not."""
+
+    step: int
+    name: str
+    url: str
+    complete: bool
+    time: float | None = None
+    size: int | None = None
+    world_size: int | None = None
+    problem: str | None = None
+    marker: Marker | None = None
+
+
+def new_marker(step: int, world_size: int, files: dict[str, FileEntry]) -> Marker:
+    return Marker(step=step, time=time.time(), world_size=world_size, files=files)
+
+
+def scan(root: Location) -> list[tuple[int, str, int, str]]:
+    """Checkpoint directories under ``root`` as (step, name, sequence, run id), oldest first."""
+    found = []
+    for name in root.list_names():
+        parsed = parse_dir_name(name)
+        if parsed is not None:
+            step, run_id, sequence = parsed
+            found.append((step, name, sequence, run_id))
+    return sorted(found)
+
+
+def check_cheaply(root: Location, name: str) -> CheckpointInfo:
+    """Marker present, self-consistent, and every listed file present with its size.
+
+    One marker read and one directory listing; checksums are left to :func:`verify_fully`.
+    """
+    parsed = parse_dir_name(name)
+    step = parsed[0] if parsed else -1
+    url = root.join(name)
+    sizes = root.child(name).list_sizes()
+    if MARKER_NAME not in sizes:
+        return CheckpointInfo(step, name, url, False, problem="no commit marker (partial save)")
+    try:
+        marker = Marker.from_json(root.child(name).read_bytes(MARKER_NAME), where=url)
+    except CheckpointCorruptError as exc:
+        return CheckpointInfo(step, name, url, False, problem=str(exc))
+    except FileNotFoundError:
+        return CheckpointInfo(step, name, url, False, problem="commit marker vanished")
+    problem = size_problem(marker, sizes)
+    info = CheckpointInfo(
+        step=marker.step,
+        name=name,
+        url=url,
+        complete=problem is None and marker.step == step,
+        time=marker.time,
+        size=marker.total_bytes,
+        world_size=marker.world_size,
+        problem=problem if marker.step == step else "marker step differs from directory name",
+        marker=marker,
+    )
+    return info
+
+
+def size_problem(marker: Marker, sizes: dict[str, int]) -> str | None:
+    """What is missing or of the wrong size compared with the marker, or None."""
+    for file_name, entry in marker.files.items():
+        if file_name not in sizes:
+            return f"{file_name} is missing"
+        if sizes[file_name] != entry.size:
+            return f"{file_name} has {sizes[file_name]} bytes, the marker says {entry.size}"
+    return None
+
+
+def list_checkpoints(root: Location) -> list[CheckpointInfo]:
+    """Every checkpoint directory under ``root`` with its completeness, oldest first."""
+    return [check_cheaply(root, name) for _, name, _, _ in scan(root)]
+
+
+def complete_newest_first(root: Location, step: int | None = None) -> list[CheckpointInfo]:
+    """Complete checkpoints, newest first (optionally only ``step``); checks lazily.
+
+    Checks candidates newest first and stops at the first complete one unless more are
+    needed, so the usual cost is one listing of ``root`` plus one or two directories.
+    """
+    result = []
+    for found_step, name, _, _ in reversed(scan(root)):
+        if step is not None and found_step != step:
+            continue
+        info = check_cheaply(root, name)
+        if info.complete:
+            result.append(info)
+    return result
+
+
+def latest(root: Location) -> CheckpointInfo | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    for _, name, _, _ in reversed(scan(root)):
+        info = check_cheaply(root, name)
+        if info.complete:
+            return info
+    return None
+
+
+def write_marker(location: Location, marker: Marker) -> None:
+    """Publish ``marker`` atomically in ``location`` (temp file + fsync + rename, or one PUT)."""
+    location.write_atomic(MARKER_NAME, marker.to_json())
+
+
+def json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def path_join(*parts: str) -> str:
+    return os.path.join(*parts)

@@ -1,0 +1,160 @@
+"""Storage locations for checkpoints: a local directory or any fsspec URL, behind one small API.
+
+The checkpointer always writes DCP files to a local directory (``local_dir``, or ``root``
+itself when it is local, or a private temporary directory when ``root`` is remote) and
+uploads from there, so every file is checksummed from local disk before it leaves the node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from typing import Any
+
+import fsspec
+
+from ..checksum import checksum_bytes, checksum_file
+
+
+class Location:
+    """A directory given by an fsspec URL or a local path.
+
+    Thread safety: methods are independent I/O calls; callers coordinate who writes what.
+    """
+
+    def __init__(self, url: str | os.PathLike[str]) -> None:
+        self.url = os.fspath(url)
+        fs, path = fsspec.core.url_to_fs(self.url)
+        self.fs: Any = fs
+        self.path: str = path.rstrip("/") or "/"
+        self.is_local = "file" in _protocols(fs)
+
+    def __repr__(self) -> str:
+        return f"Location({self.url!r})"
+
+    def join(self, name: str) -> str:
+        return self.url.rstrip("/") + "/" + name
+
+    def child(self, name: str) -> Location:
+        return Location(self.join(name))
+
+    def local_path(self, name: str = "") -> str:
+        """The OS path of ``name`` inside this (local) directory."""
+        if not self.is_local:
+            raise ValueError(f"{self.url} is not a local directory")
+        return os.path.join(self.path, name) if name else self.path
+
+    def makedirs(self) -> None:
+        self.fs.makedirs(self.path, exist_ok=True)
+
+    def exists(self, name: str = "") -> bool:
+        return bool(self.fs.exists(self._p(name)))
+
+    def list_names(self) -> list[str]:
+        """Names of the entries directly inside this directory ([] if it does not exist)."""
+        if self.is_local:
+            try:
+                return sorted(os.listdir(self.path))
+            except FileNotFoundError:
+                return []
+        try:
+            entries = self.fs.ls(self.path, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def list_sizes(self) -> dict[str, int]:
+        """{file name: size} of the files directly inside this directory ({} if missing)."""
+        if self.is_local:
+            sizes = {}
+            try:
+                with os.scandir(self.path) as it:
+                    for entry in it:
+                        if entry.is_file(follow_symlinks=False):
+                            sizes[entry.name] = entry.stat().st_size
+            except (FileNotFoundError, NotADirectoryError):
+                return {}
+            return sizes
+        try:
+            entries = self.fs.ls(self.path, detail=True, refresh=True)
+        except FileNotFoundError:
+            return {}
+        return {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"])
+            for e in entries
+            if e.get("type") == "file"
+        }
+
+    def read_bytes(self, name: str) -> bytes:
+        if self.is_local:
+            with open(self.local_path(name), "rb") as f:
+                return f.read()
+        return bytes(self.fs.cat_file(self._p(name)))
+
+    def checksum(self, name: str) -> str:
+        """Checksum of a file's bytes (local: streamed by the native core; remote: one GET)."""
+        if self.is_local:
+            return checksum_file(self.local_path(name))
+        return checksum_bytes(self.fs.cat_file(self._p(name)))
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        """Publish ``data`` as ``name`` all at once.
+
+        Local: temp file, fsync, rename, fsync of the directory. Object stores: one PUT,
+        which is atomic there (a reader sees the whole object or none).
+        """
+        if not self.is_local:
+            self.fs.pipe_file(self._p(name), data)
+            return
+        final = self.local_path(name)
+        tmp = f"{final}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fsync_dir(self.path)
+
+    def put_file(self, local_file: str, name: str) -> None:
+        """Copy a local file into this location as ``name`` (durable for local targets)."""
+        if not self.is_local:
+            self.fs.put_file(local_file, self._p(name))
+            return
+        target = self.local_path(name)
+        with open(local_file, "rb") as src, open(target, "wb") as dst:
+            shutil.copyfileobj(src, dst, 16 << 20)
+            dst.flush()
+            os.fsync(dst.fileno())
+
+    def remove_tree(self) -> None:
+        """Delete this directory and everything in it; a missing directory is fine."""
+        if self.is_local:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.path, recursive=True)
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._p(name))
+
+    def _p(self, name: str) -> str:
+        return f"{self.path}/{name}" if name else self.path
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename inside ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)

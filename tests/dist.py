@@ -1,0 +1,270 @@
+"""Run a function in N real processes joined by torch.distributed (gloo on 127.0.0.1).
+
+The project's own helper for multi-rank tests (not torch's private testing package)::
+
+    from dist import run_ranks
+
+    def _body(rank: int, world_size: int, tmp: str) -> float:   # module level: picklable
+        t = torch.ones(1) * rank
+        dist.all_reduce(t)
+        return t.item()
+
+    def test_sum(tmp_path):
+        results = run_ranks(_body, 2, str(tmp_path))
+        assert [r.value for r in results] == [1.0, 1.0]
+
+Each rank runs in a fresh ``spawn`` process with ``MASTER_ADDR=127.0.0.1``, a free
+``MASTER_PORT``, ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` set, and the
+default process group initialized on gloo before ``fn(rank, world_size, *args)`` is called.
+A rank's return value (or its exception, as type name, message and traceback) is written to
+a result file atomically, so it survives the other ranks being killed.
+
+For crash tests, :class:`RankGroup` gives control over the running processes::
+
+    with RankGroup(_train, 2, args=(str(tmp_path),)) as group:
+        time.sleep(random.uniform(0.5, 2.0))
+        group.kill()                         # SIGKILL every rank, like a node failure
+    results = group.results                  # killed ranks have .killed == True
+
+``fail_fast`` (default on) mirrors torchrun: when one rank dies, the others are killed
+after ``grace_s`` instead of hanging in a collective until the timeout.
+
+A function runs in a new interpreter, so it must be importable (defined at module level);
+the parent's ``sys.path`` is passed on by ``spawn``. Importing torch costs 1-2 s per process,
+so do several phases in one function rather than several groups in one test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["RankError", "RankGroup", "RankResult", "free_port", "run_ranks"]
+
+
+@dataclass
+class RankResult:
+    """What one rank's process did."""
+
+    rank: int
+    value: Any = None
+    error_type: str | None = None
+    error: str | None = None
+    traceback: str | None = None
+    exitcode: int | None = None
+    killed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error_type is None and self.exitcode == 0
+
+
+class RankError(AssertionError):
+    """One or more ranks failed, died or timed out; the message holds each rank's story."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    result_dir: str,
+    backend: str,
+    pg_timeout_s: float,
+    env: dict[str, str],
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    result = RankResult(rank)
+    try:
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout_s),
+        )
+        try:
+            result.value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:
+        result.error_type = type(exc).__name__
+        result.error = str(exc)
+        result.traceback = traceback.format_exc()
+    path = os.path.join(result_dir, f"rank-{rank}.pkl")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(result, f)
+    os.replace(path + ".tmp", path)
+    # Exit without running atexit handlers or joining leftover threads: a test's function
+    # may leave daemon threads behind, and a rank that hangs on exit would look like a hang.
+    os._exit(1 if result.error_type else 0)
+
+
+class RankGroup:
+    """``world_size`` processes running ``fn`` under torch.distributed; owned by the caller.
+
+    Args:
+        fn: ``fn(rank, world_size, *args)``, defined at module level.
+        world_size: number of processes.
+        args: extra positional arguments (picklable).
+        timeout_s: :meth:`join` kills every rank and raises after this long.
+        backend: process group backend ("gloo").
+        env: extra environment variables for the children.
+        fail_fast: when a rank exits abnormally, SIGKILL the others after ``grace_s``.
+
+    Thread safety: one owner thread.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        *,
+        args: Sequence[Any] = (),
+        timeout_s: float = 120.0,
+        backend: str = "gloo",
+        env: dict[str, str] | None = None,
+        fail_fast: bool = True,
+        grace_s: float = 2.0,
+    ) -> None:
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.fail_fast = fail_fast
+        self.grace_s = grace_s
+        self._result_dir = tempfile.mkdtemp(prefix="streamcache-dist-")
+        self._killed: set[int] = set()
+        self.results: list[RankResult] = []
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.processes = [
+            ctx.Process(
+                target=_child,
+                args=(fn, rank, world_size, port, tuple(args), self._result_dir, backend,
+                      timeout_s, dict(env or {})),
+                name=f"rank-{rank}",
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        self._started = time.monotonic()
+        for process in self.processes:
+            process.start()
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [p.pid for p in self.processes]
+
+    def alive(self) -> list[bool]:
+        return [p.is_alive() for p in self.processes]
+
+    def kill(self, ranks: Sequence[int] | None = None, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` (SIGKILL by default) to the given ranks (all by default)."""
+        for rank in range(self.world_size) if ranks is None else ranks:
+            process = self.processes[rank]
+            if process.is_alive() and process.pid is not None:
+                self._killed.add(rank)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, sig)
+
+    def join(self, *, check: bool = False) -> list[RankResult]:
+        """Wait for every rank (up to the timeout); returns one result per rank.
+
+        Args:
+            check: raise :class:`RankError` unless every rank returned normally.
+        Raises:
+            RankError: on timeout (every rank is killed first), or with ``check``.
+        """
+        deadline = self._started + self.timeout_s
+        first_failure: float | None = None
+        timed_out = False
+        while any(p.is_alive() for p in self.processes):
+            now = time.monotonic()
+            if now > deadline:
+                timed_out = True
+                self.kill()
+                break
+            failed = [p for p in self.processes if p.exitcode not in (None, 0)]
+            if self.fail_fast and failed and first_failure is None:
+                first_failure = now
+            if first_failure is not None and now - first_failure > self.grace_s:
+                self.kill()
+            time.sleep(0.02)
+        for process in self.processes:
+            process.join(timeout=10)
+        self.results = [self._result(rank) for rank in range(self.world_size)]
+        if timed_out:
+            raise RankError(f"ranks timed out after {self.timeout_s} s:\n{self.describe()}")
+        if check and not all(r.ok for r in self.results):
+            raise RankError(f"some ranks failed:\n{self.describe()}")
+        return self.results
+
+    def describe(self) -> str:
+        lines = []
+        for r in self.results:
+            state = "killed" if r.killed else f"exit {r.exitcode}"
+            lines.append(f"rank {r.rank}: {state}, value={r.value!r}, error={r.error_type}: "
+                         f"{r.error}\n{r.traceback or ''}")
+        return "\n".join(lines)
+
+    def _result(self, rank: int) -> RankResult:
+        path = os.path.join(self._result_dir, f"rank-{rank}.pkl")
+        result = RankResult(rank)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                result = pickle.load(f)
+        result.exitcode = self.processes[rank].exitcode
+        result.killed = rank in self._killed or result.exitcode == -signal.SIGKILL
+        return result
+
+    def __enter__(self) -> RankGroup:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is not None:
+            self.kill()
+        self.join()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list[RankResult]:
+    """Run ``fn(rank, world_size, *args)`` on every rank; the per-rank results.
+
+    Raises:
+        RankError: a rank raised (its traceback is in the message), died, or the run timed
+            out; every rank is killed before it is raised.
+    """
+    group = RankGroup(fn, world_size, args=args, timeout_s=timeout_s, env=env)
+    return group.join(check=True)
