@@ -77,8 +77,11 @@ def _to_dtype(field: Field, value: Any) -> np.ndarray:
     return array.astype(dtype)
 
 
-def build_column(field: Field, values: Sequence[Any]) -> pa.Array:
-    """The canonical Arrow array of already normalized values of one field."""
+def build_column(field: Field, values: Sequence[Any] | np.ndarray) -> pa.Array:
+    """The canonical Arrow array of already normalized values of one field.
+
+    For a tensor field, ``values`` may also be one array of shape ``[n, *field.shape]``.
+    """
     n = len(values)
     arrow_type = field.arrow_type()
     if field.kind == "bytes":
@@ -86,9 +89,12 @@ def build_column(field: Field, values: Sequence[Any]) -> pa.Array:
     if field.kind == "str":
         return pa.array(values, type=pa.large_string())
     if field.kind == "tensor":
-        stacked = np.ascontiguousarray(np.stack(values)) if n else np.empty(
-            (0, *field.shape), field.numpy_dtype
-        )
+        if isinstance(values, np.ndarray) and values.shape[1:] == field.shape:
+            stacked = np.ascontiguousarray(values, dtype=field.numpy_dtype)
+        elif n:
+            stacked = np.ascontiguousarray(np.stack(list(values)))
+        else:
+            stacked = np.empty((0, *field.shape), field.numpy_dtype)
         if pa.types.is_fixed_size_binary(arrow_type):
             return pa.Array.from_buffers(arrow_type, n, [None, pa.py_buffer(stacked)])
         flat = pa.array(stacked.reshape(-1))
