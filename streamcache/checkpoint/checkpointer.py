@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
@@ -122,6 +123,7 @@ class Checkpointer:
         seed: base seed for RNG states of ranks that did not exist when a checkpoint was saved.
         timeout: timeout of the checkpointer's collectives.
         write_threads: DCP writer threads per rank.
+        storage_options: fsspec options for ``root`` (credentials, endpoint).
 
     Thread safety: call from one thread (the training loop); the background work has its own
     thread and its own gloo process group.
@@ -138,10 +140,11 @@ class Checkpointer:
         seed: int = 0,
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         write_threads: int = 1,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         if keep_last < 1:
             raise CheckpointError(f"keep_last={keep_last}: keep at least 1 checkpoint")
-        self.root = Location(root)
+        self.root = Location(root, storage_options)
         self.async_mode = AsyncMode(async_mode)
         self.if_busy = IfBusy(if_busy)
         self.keep_last = keep_last
@@ -161,6 +164,11 @@ class Checkpointer:
             holder = [run_id]
             dist.broadcast_object_list(holder, src=0, group=self._control_pg)
             run_id = holder[0]
+        if self.async_mode is AsyncMode.PROCESS and not self._distributed:
+            raise CheckpointError(
+                "async_mode='process' needs torch.distributed to be initialized (DCP's "
+                "checkpoint process joins its own process group); use async_mode='thread'"
+            )
         self._run_id = run_id
         self._sequence = 0
         self._private_tmp: str | None = None
@@ -409,8 +417,8 @@ class Checkpointer:
             if self.rank == 0:
                 job.write_dir.write_atomic(GLOBAL_NAME, job.global_bytes)
             files = self._checksum_and_upload(job)
-        except Exception as exc:
-            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            error = _describe(exc, self.rank)
             log.error("checkpoint step %d failed on this rank: %s", job.step, error)
         outcome = self._commit(job, files, error)
         if outcome is not None:
@@ -470,7 +478,7 @@ class Checkpointer:
     def _publish(self, job: _Job, gathered: builtins.list[Any]) -> str | None:
         errors = [err for _, err in gathered if err is not None]
         if errors:
-            return "; ".join(errors)
+            return "; ".join(dict.fromkeys(errors))  # DCP reports one failure on every rank
         merged: dict[str, FileEntry] = {}
         for files, _ in gathered:
             merged.update(files)
@@ -579,7 +587,7 @@ class Checkpointer:
     def _load_from(self, source: Location, info: CheckpointInfo, state: dict[str, Any]) -> None:
         reader: dcp.FileSystemReader = (
             dcp.FileSystemReader(source.local_path()) if source.is_local
-            else FsspecReader(source.url)
+            else FsspecReader(source.url, **source.storage_options)
         )
         metadata = reader.read_metadata()
         dcp_state = {k: v for k, v in state.items() if not is_global_state(v)}
@@ -609,6 +617,17 @@ class Checkpointer:
                     f"{sorted(saved)}); load with the keys it was saved with"
                 )
             value.load_state_dict(saved[key])
+
+
+def _describe(exc: BaseException, rank: int) -> str:
+    """One line per failing rank; DCP's exception carries every rank's failure."""
+    if isinstance(exc, CheckpointException):
+        parts = []
+        for failed_rank, failure in sorted(exc.failures.items()):
+            inner = getattr(failure, "exception", failure)
+            parts.append(f"rank {failed_rank}: {type(inner).__name__}: {inner}")
+        return "; ".join(parts)
+    return f"rank {rank}: {type(exc).__name__}: {exc}"
 
 
 def upload_file(target: Location, local_file: str, name: str) -> None:

@@ -23,9 +23,12 @@ class Location:
     Thread safety: methods are independent I/O calls; callers coordinate who writes what.
     """
 
-    def __init__(self, url: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+    ) -> None:
         self.url = os.fspath(url)
-        fs, path = fsspec.core.url_to_fs(self.url)
+        self.storage_options = dict(storage_options or {})
+        fs, path = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self.fs: Any = fs
         self.path: str = path.rstrip("/") or "/"
         self.is_local = "file" in _protocols(fs)
@@ -37,7 +40,7 @@ class Location:
         return self.url.rstrip("/") + "/" + name
 
     def child(self, name: str) -> Location:
-        return Location(self.join(name))
+        return Location(self.join(name), self.storage_options)
 
     def local_path(self, name: str = "") -> str:
         """The OS path of ``name`` inside this (local) directory."""
