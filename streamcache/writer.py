@@ -9,6 +9,7 @@ half-written dataset is never readable.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -20,7 +21,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from . import storage
-from .checksum import checksum_bytes
+from .checksum import checksum_bytes, checksum_file
 from .columns import build_column, field_from_arrow, normalize_value, to_canonical
 from .errors import DestinationError, EmptyDatasetError, SchemaError, StreamcacheError
 from .index import INDEX_NAME, DatasetIndex, ShardInfo, save_index
@@ -203,16 +204,13 @@ class ShardWriter:
         self._futures.append(self._pool.submit(self._encode_and_store, name, batch))
 
     def _encode_and_store(self, name: str, batch: pa.RecordBatch) -> ShardInfo:
-        sink = pa.BufferOutputStream()
-        with ipc.new_file(sink, batch.schema, options=self._options) as writer:
-            writer.write_batch(batch)
-        data = sink.getvalue()
-        checksum = checksum_bytes(data)
         path = storage.join(self._root, name)
         try:
             if storage.is_local(self._fs):
-                storage.write_atomic_local(path, memoryview(data))  # type: ignore[arg-type]
+                size, checksum = self._store_local(path, batch)
             else:
+                data = self._encode(pa.BufferOutputStream(), batch).getvalue()
+                size, checksum = data.size, checksum_bytes(data)
                 self._fs.pipe_file(path, data.to_pybytes())
         except PermissionError as exc:
             raise DestinationError(f"cannot write {path}: permission denied") from exc
@@ -220,8 +218,32 @@ class ShardWriter:
             raise DestinationError(
                 f"cannot write {storage.unstrip(self._fs, path)}: {exc} (is the disk full?)"
             ) from exc
-        return ShardInfo(name, "arrow", batch.num_rows, data.size, checksum,
-                         self.compression, batch.nbytes)
+        return ShardInfo(name, "arrow", batch.num_rows, size, checksum, self.compression,
+                         batch.nbytes)
+
+    def _encode(self, sink: Any, batch: pa.RecordBatch) -> Any:
+        with ipc.new_file(sink, batch.schema, options=self._options) as writer:
+            writer.write_batch(batch)
+        return sink
+
+    def _store_local(self, path: str, batch: pa.RecordBatch) -> tuple[int, str]:
+        """Encode straight into a temporary file, checksum it, fsync, rename into place."""
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with pa.OSFile(tmp, "wb") as sink:
+                self._encode(sink, batch)
+            checksum = checksum_file(tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return os.path.getsize(path), checksum
 
     def _raise_background_errors(self) -> None:
         for future in self._futures:
