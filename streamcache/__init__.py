@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .convert import convert
+from .dataset_reader import DatasetReader
 from .errors import (
     ChecksumMismatchError,
     CorruptDataError,
@@ -14,19 +16,33 @@ from .errors import (
     SourceError,
     StreamcacheError,
 )
+from .index import DatasetIndex, build_index, load_index
+from .reader import Ragged
+from .schema import Field, Schema
+from .writer import ShardWriter, write_dataset
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ChecksumMismatchError",
     "CorruptDataError",
+    "DatasetIndex",
+    "DatasetReader",
     "DestinationError",
     "EmptyDatasetError",
+    "Field",
     "IndexFormatError",
     "IndexNotFoundError",
+    "Ragged",
+    "Schema",
     "SchemaError",
     "ShardCorruptError",
+    "ShardWriter",
     "SourceError",
     "StreamcacheError",
     "__version__",
+    "build_index",
+    "convert",
+    "load_index",
+    "write_dataset",
 ]
