@@ -310,12 +310,19 @@ def _describe(error: BaseException) -> str:
 
 _live_fetchers: weakref.WeakSet[Fetcher] = weakref.WeakSet()
 
+# Filesystems a forked child inherited from its parent, kept unused for the child's lifetime.
+# Were they collected in the child, their finalizers would close their sessions there, and
+# closing a connection unregisters its socket from the event loop's epoll set, which fork()
+# shares with the parent: the parent's connection would then wait for data it never sees.
+_inherited_filesystems: list[Any] = []
+
 
 def _after_fork_in_child() -> None:
     # fsspec's own fork hook forgets its event loop but not its lock (a lock held by another
     # thread at fork() time would never be released in the child); reset both.
     fsspec.asyn.reset_lock()
     for fetcher in list(_live_fetchers):
+        _inherited_filesystems.extend(fetcher._filesystems.values())
         fetcher._reset_process_state()
 
 
