@@ -1,0 +1,227 @@
+"""Counter-based hashing and keyed bijections: the only randomness the plan uses.
+
+Everything here is plain integer arithmetic (splitmix64-style mixing and a Feistel network),
+so the same (seed, epoch) gives the same order on every machine, every Python and every
+numpy version. Nothing here draws from a stateful generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._util import PlanError, check_int, check_seed
+
+MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+_MUL1 = 0xBF58476D1CE4E5B9
+_MUL2 = 0x94D049BB133111EB
+_FOLD_START = 0x243F6A8885A308D3
+
+# Domain tags keep the keys of different uses of the same (seed, epoch) independent.
+TAG_SHARDS = 1
+TAG_WINDOW = 2
+TAG_STAGGER = 3
+TAG_SAMPLE_SEED = 4
+
+FEISTEL_ROUNDS = 6
+
+
+def mix64(value: int) -> int:
+    """The splitmix64 finalizer on one Python int (taken modulo 2**64)."""
+    z = value & MASK64
+    z = ((z ^ (z >> 30)) * _MUL1) & MASK64
+    z = ((z ^ (z >> 27)) * _MUL2) & MASK64
+    return z ^ (z >> 31)
+
+
+def mix64_array(values: np.ndarray) -> np.ndarray:
+    """:func:`mix64` on every element of a uint64 array (wrapping arithmetic, new array)."""
+    z = values ^ (values >> np.uint64(30))
+    z *= np.uint64(_MUL1)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(_MUL2)
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def derive_key(*words: int) -> int:
+    """A 64-bit key from a sequence of integers, by folding each word through :func:`mix64`."""
+    key = _FOLD_START
+    for word in words:
+        key = mix64((key ^ (word & MASK64)) + _GAMMA)
+    return key
+
+
+def sample_seeds(seed: int, epoch: int, ids: np.ndarray | Sequence[int]) -> np.ndarray:
+    """A 64-bit seed for every sample id, from (seed, epoch, id) alone (uint64 array, same
+    shape as ``ids``).
+
+    Counter-based: whichever rank or worker reads a sample, its seed is the same, so a
+    transform that draws its randomness from it is reproducible across topologies.
+
+    Raises:
+        PlanError: a bad seed or epoch, or ids that are not non-negative integers.
+    """
+    key = derive_key(check_seed(seed), check_int("epoch", epoch, minimum=0), TAG_SAMPLE_SEED)
+    values = np.asarray(ids)
+    if values.size == 0:
+        return np.zeros(values.shape, dtype=np.uint64)
+    if values.dtype.kind not in "iu" or int(values.min()) < 0:
+        raise PlanError(f"sample ids must be non-negative integers, got dtype {values.dtype}")
+    return counter_hash(key, values)
+
+
+def counter_hash(key: int, counters: np.ndarray) -> np.ndarray:
+    """The splitmix64 stream of ``key`` at the given counters: ``mix64(key + (c + 1) * gamma)``.
+
+    Args:
+        key: 64-bit stream key (see :func:`derive_key`).
+        counters: non-negative int64 or uint64 array.
+
+    Returns:
+        A new uint64 array of the same shape.
+    """
+    state = counters.astype(np.uint64) + np.uint64(1)
+    state *= np.uint64(_GAMMA)
+    state += np.uint64(key & MASK64)
+    return mix64_array(state)
+
+
+MAX_DOMAIN = (1 << 32) - 1  # Feistel domains use 32-bit arithmetic (see docs/plan.md)
+
+
+def round_keys(key: int) -> list[np.uint32]:
+    """The 32-bit Feistel round keys of a permutation key."""
+    return [np.uint32(mix64(key + (r + 1) * _GAMMA) & 0xFFFFFFFF)
+            for r in range(FEISTEL_ROUNDS)]
+
+
+def round_keys_array(keys: np.ndarray) -> list[np.ndarray]:
+    """:func:`round_keys` of every key of a uint64 array (the same arithmetic, so a window's
+    permutation does not depend on whether it is evaluated alone or with its neighbours)."""
+    return [(counter_hash_keys(keys, r) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+            for r in range(FEISTEL_ROUNDS)]
+
+
+def counter_hash_keys(keys: np.ndarray, counter: int) -> np.ndarray:
+    """``mix64(key + (counter + 1) * gamma)`` for every key of a uint64 array."""
+    return mix64_array(keys + np.uint64(((counter + 1) * _GAMMA) & MASK64))
+
+
+def derive_keys(key: int, words: np.ndarray) -> np.ndarray:
+    """``derive_key(*prefix, w)`` for every ``w`` of an int64 array, given ``key =
+    derive_key(*prefix)``: one more fold, vectorized (uint64 result)."""
+    state = words.astype(np.uint64) ^ np.uint64(key & MASK64)
+    state += np.uint64(_GAMMA)
+    return mix64_array(state)
+
+
+def fold_key(key: int, word: int) -> int:
+    """``derive_key(*prefix, word)`` given ``key = derive_key(*prefix)``."""
+    return mix64((key ^ (word & MASK64)) + _GAMMA)
+
+
+def permute(
+    points: np.ndarray,
+    sizes: int | np.ndarray,
+    keys: int | np.ndarray,
+    group: np.ndarray | None = None,
+) -> np.ndarray:
+    """Keyed bijections of ``[0, size)`` evaluated at ``points``: O(1) per point, no table.
+
+    A Feistel network on the smallest bit width ``t >= 2`` with ``2**t >= size`` (halves of
+    ``t // 2`` and ``t - t // 2`` bits, :data:`FEISTEL_ROUNDS` rounds, 32-bit arithmetic) and
+    cycle-walking to stay inside ``[0, size)``.
+
+    Args:
+        points: int64 array, each point inside its domain.
+        sizes: the domain size (``<= MAX_DOMAIN``) shared by every point, or, with ``group``,
+            an int64 array of sizes, one per group.
+        keys: the 64-bit key shared by every point, or, with ``group``, a uint64 array of
+            keys, one per group.
+        group: None, or for every point the index of its group in ``sizes`` and ``keys``.
+
+    A (size, key) pair is one bijection, whether its points are passed alone or with others.
+
+    Returns:
+        A new int64 array: the image of each point.
+    """
+    network = _Network(sizes, keys, group)
+    out = network.run(points.astype(np.uint32))
+    walking = np.flatnonzero(out >= network.sizes)
+    while walking.size:
+        sub = network.take(walking)
+        stepped = sub.run(out[walking])
+        out[walking] = stepped
+        walking = walking[stepped >= sub.sizes]
+    return out.astype(np.int64)
+
+
+class _Network:
+    """Feistel parameters (domain size, bit width, split widths, round keys), each either one
+    value shared by every point or an array with one value per point."""
+
+    sizes: Any
+    bits: Any
+    splits: list[Any]
+    keys: list[Any]
+
+    def __init__(self, sizes: int | np.ndarray, keys: int | np.ndarray,
+                 group: np.ndarray | None) -> None:
+        if group is None:
+            size = int(sizes)
+            width = max(2, (max(size, 2) - 1).bit_length())
+            self._set(np.uint32(size), np.uint32(width), round_keys(int(keys)))
+            return
+        group_sizes = np.asarray(sizes, dtype=np.uint64)
+        _, exponents = np.frexp((np.maximum(group_sizes, np.uint64(2)) - np.uint64(1))
+                                .astype(np.float64))  # exact: sizes < 2**32
+        widths = np.maximum(exponents.astype(np.uint32), np.uint32(2))
+        group_keys = round_keys_array(np.asarray(keys, dtype=np.uint64))
+        self._set(group_sizes.astype(np.uint32)[group], widths[group],
+                  [k[group] for k in group_keys])
+
+    def _set(self, sizes: Any, bits: Any, keys: list[Any]) -> None:
+        self.sizes = sizes
+        self.bits = bits
+        low = bits // np.uint32(2)
+        self.splits = [low, bits - low] * (FEISTEL_ROUNDS // 2)
+        self.keys = keys
+
+    def take(self, index: np.ndarray) -> _Network:
+        """The parameters of the points at ``index`` (shared parameters stay shared)."""
+        sub = object.__new__(_Network)
+        pick = _picker(index)
+        sub.sizes = pick(self.sizes)
+        sub.bits = pick(self.bits)
+        sub.splits = [pick(s) for s in self.splits]
+        sub.keys = [pick(k) for k in self.keys]
+        return sub
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        """The network on 32-bit values (a new array; ``x`` is left alone)."""
+        one = np.uint32(1)
+        for split, key in zip(self.splits, self.keys, strict=True):
+            width = self.bits - split
+            low = x & ((one << split) - one)
+            high = x >> split
+            # Round function: a keyed multiply-xorshift hash; its top bits are the best mixed.
+            z = low ^ key
+            z *= np.uint32(0x9E3779B1)
+            z ^= z >> np.uint32(16)
+            z *= np.uint32(0x85EBCA77)
+            z >>= np.uint32(32) - width
+            z ^= high
+            low <<= width
+            low |= z
+            x = low
+        return x
+
+
+def _picker(index: np.ndarray) -> Callable[[Any], Any]:
+    def pick(value: Any) -> Any:
+        return value[index] if isinstance(value, np.ndarray) else value
+    return pick

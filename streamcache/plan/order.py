@@ -1,0 +1,258 @@
+"""The epoch order: one global sequence of sample ids per (shards, seed, epoch, options).
+
+Position ``p`` of an epoch maps to a sample id in three steps, each a bijection:
+
+1. a *stagger* shuffle inside windows offset by half a window (only when there is more than
+   one window and ``stagger`` is on), so that no batch sees a hard window boundary;
+2. a *window* shuffle inside consecutive windows of the shard-permuted stream;
+3. the shard-permuted stream itself: shards in a keyed random order, rows in file order.
+
+A sample's global id is its index-order id: row ``r`` of shard ``k`` has id
+``sum(shard_rows[:k]) + r``. The order never depends on ranks, nodes or workers. See
+docs/plan.md for the reasons behind each choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import EmptyDatasetError
+from ._util import PlanError, PositionOutOfRangeError, check_int, check_seed
+from .bijection import MAX_DOMAIN, TAG_STAGGER, TAG_WINDOW, derive_key
+from .blocks import PositionBlocks
+from .stream import ShardStream
+from .windows import BoundaryWindows, RegularWindows, ShuffleLayer, Windows
+
+DEFAULT_WINDOW = 1 << 18
+WINDOW_UNITS = ("samples", "shards")
+_CHUNK = 1 << 20  # positions per pass when scanning long ranges
+
+
+@dataclass(frozen=True)
+class ShuffleOptions:
+    """How an epoch is shuffled. Part of a cursor: a resume with other options is refused.
+
+    Attributes:
+        enabled: ``False`` gives index order (shard 0's rows, then shard 1's, ...).
+        window: shuffle window size, in ``window_unit`` units. Samples are permuted inside a
+            window of the shard-permuted stream; larger windows mix better but need more
+            shards cached at once. A window at least as large as the dataset is a full shuffle.
+        window_unit: ``"samples"`` (windows of exactly ``window`` samples, cutting through
+            shards) or ``"shards"`` (windows of ``window`` whole shards).
+        stagger: add a second shuffle inside windows offset by half a window, so that samples
+            near a window boundary mix with both neighbours (no seam).
+    """
+
+    enabled: bool = True
+    window: int = DEFAULT_WINDOW
+    window_unit: str = "samples"
+    stagger: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("enabled", "stagger"):
+            if not isinstance(getattr(self, name), bool):
+                raise PlanError(f"ShuffleOptions.{name} must be a bool, got "
+                                f"{getattr(self, name)!r}")
+        check_int("ShuffleOptions.window", self.window, minimum=1)
+        if self.window_unit not in WINDOW_UNITS:
+            raise PlanError(f"ShuffleOptions.window_unit must be one of {WINDOW_UNITS}, got "
+                            f"{self.window_unit!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict; :meth:`from_dict` reads it back."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ShuffleOptions:
+        """Strict inverse of :meth:`to_dict`: unknown or missing keys raise :class:`PlanError`."""
+        expected = set(cls.__dataclass_fields__)
+        if not isinstance(data, dict) or set(data) != expected:
+            raise PlanError(f"shuffle options must be a dict with keys {sorted(expected)}, "
+                            f"got {data!r}")
+        return cls(**data)
+
+
+NO_SHUFFLE = ShuffleOptions(enabled=False)
+
+
+class EpochOrder:
+    """The sample order of one epoch, with O(log shards) random access to any position.
+
+    Args:
+        shard_rows: row count of every shard, in index order (empty shards are allowed and
+            simply hold no positions).
+        seed: 0 <= seed < 2**64.
+        epoch: >= 0.
+        shuffle: :class:`ShuffleOptions` (default: shuffled, 2**18-sample staggered windows).
+        cache_bytes: memory for materialized blocks of the order (a least-recently-used
+            cache; a sequential reader uses one or two blocks at a time).
+
+    Raises:
+        EmptyDatasetError: no shards, or every shard is empty.
+        PlanError: a negative row count, a bad seed, epoch or option.
+
+    Memory is O(shards) plus the cache. Thread safety: every method may be called from several
+    threads at once (the cache takes a lock).
+    """
+
+    def __init__(
+        self,
+        shard_rows: Sequence[int] | np.ndarray,
+        seed: int,
+        epoch: int,
+        shuffle: ShuffleOptions = ShuffleOptions(),  # frozen, so sharing the default is safe
+        *,
+        cache_bytes: int = 16 << 20,
+    ) -> None:
+        self.seed = check_seed(seed)
+        self.epoch = check_int("epoch", epoch, minimum=0)
+        if not isinstance(shuffle, ShuffleOptions):
+            raise PlanError(f"shuffle must be a ShuffleOptions, got {shuffle!r}")
+        self.shuffle = shuffle
+        rows = _check_rows(shard_rows)
+        if rows.size > MAX_DOMAIN:
+            raise PlanError(f"too many shards ({rows.size}); at most {MAX_DOMAIN}")
+        self._stream = ShardStream(rows, self.seed, self.epoch, shuffle.enabled)
+        self.shard_rows = rows
+        self.shard_offsets = self._stream.shard_offsets
+        self.num_shards = int(rows.size)
+        self.num_samples = self._stream.total
+        if self.num_samples == 0:
+            raise EmptyDatasetError("the dataset holds no samples (every shard is empty); "
+                                    "check the index or the dataset URL")
+        self._layers = self._build_layers() if shuffle.enabled else []
+        self._blocks = PositionBlocks(self._resolve, self.num_samples,
+                                      check_int("cache_bytes", cache_bytes, minimum=0))
+
+    def _build_layers(self) -> list[ShuffleLayer]:
+        """The shuffle layers applied to a position, outermost (stagger) first."""
+        total = self.num_samples
+        windows: Windows
+        if self.shuffle.window_unit == "samples":
+            windows = RegularWindows(min(self.shuffle.window, total), 0, total)
+        else:
+            windows = BoundaryWindows(np.unique(np.append(
+                self._stream.starts[:: self.shuffle.window], total)))
+        if windows.largest > MAX_DOMAIN:
+            raise PlanError(f"a shuffle window of {windows.largest} samples is too large; "
+                            "windows hold "
+                            f"at most {MAX_DOMAIN} samples (choose a smaller window)")
+        layers = [ShuffleLayer(windows, derive_key(self.seed, self.epoch, TAG_WINDOW))]
+        if self.shuffle.stagger and windows.count > 1:
+            layers.insert(0, ShuffleLayer(windows.staggered(),
+                                          derive_key(self.seed, self.epoch, TAG_STAGGER)))
+        return layers
+
+    # ---------------------------------------------------------------- positions -> ids
+
+    def sample_ids(self, start: int, stop: int) -> np.ndarray:
+        """Global sample ids (int64) at positions ``[start, stop)`` of the epoch.
+
+        Raises:
+            PositionOutOfRangeError: unless ``0 <= start <= stop <= num_samples``.
+        """
+        self._check_range(start, stop)
+        if not self.shuffle.enabled:
+            return np.arange(start, stop, dtype=np.int64)
+        return self._blocks.lookup(start, stop)[0].copy()
+
+    def sample_ids_at(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
+        """Global sample ids (int64) at arbitrary positions (any shape, each in range)."""
+        pos = self._check_positions(positions)
+        return self._resolve(pos.ravel())[0].reshape(pos.shape)
+
+    def locate(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(shard index, row within shard) of positions ``[start, stop)``, both int64."""
+        self._check_range(start, stop)
+        resolved = self._blocks.lookup(start, stop)
+        shards = self._stream.slot_shard[resolved[1]]
+        return shards, resolved[0] - self.shard_offsets[shards]
+
+    def shard_first_use(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each shard read in positions ``[start, stop)``, with the first position that reads it.
+
+        Returns:
+            ``(shards, positions)``, int64 arrays sorted by position: the order in which a
+            reader starting at ``start`` first needs each shard (prefetch and eviction order).
+        """
+        self._check_range(start, stop)
+        seen = np.zeros(self.num_shards, dtype=bool)
+        found_shards: list[np.ndarray] = []
+        found_positions: list[np.ndarray] = []
+        for chunk in range(start, stop, _CHUNK):
+            shards, _ = self.locate(chunk, min(stop, chunk + _CHUNK))
+            unique, first = np.unique(shards, return_index=True)
+            fresh = ~seen[unique]
+            seen[unique] = True
+            order = np.argsort(first[fresh], kind="stable")
+            found_shards.append(unique[fresh][order])
+            found_positions.append(first[fresh][order] + chunk)
+        if not found_shards:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate(found_shards), np.concatenate(found_positions)
+
+    def shard_of_ids(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shard index, row within shard) of global sample ids, both int64."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_samples):
+            raise PositionOutOfRangeError(
+                f"sample ids must lie in [0, {self.num_samples}), got "
+                f"[{ids.min()}, {ids.max()}]")
+        shards = np.searchsorted(self.shard_offsets, ids, side="right") - 1
+        return shards, ids - self.shard_offsets[shards]
+
+    # ---------------------------------------------------------------- internals
+
+    def _resolve(self, positions: np.ndarray) -> np.ndarray:
+        """A (2, n) int64 array: the sample id and the slot of each position."""
+        stream = positions
+        for layer in self._layers:
+            stream = layer.apply(stream)
+        slots = self._stream.slots(stream)
+        out = np.empty((2, positions.size), dtype=np.int64)
+        np.add(stream, self._stream.delta[slots], out=out[0])
+        out[1] = slots
+        return out
+
+    def _check_range(self, start: int, stop: int) -> None:
+        check_int("start", start)
+        check_int("stop", stop)
+        if not 0 <= start <= stop <= self.num_samples:
+            raise PositionOutOfRangeError(
+                f"positions [{start}, {stop}) are outside the epoch's [0, {self.num_samples})")
+
+    def _check_positions(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
+        pos = np.asarray(positions)
+        if pos.size == 0:
+            return pos.astype(np.int64)
+        if pos.dtype.kind not in "iu":
+            raise PlanError(f"positions must be integers, got dtype {pos.dtype}")
+        low, high = int(pos.min()), int(pos.max())
+        if low < 0 or high >= self.num_samples:
+            raise PositionOutOfRangeError(
+                f"positions [{low}, {high}] are outside the epoch's [0, {self.num_samples})")
+        return pos.astype(np.int64)
+
+    def __repr__(self) -> str:
+        return (f"EpochOrder(num_samples={self.num_samples}, num_shards={self.num_shards}, "
+                f"seed={self.seed}, epoch={self.epoch}, shuffle={self.shuffle})")
+
+
+def _check_rows(shard_rows: Sequence[int] | np.ndarray) -> np.ndarray:
+    rows = np.asarray(shard_rows)
+    if rows.ndim != 1:
+        raise PlanError(f"shard_rows must be a 1-d sequence of row counts, got shape {rows.shape}")
+    if rows.size == 0:
+        raise EmptyDatasetError("the dataset has no shards; check the index or the dataset URL")
+    if rows.dtype.kind not in "iu":
+        raise PlanError(f"shard row counts must be integers, got dtype {rows.dtype}")
+    if rows.min() < 0:
+        raise PlanError(f"shard row counts must be >= 0, got {int(rows.min())} "
+                        f"(shard {int(np.argmin(rows))})")
+    if rows.max() >= 1 << 62 or int(rows.astype(np.float64).sum()) >= 1 << 62:
+        raise PlanError("the dataset is too large: more than 2**62 samples")
+    return rows.astype(np.int64)

@@ -1,0 +1,188 @@
+"""Steps: which positions of the epoch every rank and worker reads at every step.
+
+A segment is the part of an epoch read with one (global batch, world size): it starts at the
+cursor's ``samples_consumed`` and its step ``t`` covers positions ``[start + t*B, start +
+(t+1)*B)``. Rank ``r`` takes its part of each step (chosen by a :class:`RankAssignment`),
+worker ``k`` of ``K`` takes the steps ``t`` with ``t % K == k``. Everything is a pure
+function of its arguments, so every rank computes the same answer without talking.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ._util import PlanError, check_int
+from .order import EpochOrder
+
+
+class TailPolicy(str, enum.Enum):
+    """What the last, partial global batch of an epoch becomes.
+
+    DROP: it is not read (every rank has ``floor(remaining / B)`` steps).
+    PAD: it is filled up to ``B`` with the samples at the start of the epoch order, flagged
+        ``is_padding`` (every sample is read at least once, padding exactly once per pad).
+    SPLIT: it is split across ranks as evenly as possible, nothing dropped and nothing
+        padded; ranks may get parts of different sizes (even empty) at that one step, but
+        still the same number of steps. Meant for evaluation.
+    """
+
+    DROP = "drop"
+    PAD = "pad"
+    SPLIT = "split"
+
+
+class RankAssignment(Protocol):
+    """The hook that decides which slots of a global batch each rank reads.
+
+    A global batch is a run of ``sum(part_sizes)`` consecutive positions; a slot is an offset
+    into it. ``slots`` must be a pure function of its arguments (every rank calls it for
+    itself), return ``part_sizes[rank]`` distinct slots, and the slots of all ranks must
+    partition the batch. A locality-aware assignment may look up the shards of the batch with
+    ``order.locate`` and give each node the samples of shards it caches.
+    """
+
+    def slots(self, order: EpochOrder, batch_start: int, part_sizes: Sequence[int],
+              rank: int) -> np.ndarray: ...
+
+
+class ContiguousAssignment:
+    """Rank ``r`` takes the ``r``-th run of the batch: concatenating the ranks' parts in rank
+    order gives the global batch in order."""
+
+    def slots(self, order: EpochOrder, batch_start: int, part_sizes: Sequence[int],
+              rank: int) -> np.ndarray:
+        first = sum(part_sizes[:rank])
+        return np.arange(first, first + part_sizes[rank], dtype=np.int64)
+
+
+CONTIGUOUS = ContiguousAssignment()
+
+
+@dataclass(frozen=True)
+class RankBatch:
+    """One rank's part of one step.
+
+    Attributes:
+        step: the step's index within its segment.
+        positions: epoch positions read (int64); padding wraps to the start of the epoch.
+        sample_ids: global sample id at each position (int64).
+        is_padding: True where a position only pads the last batch (bool).
+    """
+
+    step: int
+    positions: np.ndarray
+    sample_ids: np.ndarray
+    is_padding: np.ndarray
+
+
+@dataclass(frozen=True)
+class EpochSegment:
+    """The steps of an epoch from ``start`` on, for one global batch size and world size.
+
+    Raises:
+        PlanError: the global batch is not a multiple of the world size (or smaller than it),
+            or ``start`` lies outside ``[0, num_samples]``.
+    """
+
+    num_samples: int
+    start: int
+    global_batch: int
+    world_size: int
+    tail: TailPolicy = TailPolicy.DROP
+
+    def __post_init__(self) -> None:
+        check_int("num_samples", self.num_samples, minimum=1)
+        check_int("samples_consumed", self.start, minimum=0, maximum=self.num_samples)
+        check_int("global batch size", self.global_batch, minimum=1)
+        check_int("world size", self.world_size, minimum=1)
+        if self.world_size > self.global_batch:
+            raise PlanError(f"world size {self.world_size} is larger than the global batch "
+                            f"{self.global_batch}: every rank needs at least one sample a step")
+        if self.global_batch % self.world_size:
+            raise PlanError(f"global batch {self.global_batch} is not divisible by world size "
+                            f"{self.world_size}: every rank must take the same number of "
+                            "samples a step; use a multiple of the world size")
+        object.__setattr__(self, "tail", TailPolicy(self.tail))
+
+    @property
+    def num_steps(self) -> int:
+        """Steps in this segment; the same on every rank."""
+        remaining = self.num_samples - self.start
+        if self.tail is TailPolicy.DROP:
+            return remaining // self.global_batch
+        return -(-remaining // self.global_batch)
+
+    @property
+    def per_rank(self) -> int:
+        """Samples per rank in a full step."""
+        return self.global_batch // self.world_size
+
+    def step_span(self, step: int) -> tuple[int, int]:
+        """Positions ``[first, stop)`` of a step; ``stop`` passes ``num_samples`` only when
+        PAD pads it."""
+        check_int("step", step, minimum=0, maximum=self.num_steps - 1)
+        first = self.start + step * self.global_batch
+        stop = first + self.global_batch
+        if self.tail is not TailPolicy.PAD:
+            stop = min(stop, self.num_samples)
+        return first, stop
+
+    def part_sizes(self, step: int) -> list[int]:
+        """How many slots of the step each rank takes (all equal except a SPLIT tail)."""
+        first, stop = self.step_span(step)
+        length = stop - first
+        world = self.world_size
+        return [length * (r + 1) // world - length * r // world for r in range(world)]
+
+    def worker_steps(self, worker: int, num_workers: int) -> range:
+        """The steps worker ``worker`` of ``num_workers`` produces, in order."""
+        check_int("num_workers", num_workers, minimum=1)
+        check_int("worker", worker, minimum=0, maximum=num_workers - 1)
+        return range(worker, self.num_steps, num_workers)
+
+    def samples_consumed_after(self, steps_done: int) -> int:
+        """The cursor's ``samples_consumed`` once the first ``steps_done`` steps are consumed."""
+        check_int("steps_done", steps_done, minimum=0, maximum=self.num_steps)
+        return min(self.num_samples, self.start + steps_done * self.global_batch)
+
+    def rank_batch(self, order: EpochOrder, step: int, rank: int,
+                   assignment: RankAssignment = CONTIGUOUS) -> RankBatch:
+        """Rank ``rank``'s part of step ``step``: positions, sample ids and padding flags."""
+        check_int("rank", rank, minimum=0, maximum=self.world_size - 1)
+        if order.num_samples != self.num_samples:
+            raise PlanError(f"the order has {order.num_samples} samples but the segment "
+                            f"{self.num_samples}")
+        first, _ = self.step_span(step)
+        sizes = self.part_sizes(step)
+        if assignment is CONTIGUOUS:
+            lo = first + sum(sizes[:rank])
+            return self._contiguous(order, step, lo, lo + sizes[rank])
+        slots = np.asarray(assignment.slots(order, first, sizes, rank), dtype=np.int64)
+        if slots.shape != (sizes[rank],) or (slots.size and (
+                slots.min() < 0 or slots.max() >= sum(sizes))):
+            raise PlanError(f"rank assignment returned slots {slots!r} for rank {rank}; "
+                            f"expected {sizes[rank]} slots in [0, {sum(sizes)})")
+        virtual = first + slots
+        positions = virtual % self.num_samples
+        return RankBatch(step, positions, order.sample_ids_at(positions),
+                         virtual >= self.num_samples)
+
+    def _contiguous(self, order: EpochOrder, step: int, lo: int, hi: int) -> RankBatch:
+        total = self.num_samples
+        if hi <= total:
+            return RankBatch(step, np.arange(lo, hi, dtype=np.int64), order.sample_ids(lo, hi),
+                             np.zeros(hi - lo, dtype=bool))
+        virtual = np.arange(lo, hi, dtype=np.int64)
+        positions = virtual % total
+        return RankBatch(step, positions, order.sample_ids_at(positions), virtual >= total)
+
+    def worker_batches(self, order: EpochOrder, rank: int, worker: int, num_workers: int,
+                       assignment: RankAssignment = CONTIGUOUS) -> Iterator[RankBatch]:
+        """The batches worker ``worker`` of rank ``rank`` produces, in step order."""
+        for step in self.worker_steps(worker, num_workers):
+            yield self.rank_batch(order, step, rank, assignment)
