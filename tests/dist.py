@@ -170,7 +170,9 @@ class RankGroup:
                 args=(fn, rank, world_size, port, tuple(args), self._result_dir, backend,
                       timeout_s, dict(env or {})),
                 name=f"rank-{rank}",
-                daemon=True,
+                # not daemonic, like torchrun's workers: a rank may start processes of its
+                # own (DCP's checkpoint process, DataLoader workers); join() bounds its life
+                daemon=False,
             )
             for rank in range(world_size)
         ]

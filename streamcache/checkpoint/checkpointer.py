@@ -447,7 +447,7 @@ class Checkpointer:
     def _checksum_and_upload(self, job: _Job) -> dict[str, FileEntry]:
         files = {}
         target = self.root.child(job.name)
-        if self._tiered and self.rank == 0:
+        if self._tiered:
             target.makedirs()
         for name in self._own_files(job.write_dir):
             path = job.write_dir.local_path(name)
@@ -624,7 +624,9 @@ def _describe(exc: BaseException, rank: int) -> str:
     if isinstance(exc, CheckpointException):
         parts = []
         for failed_rank, failure in sorted(exc.failures.items()):
-            inner = getattr(failure, "exception", failure)
+            # a _WrappedException locally, an (exception, frames) tuple from other ranks
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            inner = getattr(inner, "exception", inner)
             parts.append(f"rank {failed_rank}: {type(inner).__name__}: {inner}")
         return "; ".join(parts)
     return f"rank {rank}: {type(exc).__name__}: {exc}"
