@@ -32,6 +32,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import errno
+import gc
 import http.client
 import importlib
 import os
@@ -315,6 +316,16 @@ _live_fetchers: weakref.WeakSet[Fetcher] = weakref.WeakSet()
 # closing a connection unregisters its socket from the event loop's epoll set, which fork()
 # shares with the parent: the parent's connection would then wait for data it never sees.
 _inherited_filesystems: list[Any] = []
+_made_async_filesystems = False  # whether this process has event-loop-bound filesystems
+
+
+def _before_fork() -> None:
+    # A filesystem the parent dropped but has not collected yet (a Fetcher in a reference
+    # cycle, one kept by a traceback) would be collected in the child instead: its finalizer
+    # then waits about a second for the parent's event loop, which does not run in the child,
+    # and unregisters its socket from the shared epoll set. Collect such garbage here.
+    if _made_async_filesystems:
+        gc.collect()
 
 
 def _after_fork_in_child() -> None:
@@ -327,7 +338,7 @@ def _after_fork_in_child() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 class Fetcher:
@@ -532,6 +543,9 @@ class Fetcher:
             fs, _ = fsspec.core.url_to_fs(
                 url, skip_instance_cache=True, **self.options.storage_options
             )
+            if getattr(fs, "async_impl", False):
+                global _made_async_filesystems
+                _made_async_filesystems = True
             with self._lock:
                 fs = self._filesystems.setdefault(key, fs)
         return fs, fs._strip_protocol(url)

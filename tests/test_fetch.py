@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import random
 import threading
@@ -434,3 +435,28 @@ def test_a_fetcher_used_before_fork_works_in_the_child(
         assert time.monotonic() - started < 1.0
         assert s3_fetcher.stats.retries == http_fetcher.stats.retries == 0
     assert fault_server.requests.count("/fork-obj") == 3
+
+
+def test_a_forked_child_does_not_stall_on_a_parent_fetcher_left_to_the_garbage_collector(
+    fault_server: FaultServer,
+) -> None:
+    url = publish(fault_server, "gc-obj", b"data")
+
+    def child() -> bool:
+        started = time.monotonic()
+        gc.collect()
+        return time.monotonic() - started < 0.5
+
+    gc.disable()  # keep the garbage below uncollected until the fork
+    try:
+        with Fetcher(fast(retries=0)) as fetcher:
+            fetcher.fetch(url)
+            with pytest.raises(FetchError) as caught:
+                fetcher.fetch(fault_server.url_for("missing"))
+        # The error's traceback holds the closed Fetcher's filesystem; a cycle keeps it alive.
+        error = caught.value
+        error.cycle = error  # type: ignore[attr-defined]
+        del error, caught, fetcher
+        assert _fetch_in_child(child) == 0
+    finally:
+        gc.enable()
