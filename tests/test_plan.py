@@ -21,6 +21,7 @@ from streamcache.plan import (
 )
 from streamcache.plan.bijection import permute
 from streamcache.plan.blocks import BLOCK
+from streamcache.plan.windows import BoundaryWindows, RegularWindows
 
 shard_rows_st = st.lists(st.integers(0, 300), min_size=1, max_size=12).filter(any)
 options_st = st.builds(
@@ -84,9 +85,40 @@ def test_order_is_pinned_across_versions() -> None:
                        shuffle=ShuffleOptions(window=64))
     assert order.sample_ids(0, 12).tolist() == [
         132, 144, 6, 1, 113, 123, 119, 8, 142, 112, 137, 104]
+    assert order.sample_ids(395, 401).tolist() == [385, 329, 324, 339, 395, 383]
+    by_shards = EpochOrder([100, 50, 0, 250, 1, 7, 9], seed=99, epoch=0,
+                           shuffle=ShuffleOptions(window=2, window_unit="shards"))
+    assert by_shards.sample_ids(0, 4).tolist() == [321, 4, 232, 360]
+    assert by_shards.sample_ids(413, 417).tolist() == [404, 403, 407, 401]
     assert sample_seeds(1234, 7, np.array([0, 1, 2**40])).tolist() == [
         18012817363071762220, 2786370469924164992, 6376247160387014944]
     assert permute(np.arange(8, dtype=np.int64), 8, 99).tolist() == [6, 4, 5, 3, 7, 1, 0, 2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(width=st.integers(1, 50), total=st.integers(1, 400), stagger=st.booleans())
+def test_regular_windows_tile_the_epoch(width: int, total: int, stagger: bool) -> None:
+    windows = RegularWindows(width, 0, total)
+    if stagger:
+        windows = windows.staggered()
+    index, start, size = windows.locate(np.arange(total, dtype=np.int64))
+    assert index[0] == 0 and index[-1] == windows.count - 1
+    assert np.all(np.diff(index) >= 0) and np.all(np.diff(index) <= 1)
+    for window in range(windows.count):
+        members = np.flatnonzero(index == window)
+        assert np.all(start[members] == members[0])
+        assert np.all(size[members] == members.size)
+        assert members.size <= windows.largest
+        if 0 < window == windows.count - 1:
+            assert members.size >= width // 2  # no sliver of a window at the end
+    assert int(np.max(size)) == windows.largest
+
+
+def test_shard_windows_merge_a_short_last_window() -> None:
+    starts = np.cumsum([0, 10, 10, 10, 10, 10, 10, 10])  # 7 shards
+    windows = BoundaryWindows.of_shards(starts, 3)
+    assert windows.bounds.tolist() == [0, 30, 70]
+    assert BoundaryWindows.of_shards(starts, 4).bounds.tolist() == [0, 40, 70]
 
 
 def test_order_depends_on_seed_and_epoch_only() -> None:
@@ -246,3 +278,14 @@ def test_shuffle_options_round_trip_strictly() -> None:
         ShuffleOptions.from_dict({**options.to_dict(), "extra": 1})
     with pytest.raises(PlanError):
         ShuffleOptions.from_dict({"window": 3})
+
+
+@pytest.mark.parametrize("options", [ShuffleOptions(window=97), NO_SHUFFLE])
+def test_skewed_shard_sizes_locate_correctly(options: ShuffleOptions) -> None:
+    # Many tiny and empty shards beside huge ones: the slot lookup's binary-search fallback.
+    rows = [5000] + [1] * 50 + [0] * 10 + [3] * 20 + [5000, 0, 2]
+    order = EpochOrder(rows, 4, 0, options)
+    ids = order.sample_ids(0, order.num_samples)
+    shards, row = order.locate(0, order.num_samples)
+    assert np.array_equal(np.stack(order.shard_of_ids(ids)), np.stack([shards, row]))
+    assert np.array_equal(np.sort(ids), np.arange(order.num_samples))

@@ -7,7 +7,7 @@ numpy version. Nothing here draws from a stateful generator.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -149,71 +149,76 @@ def permute(
     Returns:
         A new int64 array: the image of each point.
     """
-    network = _Network(sizes, keys, group)
-    out = network.run(points.astype(np.uint32))
-    walking = np.flatnonzero(out >= network.sizes)
-    while walking.size:
-        sub = network.take(walking)
-        stepped = sub.run(out[walking])
-        out[walking] = stepped
-        walking = walking[stepped >= sub.sizes]
-    return out.astype(np.int64)
+    if group is None:
+        size = int(sizes)
+        return _Network(np.uint32(size), _width(size), round_keys(int(keys))).walk(points)
+    group_sizes = np.asarray(sizes, dtype=np.int64)
+    group_keys = round_keys_array(np.asarray(keys, dtype=np.uint64))
+    widths = [_width(int(size)) for size in group_sizes.tolist()]
+    if len(set(widths)) == 1:
+        return _Network(group_sizes.astype(np.uint32)[group], widths[0],
+                        [k[group] for k in group_keys]).walk(points)
+    out = np.empty(points.size, dtype=np.int64)
+    # Points whose domains share a bit width share the shift arithmetic: one pass each.
+    for width in sorted(set(widths)):
+        members = np.flatnonzero(np.array([w == width for w in widths])[group])
+        member_group = group[members]
+        network = _Network(group_sizes.astype(np.uint32)[member_group], width,
+                           [k[member_group] for k in group_keys])
+        out[members] = network.walk(points[members])
+    return out
+
+
+def _width(size: int) -> int:
+    """The Feistel bit width for a domain of ``size`` points."""
+    return max(2, (max(size, 2) - 1).bit_length())
 
 
 class _Network:
-    """Feistel parameters (domain size, bit width, split widths, round keys), each either one
-    value shared by every point or an array with one value per point."""
+    """A Feistel network of one bit width; the domain sizes and round keys are each either
+    one value shared by every point or an array with one value per point."""
 
-    sizes: Any
-    bits: Any
-    splits: list[Any]
-    keys: list[Any]
-
-    def __init__(self, sizes: int | np.ndarray, keys: int | np.ndarray,
-                 group: np.ndarray | None) -> None:
-        if group is None:
-            size = int(sizes)
-            width = max(2, (max(size, 2) - 1).bit_length())
-            self._set(np.uint32(size), np.uint32(width), round_keys(int(keys)))
-            return
-        group_sizes = np.asarray(sizes, dtype=np.uint64)
-        _, exponents = np.frexp((np.maximum(group_sizes, np.uint64(2)) - np.uint64(1))
-                                .astype(np.float64))  # exact: sizes < 2**32
-        widths = np.maximum(exponents.astype(np.uint32), np.uint32(2))
-        group_keys = round_keys_array(np.asarray(keys, dtype=np.uint64))
-        self._set(group_sizes.astype(np.uint32)[group], widths[group],
-                  [k[group] for k in group_keys])
-
-    def _set(self, sizes: Any, bits: Any, keys: list[Any]) -> None:
+    def __init__(self, sizes: Any, width: int, keys: list[Any]) -> None:
         self.sizes = sizes
-        self.bits = bits
-        low = bits // np.uint32(2)
-        self.splits = [low, bits - low] * (FEISTEL_ROUNDS // 2)
         self.keys = keys
+        low = width // 2
+        # Per round: (low-part mask, low-part bits, the shift that keeps a hash's top bits).
+        self.rounds = [
+            (np.uint32((1 << split) - 1), np.uint32(split), np.uint32(width - split),
+             np.uint32(32 - (width - split)))
+            for split in (low, width - low)
+        ] * (FEISTEL_ROUNDS // 2)
+
+    def walk(self, points: np.ndarray) -> np.ndarray:
+        """The permutation with cycle-walking: every image lands inside its domain."""
+        out = self.run(points.astype(np.uint32))
+        walking = np.flatnonzero(out >= self.sizes)
+        while walking.size:
+            sub = self.take(walking)
+            stepped = sub.run(out[walking])
+            out[walking] = stepped
+            walking = walking[stepped >= sub.sizes]
+        return out.astype(np.int64)
 
     def take(self, index: np.ndarray) -> _Network:
-        """The parameters of the points at ``index`` (shared parameters stay shared)."""
+        """The network for the points at ``index`` (shared values stay shared)."""
         sub = object.__new__(_Network)
-        pick = _picker(index)
-        sub.sizes = pick(self.sizes)
-        sub.bits = pick(self.bits)
-        sub.splits = [pick(s) for s in self.splits]
-        sub.keys = [pick(k) for k in self.keys]
+        sub.sizes = _pick(self.sizes, index)
+        sub.keys = [_pick(k, index) for k in self.keys]
+        sub.rounds = self.rounds
         return sub
 
     def run(self, x: np.ndarray) -> np.ndarray:
-        """The network on 32-bit values (a new array; ``x`` is left alone)."""
-        one = np.uint32(1)
-        for split, key in zip(self.splits, self.keys, strict=True):
-            width = self.bits - split
-            low = x & ((one << split) - one)
+        """One pass of the network on 32-bit values (a new array; ``x`` is left alone)."""
+        for (mask, split, width, keep_top), key in zip(self.rounds, self.keys, strict=True):
+            low = x & mask
             high = x >> split
             # Round function: a keyed multiply-xorshift hash; its top bits are the best mixed.
             z = low ^ key
             z *= np.uint32(0x9E3779B1)
             z ^= z >> np.uint32(16)
             z *= np.uint32(0x85EBCA77)
-            z >>= np.uint32(32) - width
+            z >>= keep_top
             z ^= high
             low <<= width
             low |= z
@@ -221,7 +226,5 @@ class _Network:
         return x
 
 
-def _picker(index: np.ndarray) -> Callable[[Any], Any]:
-    def pick(value: Any) -> Any:
-        return value[index] if isinstance(value, np.ndarray) else value
-    return pick
+def _pick(value: Any, index: np.ndarray) -> Any:
+    return value[index] if isinstance(value, np.ndarray) else value

@@ -135,8 +135,7 @@ class EpochOrder:
         if self.shuffle.window_unit == "samples":
             windows = RegularWindows(min(self.shuffle.window, total), 0, total)
         else:
-            windows = BoundaryWindows(np.unique(np.append(
-                self._stream.starts[:: self.shuffle.window], total)))
+            windows = BoundaryWindows.of_shards(self._stream.starts, self.shuffle.window)
         if windows.largest > MAX_DOMAIN:
             raise PlanError(f"a shuffle window of {windows.largest} samples is too large; "
                             "windows hold "

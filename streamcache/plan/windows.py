@@ -14,7 +14,7 @@ import numpy as np
 
 from .bijection import derive_keys, fold_key, permute
 
-_FEW_WINDOWS = 3
+_FEW_WINDOWS = 2
 
 
 class Windows(Protocol):
@@ -33,20 +33,33 @@ class Windows(Protocol):
 
 
 class RegularWindows:
-    """Windows of ``width`` positions, the first shortened to ``width - offset``."""
+    """Windows of ``width`` positions with boundaries at ``j * width - offset``.
+
+    The first window is shortened to ``width - offset``; a last window shorter than half a
+    window is merged into the one before it, so the end of an epoch is shuffled as well as
+    the rest (windows hold at most ``1.5 * width`` positions).
+    """
 
     def __init__(self, width: int, offset: int, total: int) -> None:
         self.width = width
         self.offset = offset
         self.total = total
-        self.count = (total + offset + width - 1) // width
-        self.largest = min(width, total)
+        boundaries = max(0, -(-(total + offset) // width) - 1)  # j*width - offset < total
+        if boundaries and total - (boundaries * width - offset) < width // 2:
+            boundaries -= 1
+        self.count = boundaries + 1
+        if boundaries == 0:
+            self.largest = total
+        else:
+            first, last = width - offset, total - (boundaries * width - offset)
+            self.largest = max(first, last, width if boundaries > 1 else 0)
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        index = (positions + self.offset) // self.width
+        last = self.count - 1
+        index = np.minimum((positions + self.offset) // self.width, last)
         nominal = index * self.width - self.offset
         start = np.maximum(nominal, 0)
-        stop = np.minimum(nominal + self.width, self.total)
+        stop = np.where(index == last, self.total, nominal + self.width)
         return index, start, stop - start
 
     def staggered(self) -> Windows:
@@ -60,6 +73,17 @@ class BoundaryWindows:
         self.bounds = bounds.astype(np.int64)
         self.count = int(bounds.size) - 1
         self.largest = int(np.max(np.diff(self.bounds)))
+
+    @classmethod
+    def of_shards(cls, slot_starts: np.ndarray, shards_per_window: int) -> BoundaryWindows:
+        """Windows of ``shards_per_window`` consecutive slots; a last window of fewer than
+        half as many shards is merged into the one before it."""
+        count = slot_starts.size - 1
+        edges = slot_starts[::shards_per_window]
+        remainder = count % shards_per_window
+        if edges.size > 1 and 0 < remainder < shards_per_window / 2:
+            edges = edges[:-1]
+        return cls(np.unique(np.append(edges, slot_starts[-1])))
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         index = np.searchsorted(self.bounds, positions, side="right") - 1
