@@ -180,6 +180,12 @@ class ShardWriter:
             if self._part_bytes >= self.shard_size:
                 self._cut_shard()
 
+    def cut(self) -> None:
+        """End the current shard here; the next sample starts a new one (no-op if empty)."""
+        self._check_open()
+        self._move_rows_to_parts()
+        self._cut_shard()
+
     def _move_rows_to_parts(self) -> None:
         if not self._rows or not next(iter(self._rows.values())):
             return

@@ -1,0 +1,274 @@
+"""StreamLoader: a DataLoader drop-in with an exact, elastic ``state_dict``.
+
+Two modes:
+
+- ``num_workers=0`` (default): no worker processes. A small pool of native-backed threads
+  reads and assembles the next ``prefetch`` steps while the training loop works (the gather
+  releases the GIL); a transform, if any, runs on the consumer thread so that seeding the
+  global RNGs for it cannot race.
+- ``num_workers>0``: worker processes (torch's DataLoader machinery) for heavy Python
+  transforms; worker k produces the steps ``t % num_workers == k`` and batches arrive in step
+  order.
+
+The loader counts a step as consumed when the training loop receives its batch; its state is
+the plan's cursor, identical on every rank, and loading it on another world size, worker count
+or batch size continues the epoch exactly.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from .dataset import Schedule, StepRef, StreamDataset
+from .plan import Cursor, CursorMismatchError
+
+STATE_VERSION = 1
+KEY_VERSION = "version"
+KEY_CURSOR = "cursor"
+
+
+class _NativeBatches:
+    """Steps of a schedule read by a thread pool, ``depth`` ahead, delivered in order."""
+
+    def __init__(self, dataset: StreamDataset, schedule: Schedule, depth: int, threads: int,
+                 pin: bool) -> None:
+        self._dataset = dataset
+        self._refs = iter(schedule)
+        self._depth = max(1, depth)
+        self._pin = pin
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads),
+                                        thread_name_prefix="streamcache-loader")
+        self._pending: collections.deque[tuple[StepRef, Future[Any]]] = collections.deque()
+        self._closed = False
+        self._fill()
+
+    def _work(self, ref: StepRef) -> Any:
+        arrays = self._dataset.read_step(ref)
+        if self._dataset.transformed:
+            return arrays  # finished on the consumer thread
+        return _pinned(self._dataset.finish_step(ref, arrays)) if self._pin else \
+            self._dataset.finish_step(ref, arrays)
+
+    def _fill(self) -> None:
+        while len(self._pending) < self._depth:
+            ref = next(self._refs, None)
+            if ref is None:
+                return
+            self._pending.append((ref, self._pool.submit(self._work, ref)))
+
+    def __next__(self) -> Any:
+        if self._closed or not self._pending:
+            raise StopIteration
+        ref, future = self._pending.popleft()
+        self._fill()
+        result = future.result()  # a worker's exception is raised here, with its type
+        if self._dataset.transformed:
+            batch = self._dataset.finish_step(ref, result)
+            return _pinned(batch) if self._pin else batch
+        return result
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for _, future in self._pending:
+            future.cancel()
+        self._pending.clear()
+        self._pool.shutdown(wait=True)
+
+
+def _pinned(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, dict):
+        return {k: _pinned(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_pinned(v) for v in batch)
+    return batch
+
+
+class _LoaderIterator:
+    """One pass over the loader; moves the dataset's cursor as batches are received."""
+
+    def __init__(self, loader: StreamLoader) -> None:
+        self._loader = loader
+        dataset = loader.dataset
+        self._schedule = dataset.schedule()
+        self._steps = 0
+        self._source: Any
+        if loader.num_workers == 0:
+            self._source = _NativeBatches(dataset, self._schedule, loader.prefetch,
+                                          loader.threads, loader.pin_memory)
+        else:
+            self._torch_loader = DataLoader(
+                dataset, batch_size=None, num_workers=loader.num_workers,
+                pin_memory=loader.pin_memory, prefetch_factor=loader.prefetch,
+                persistent_workers=False, timeout=loader.timeout,
+                multiprocessing_context=loader.multiprocessing_context,
+            )
+            self._source = iter(self._torch_loader)
+        self._done = False
+
+    def __iter__(self) -> _LoaderIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        try:
+            batch = next(self._source)
+        except StopIteration:
+            self._finish()
+            raise
+        except BaseException:
+            self.close()
+            raise
+        self._steps += 1
+        self._loader.dataset.cursor = self._schedule.cursor_after(self._steps)
+        return batch
+
+    def _finish(self) -> None:
+        # The epoch's steps are all consumed (or there were none): the cursor moves to the
+        # start of the next epoch even when the last step was never yielded (an empty tail).
+        if not self._schedule.infinite:
+            self._loader.dataset.cursor = self._schedule.cursor_after(
+                self._schedule.first.num_steps)
+        self.close()
+
+    def close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        closer = getattr(self._source, "close", None)
+        if closer is not None:
+            closer()
+        shutdown = getattr(self._source, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter teardown nobody is left to tell
+            self.close()
+
+
+class StreamLoader:
+    """Iterate a :class:`StreamDataset` the way a training loop iterates a DataLoader.
+
+    Args:
+        dataset: the :class:`StreamDataset` (it decides batch size, order, rank).
+        num_workers: 0 for native threads, >0 for worker processes (heavy transforms).
+        pin_memory: pin batches in page-locked memory (needs CUDA; a warning otherwise).
+        prefetch: steps prepared ahead (per worker with worker processes).
+        threads: reader threads with ``num_workers=0``.
+        timeout, multiprocessing_context: as DataLoader's, for worker processes.
+
+    Iterating again continues from the cursor: after a complete epoch that is the next epoch,
+    after a ``break`` it is the rest of the current one. ``state_dict()`` is small,
+    JSON-able, versioned and the same on every rank; ``load_state_dict`` is strict.
+
+    Thread safety: one training loop iterates a loader at a time.
+    """
+
+    def __init__(self, dataset: StreamDataset, *, num_workers: int = 0,
+                 pin_memory: bool = False, prefetch: int = 2, threads: int = 2,
+                 timeout: float = 0, multiprocessing_context: Any = None) -> None:
+        if not isinstance(dataset, StreamDataset):
+            raise TypeError("StreamLoader takes a StreamDataset")
+        if num_workers < 0 or prefetch < 1 or threads < 1:
+            raise ValueError("num_workers must be >= 0, prefetch and threads >= 1")
+        self.dataset = dataset
+        self.num_workers = num_workers
+        self.prefetch = prefetch
+        self.threads = threads
+        self.timeout = timeout
+        self.multiprocessing_context = multiprocessing_context
+        self.pin_memory = pin_memory and self._can_pin()
+        self._active: _LoaderIterator | None = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _can_pin() -> bool:
+        if torch.cuda.is_available():
+            return True
+        warnings.warn("pin_memory=True but no CUDA device is available: batches are not "
+                      "pinned", stacklevel=3)
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per rank in a full step."""
+        return self.dataset.global_batch // self.dataset.world_size
+
+    def __iter__(self) -> Iterator[Any]:
+        with self._lock:
+            if self._active is not None:
+                self._active.close()
+            self._active = _LoaderIterator(self)
+            return self._active
+
+    def __len__(self) -> int:
+        if self.dataset.options.infinite:
+            raise TypeError("an infinite StreamLoader has no length")
+        return len(self.dataset)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning at the next iteration (as DistributedSampler)."""
+        self._close_active()
+        self.dataset.set_epoch(epoch)
+
+    @property
+    def cursor(self) -> Cursor:
+        return self.dataset.cursor
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader state: ``{"version": 1, "cursor": {...}}``, the same on every rank."""
+        return {KEY_VERSION: STATE_VERSION, KEY_CURSOR: self.dataset.cursor.to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` at the next iteration, on any world size, worker count or
+        batch size.
+
+        Raises:
+            CursorMismatchError: the state belongs to another dataset, seed or shuffle, or is
+                of an unknown version.
+        """
+        if not isinstance(state, dict) or state.get(KEY_VERSION) != STATE_VERSION:
+            version = state.get(KEY_VERSION) if isinstance(state, dict) else None
+            raise CursorMismatchError(
+                f"loader state version {version!r} is not supported (expected "
+                f"{STATE_VERSION}); it was not written by this StreamLoader")
+        current = self.dataset.cursor
+        cursor = Cursor.load(state[KEY_CURSOR], dataset_fingerprint=current.dataset_fingerprint,
+                             num_samples=current.num_samples, seed=current.seed,
+                             shuffle=current.shuffle)
+        self._close_active()
+        self.dataset.cursor = cursor
+
+    def _close_active(self) -> None:
+        with self._lock:
+            if self._active is not None:
+                self._active.close()
+                self._active = None
+
+    def close(self) -> None:
+        """Stop the active iteration's threads or workers and release the reader."""
+        self._close_active()
+        self.dataset.close()
+
+    def __enter__(self) -> StreamLoader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+__all__ = ["StreamLoader"]
