@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "gather.h"
+#include "scheduler.h"
 #include "thread_pool.h"
 #include "xxh64.h"
 
@@ -142,6 +143,56 @@ StatusTuple py_gather_var(const std::vector<Bytes>& values, const std::vector<In
   return to_tuple(s);
 }
 
+using CounterTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
+
+// The blocking Scheduler calls release the GIL for the whole wait: readers and Python worker
+// threads block here while the download threads (Python) keep running.
+int64_t py_next_task(Scheduler& s, double timeout_s) {
+  nb::gil_scoped_release release;
+  return s.next_task(timeout_s);
+}
+
+std::tuple<int, std::string> py_wait(Scheduler& s, int64_t shard, double timeout_s,
+                                     bool count_access) {
+  std::pair<WaitResult, std::string> result;
+  {
+    nb::gil_scoped_release release;
+    result = s.wait(shard, timeout_s, count_access);
+  }
+  return {static_cast<int>(result.first), result.second};
+}
+
+CounterTuple py_counters(const Scheduler& s) {
+  SchedulerCounters c = s.counters();
+  return {c.hits, c.misses, c.bytes_fetched, c.bytes_evicted, c.wait_ns, c.tasks_done,
+          c.tasks_failed};
+}
+
+void bind_scheduler(nb::module_& m) {
+  // The short methods keep the GIL: they hold the scheduler's mutex for microseconds, and no
+  // code that holds that mutex ever asks for the GIL, so the two locks cannot deadlock.
+  nb::class_<Scheduler>(m, "Scheduler",
+                        "Prefetch queue, in-flight budget, shard states and waits (csrc/scheduler.h).")
+      .def(nb::init<int64_t>(), nb::arg("inflight_budget"))
+      .def("submit", &Scheduler::submit, nb::arg("shard"), nb::arg("priority"), nb::arg("bytes"))
+      .def("cancel", &Scheduler::cancel, nb::arg("shard"))
+      .def("next_task", &py_next_task, nb::arg("timeout_s"))
+      .def("complete", &Scheduler::complete, nb::arg("shard"), nb::arg("ok"),
+           nb::arg("bytes_fetched"), nb::arg("message"))
+      .def("mark_ready", &Scheduler::mark_ready, nb::arg("shard"))
+      .def("forget", &Scheduler::forget, nb::arg("shard"), nb::arg("bytes_evicted"))
+      .def("wait", &py_wait, nb::arg("shard"), nb::arg("timeout_s"), nb::arg("count_access"),
+           "(result code, failure message); codes as WaitResult in csrc/scheduler.h.")
+      .def("state", [](const Scheduler& s, int64_t shard) { return static_cast<int>(s.state(shard)); },
+           nb::arg("shard"))
+      .def("stop", &Scheduler::stop)
+      .def("stopped", &Scheduler::stopped)
+      .def("counters", &py_counters,
+           "(hits, misses, bytes_fetched, bytes_evicted, wait_ns, tasks_done, tasks_failed).")
+      .def("inflight_bytes", &Scheduler::inflight_bytes)
+      .def("queued", &Scheduler::queued);
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -163,4 +214,5 @@ NB_MODULE(_core, m) {
   m.def("set_num_threads", [](size_t n) { set_global_pool_size(n); }, nb::arg("threads"),
         "Size of the native thread pool (0 = hardware concurrency).");
   m.def("get_num_threads", []() { return global_pool_size(); });
+  bind_scheduler(m);
 }
