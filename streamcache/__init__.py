@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .convert import convert
+from .dataset import StreamDataset, StreamOptions
 from .dataset_reader import DatasetReader
 from .errors import (
     ChecksumMismatchError,
@@ -17,6 +18,7 @@ from .errors import (
     StreamcacheError,
 )
 from .index import DatasetIndex, build_index, load_index
+from .loader import StreamLoader
 from .reader import Ragged
 from .schema import Field, Schema
 from .writer import ShardWriter, write_dataset
@@ -39,6 +41,9 @@ __all__ = [
     "ShardCorruptError",
     "ShardWriter",
     "SourceError",
+    "StreamDataset",
+    "StreamLoader",
+    "StreamOptions",
     "StreamcacheError",
     "__version__",
     "build_index",
