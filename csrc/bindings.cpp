@@ -185,6 +185,7 @@ void bind_scheduler(nb::module_& m) {
            "(result code, failure message); codes as WaitResult in csrc/scheduler.h.")
       .def("state", [](const Scheduler& s, int64_t shard) { return static_cast<int>(s.state(shard)); },
            nb::arg("shard"))
+      .def("note_hit", &Scheduler::note_hit)
       .def("stop", &Scheduler::stop)
       .def("stopped", &Scheduler::stopped)
       .def("counters", &py_counters,

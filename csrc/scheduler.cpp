@@ -147,6 +147,11 @@ bool Scheduler::state_locked_is_ready(int64_t shard) const {
   return it != entries_.end() && it->second.state == ShardState::kReady;
 }
 
+void Scheduler::note_hit() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  counters_.hits += 1;
+}
+
 ShardState Scheduler::state(int64_t shard) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = entries_.find(shard);

@@ -83,6 +83,9 @@ class Scheduler {
   // spent blocked is always counted. The message is the failure's, if any.
   std::pair<WaitResult, std::string> wait(int64_t shard, double timeout_s, bool count_access);
 
+  // Count a hit that needed no wait() (the reader found the shard installed by itself).
+  void note_hit();
+
   ShardState state(int64_t shard) const;
   // Wake and end every blocking call; later calls return at once. Idempotent.
   void stop();

@@ -204,6 +204,9 @@ class Scheduler:
         code, message = self._impl.wait(int(shard), float(timeout_s), bool(count_access))
         return int(code), str(message)
 
+    def note_hit(self) -> None:
+        self._impl.note_hit()
+
     def state(self, shard: int) -> int:
         return int(self._impl.state(int(shard)))
 

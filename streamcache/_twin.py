@@ -379,6 +379,10 @@ class Scheduler:
                 return WAIT_NOT_SCHEDULED, ""
             return WAIT_TIMEOUT, ""
 
+    def note_hit(self) -> None:
+        with self._lock:
+            self._counters[0] += 1
+
     def state(self, shard: int) -> int:
         with self._lock:
             return self._state(shard)

@@ -58,3 +58,15 @@ class DestinationError(StreamcacheError):
 
 class SourceError(StreamcacheError):
     """A conversion or index source cannot be found or read."""
+
+
+class CacheError(StreamcacheError):
+    """The node cache cannot be used as configured, or a shard cannot be installed in it."""
+
+
+class CacheBudgetError(CacheError, ValueError):
+    """``cache_limit`` is smaller than the bytes that must be cached at once."""
+
+
+class PrefetchError(StreamcacheError):
+    """A shard could not be prefetched; raised in the reader that needed it."""

@@ -1,0 +1,528 @@
+"""The node cache: one local directory shared by every process on a node, with a byte budget.
+
+A shard is installed once per node: downloaded into a temporary file of the installing
+process, verified (size and checksum), materialized into the uncompressed local layout the
+reader memory-maps, and published by a rename. A per-shard file lock makes one process
+install while the others on the node block on the lock and find the shard installed when it
+is released. The installed bytes are kept in an accounting file under a cache-wide lock,
+rebuilt from the directory once when a cache is opened. Eviction (see eviction.py) removes
+the shard whose next use is farthest, or the least recently used one when no plan is known.
+Local source shards already in the local layout are read in place, never copied or evicted.
+
+Layout under ``cache_dir`` (see docs/cache.md)::
+
+    accounting.json         installed bytes per shard, rewritten atomically under the lock
+    accounting.lock         the cache-wide lock (POSIX record lock)
+    datasets/<fp>/NNNNNN.arrow    installed shards of the dataset with fingerprint <fp>
+    locks/<fp>/NNNNNN.lock        per-shard install locks (empty files, never removed)
+    tmp/<boot>-<pid>-<start>/     one process's temporaries; removed once that process is gone
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from . import storage
+from .errors import CacheBudgetError, CacheError
+from .eviction import Resident, choose_victims
+from .fetch import Fetcher, FetchOptions
+from .index import DatasetIndex
+from .materialize import is_local_layout, materialize
+
+ACCOUNTING_NAME = "accounting.json"
+ACCOUNTING_LOCK = "accounting.lock"
+ACCOUNTING_FORMAT = "streamcache-cache-accounting"
+ACCOUNTING_VERSION = 1
+KEY_FORMAT, KEY_VERSION, KEY_ENTRIES = "format", "version", "entries"
+KEY_BYTES, KEY_INSTALLED = "bytes", "installed"
+_SHARD_FILE = re.compile(r"^(\d{6,})\.arrow$")
+#: Bytes a local-layout file holds beyond its raw column data (schema, footer, padding).
+LAYOUT_OVERHEAD = 8 << 10
+
+EvictionListener = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """What this process's cache did (a snapshot)."""
+
+    hits: int = 0  # local_path found the shard installed (or in place)
+    misses: int = 0  # local_path had to install it (or wait for another process)
+    installs: int = 0  # shards this process downloaded and published
+    bytes_fetched: int = 0  # stored bytes this process downloaded
+    evictions: int = 0  # shards this process removed to make room
+    bytes_evicted: int = 0
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """The node cache's accounting (all datasets, all processes)."""
+
+    bytes: int
+    shards: int
+    limit: int | None
+
+
+class NodeCache:
+    """Shards of one dataset in a node-wide cache directory. A :class:`ShardStore`.
+
+    Args:
+        index: the dataset's index.
+        cache_dir: the node-local directory (created if needed). Every process of the node
+            that passes the same directory shares one copy of each shard.
+        cache_limit: bytes the installed shards of the whole directory may occupy (None: no
+            limit). Temporaries of downloads in flight are not counted.
+        working_set_bytes: bytes of shards that must be cached at once (the reader's shuffle
+            window); default: the largest shard. A smaller ``cache_limit`` is refused.
+        fetcher: the :class:`Fetcher` to download with (default: one made from
+            ``fetch_options``, closed with the cache).
+        durable: fsync installed shards and the directory, so a power loss cannot leave a
+            renamed but empty shard.
+
+    Raises:
+        CacheBudgetError: ``cache_limit`` is below ``working_set_bytes``; the message states
+            the minimum.
+
+    Thread safety: every method may be called from any number of threads. Fork: a child
+    process may use a cache made by its parent (it gets its own locks and temporaries).
+    """
+
+    def __init__(self, index: DatasetIndex, cache_dir: str, *, cache_limit: int | None = None,
+                 working_set_bytes: int | None = None, fetcher: Fetcher | None = None,
+                 fetch_options: FetchOptions | None = None, durable: bool = True) -> None:
+        self.index = index
+        self.cache_dir = os.path.abspath(cache_dir)
+        self.cache_limit = cache_limit
+        self.durable = durable
+        self._own_fetcher = fetcher is None
+        self.fetcher = fetcher or Fetcher(fetch_options)
+        name = index.fingerprint.replace(":", "-")
+        self._shard_dir = os.path.join(self.cache_dir, "datasets", name)
+        self._lock_dir = os.path.join(self.cache_dir, "locks", name)
+        self._dataset_key = f"datasets/{name}"
+        self._in_place: dict[int, str | None] = {}
+        self._last_used: dict[str, float] = {}
+        self._actual_bytes: dict[int, int] = {}
+        self._next_use: Callable[[int], float] | None = None
+        self._listeners: list[EvictionListener] = []
+        self._stats = CacheStats()
+        self._closed = False
+        self._reset_process_state()
+        self.working_set_bytes = self._check_budget(working_set_bytes)
+        for folder in (self._shard_dir, self._lock_dir, os.path.join(self.cache_dir, "tmp")):
+            os.makedirs(folder, exist_ok=True)
+        self._open()
+        _live_caches.add(self)
+
+    def _reset_process_state(self) -> None:
+        """Fresh in-process locks and temporary folder (also run in a forked child)."""
+        self._guard = threading.Lock()
+        self._shard_locks: dict[int, threading.Lock] = {}
+        self._book_lock = threading.Lock()
+        self._tmp: str | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    def local_path(self, shard: int) -> str:
+        """The local-layout file of ``shard``, installing it first if needed.
+
+        Raises:
+            FetchError, ChecksumMismatchError, ShardCorruptError: the shard cannot be
+                downloaded or decoded (after the Fetcher's retries).
+            CacheBudgetError: the shard alone does not fit ``cache_limit``.
+        """
+        path = self.lookup(shard)
+        if path is not None:
+            self._count(hits=1)
+            return path
+        self._count(misses=1)
+        self.install(shard)
+        path = self.lookup(shard)
+        # Evicted again before we could use it (a budget that is barely the working set,
+        # under another process's pressure): the path is still right, install once more.
+        return path if path is not None else self._install_and_path(shard)
+
+    def lookup(self, shard: int) -> str | None:
+        """The local-layout file of ``shard`` if it is installed (or read in place), else None."""
+        in_place = self.in_place_path(shard)
+        if in_place is not None:
+            return in_place
+        path = self.shard_path(shard)
+        if not os.path.exists(path):
+            return None
+        self._last_used[self._key(shard)] = time.time()
+        return path
+
+    def contains(self, shard: int) -> bool:
+        return self.in_place_path(shard) is not None or os.path.exists(self.shard_path(shard))
+
+    def install(self, shard: int) -> int:
+        """Make sure ``shard`` is installed; returns the bytes this call downloaded (0 when it
+        was installed already, by this process or another, or is read in place)."""
+        self._check_open()
+        if self.contains(shard):
+            return 0
+        with self._shard_lock(shard):
+            if os.path.exists(self.shard_path(shard)):
+                return 0  # another process installed it while we waited for the lock
+            staged, downloaded = self._download(shard)
+            try:
+                self._publish(shard, staged)
+            finally:
+                _remove_quietly(staged)
+        self._count(installs=1, bytes_fetched=downloaded)
+        return downloaded
+
+    def set_next_use(self, next_use: Callable[[int], float] | None) -> None:
+        """Where each shard of this dataset is read next (a plan position; ``math.inf`` when
+        not again). Eviction removes the farthest first; None falls back to LRU."""
+        self._next_use = next_use
+
+    def add_eviction_listener(self, listener: EvictionListener) -> None:
+        """Call ``listener(shard, nbytes)`` whenever this process evicts a shard of this
+        dataset (from the thread that evicts it, with the cache-wide lock held)."""
+        self._listeners.append(listener)
+
+    def shard_path(self, shard: int) -> str:
+        return os.path.join(self._shard_dir, f"{shard:06d}.arrow")
+
+    def in_place_path(self, shard: int) -> str | None:
+        """The source file itself when it is local and already in the local layout."""
+        if shard not in self._in_place:
+            self._in_place[shard] = self._find_in_place(shard)
+        return self._in_place[shard]
+
+    def estimated_bytes(self, shard: int) -> int:
+        """Bytes ``shard`` occupies installed: exact once seen, else from the index."""
+        if self.in_place_path(shard) is not None:
+            return 0
+        if shard in self._actual_bytes:
+            return self._actual_bytes[shard]
+        info = self.index.shards[shard]
+        return (info.raw_bytes if info.raw_bytes is not None else info.bytes) + LAYOUT_OVERHEAD
+
+    @property
+    def stats(self) -> CacheStats:
+        with self._guard:
+            return self._stats
+
+    def usage(self) -> CacheUsage:
+        """Installed bytes and shards of the whole directory, from the accounting file."""
+        with self._accounting_lock():
+            entries = self._read_accounting()
+        return CacheUsage(sum(e[KEY_BYTES] for e in entries.values()), len(entries),
+                          self.cache_limit)
+
+    def close(self) -> None:
+        """Release the Fetcher (if the cache made it) and this process's temporaries."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._own_fetcher:
+            self.fetcher.close()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self._tmp))  # the process folder, once empty
+
+    def __enter__(self) -> NodeCache:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ construction
+
+    def _check_budget(self, working_set_bytes: int | None) -> int:
+        if working_set_bytes is None:
+            working_set_bytes = max(
+                (self.estimated_bytes(k) for k in range(len(self.index.shards))), default=0)
+        if self.cache_limit is not None and self.cache_limit < working_set_bytes:
+            raise CacheBudgetError(
+                f"cache_limit={self.cache_limit} bytes is smaller than the working set: "
+                f"{working_set_bytes} bytes of shards are needed at once; set cache_limit to "
+                f"at least {working_set_bytes} bytes (or shrink the shuffle window)"
+            )
+        return working_set_bytes
+
+    def _open(self) -> None:
+        """Remove temporaries of dead processes and rebuild the accounting from the files."""
+        tmp_root = os.path.join(self.cache_dir, "tmp")
+        for name in _listdir(tmp_root):
+            if not process_alive(name):
+                shutil.rmtree(os.path.join(tmp_root, name), ignore_errors=True)
+        with self._accounting_lock():
+            self._write_accounting(self._walk())
+
+    def _walk(self) -> dict[str, dict[str, Any]]:
+        """Every installed shard of every dataset in the directory, from the files."""
+        entries: dict[str, dict[str, Any]] = {}
+        root = os.path.join(self.cache_dir, "datasets")
+        for dataset in _listdir(root):
+            for name in _listdir(os.path.join(root, dataset)):
+                if not _SHARD_FILE.match(name):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    st = os.stat(os.path.join(root, dataset, name))
+                    entries[f"datasets/{dataset}/{name}"] = {
+                        KEY_BYTES: st.st_size, KEY_INSTALLED: st.st_mtime}
+        return entries
+
+    def _find_in_place(self, shard: int) -> str | None:
+        info = self.index.shards[shard]
+        fs, path = storage.filesystem(self.index.shard_url(shard))
+        if storage.is_local(fs) and info.format == "arrow" and is_local_layout(
+                path, self.index.schema):
+            return str(path)
+        return None
+
+    # ------------------------------------------------------------------ install
+
+    def _install_and_path(self, shard: int) -> str:
+        self.install(shard)
+        path = self.lookup(shard)
+        if path is None:
+            raise CacheError(f"shard {shard} was evicted as soon as it was installed; "
+                             f"cache_limit={self.cache_limit} is too tight for the processes "
+                             "sharing it: raise it")
+        return path
+
+    def _download(self, shard: int) -> tuple[str, int]:
+        """Fetch and materialize ``shard`` into this process's temporaries: (file, bytes)."""
+        info = self.index.shards[shard]
+        url = self.index.shard_url(shard)
+        tmp = self._tmp_dir()
+        download = os.path.join(tmp, f"{shard:06d}.download")
+        staged = os.path.join(tmp, f"{shard:06d}.arrow")
+        try:
+            nbytes = self.fetcher.fetch_to_file(url, download, size=info.bytes,
+                                                checksum=info.checksum)
+            if info.format == "arrow" and is_local_layout(download, self.index.schema):
+                os.replace(download, staged)  # stored uncompressed already: no decode
+            else:
+                materialize(download, info.format, self.index.schema, staged, where=url,
+                            expected_rows=info.rows, durable=self.durable)
+        finally:
+            _remove_quietly(download)
+        return staged, nbytes
+
+    def _publish(self, shard: int, staged: str) -> None:
+        """Make room, account and rename ``staged`` into place, all under the cache lock.
+
+        Order, chosen so that a crash at any point leaves the accounting at or above the
+        truth (never a budget overrun): victims are unlinked before the accounting is
+        written, the accounting is written before the new shard is renamed into place.
+        """
+        nbytes = os.path.getsize(staged)
+        self._actual_bytes[shard] = nbytes
+        key = self._key(shard)
+        with self._accounting_lock():
+            entries = self._read_accounting()
+            entries.pop(key, None)
+            if self.cache_limit is not None:
+                if nbytes > self.cache_limit:
+                    raise CacheBudgetError(
+                        f"shard {shard} takes {nbytes} bytes installed; cache_limit="
+                        f"{self.cache_limit} cannot hold it: set cache_limit to at least "
+                        f"{max(nbytes, self.working_set_bytes)} bytes")
+                self._evict(entries, nbytes)
+            entries[key] = {KEY_BYTES: nbytes, KEY_INSTALLED: time.time()}
+            self._write_accounting(entries)
+            os.replace(staged, self.shard_path(shard))
+            if self.durable:
+                storage.fsync_dir(self._shard_dir)
+        self._last_used[key] = time.time()
+
+    def _evict(self, entries: dict[str, dict[str, Any]], incoming: int) -> None:
+        assert self.cache_limit is not None
+        residents = {key: Resident(int(e[KEY_BYTES]),
+                                   max(float(e[KEY_INSTALLED]), self._last_used.get(key, 0.0)))
+                     for key, e in entries.items()}
+        for key in choose_victims(residents, incoming, self.cache_limit, self._key_next_use):
+            _remove_quietly(os.path.join(self.cache_dir, key))
+            nbytes = int(entries.pop(key)[KEY_BYTES])
+            self._count(evictions=1, bytes_evicted=nbytes)
+            shard = self._shard_of(key)
+            if shard is not None:
+                for listener in self._listeners:
+                    listener(shard, nbytes)
+
+    def _key_next_use(self, key: str) -> float:
+        shard = self._shard_of(key)
+        if shard is None or self._next_use is None:
+            return math.inf  # another dataset's shard, or no plan: LRU decides
+        return float(self._next_use(shard))
+
+    # ------------------------------------------------------------------ accounting
+
+    def _read_accounting(self) -> dict[str, dict[str, Any]]:
+        """The accounting entries (the cache lock must be held). A missing or unreadable
+        file is rebuilt from the directory."""
+        try:
+            with open(os.path.join(self.cache_dir, ACCOUNTING_NAME), "rb") as f:
+                obj = json.loads(f.read())
+            if obj[KEY_FORMAT] != ACCOUNTING_FORMAT or obj[KEY_VERSION] != ACCOUNTING_VERSION:
+                raise ValueError("unknown accounting format")
+            return {str(k): {KEY_BYTES: int(v[KEY_BYTES]), KEY_INSTALLED: float(v[KEY_INSTALLED])}
+                    for k, v in obj[KEY_ENTRIES].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return self._walk()
+
+    def _write_accounting(self, entries: Mapping[str, Mapping[str, Any]]) -> None:
+        obj = {KEY_FORMAT: ACCOUNTING_FORMAT, KEY_VERSION: ACCOUNTING_VERSION,
+               KEY_ENTRIES: entries}
+        temp = os.path.join(self._tmp_dir(), ACCOUNTING_NAME)
+        with open(temp, "w") as f:
+            json.dump(obj, f, separators=(",", ":"))
+        os.replace(temp, os.path.join(self.cache_dir, ACCOUNTING_NAME))
+
+    # ------------------------------------------------------------------ locks and helpers
+
+    @contextlib.contextmanager
+    def _accounting_lock(self) -> Iterator[None]:
+        with self._book_lock, _file_lock(os.path.join(self.cache_dir, ACCOUNTING_LOCK)):
+            yield
+
+    @contextlib.contextmanager
+    def _shard_lock(self, shard: int) -> Iterator[None]:
+        with self._guard:
+            lock = self._shard_locks.setdefault(shard, threading.Lock())
+        with lock, _file_lock(os.path.join(self._lock_dir, f"{shard:06d}.lock")):
+            yield
+
+    def _tmp_dir(self) -> str:
+        """This cache object's temporary folder in this process (made on first use)."""
+        token = process_token()
+        if self._tmp is None or os.path.basename(os.path.dirname(self._tmp)) != token:
+            self._tmp = os.path.join(self.cache_dir, "tmp", token, f"{id(self):x}")
+            os.makedirs(self._tmp, exist_ok=True)
+        return self._tmp
+
+    def _key(self, shard: int) -> str:
+        return f"{self._dataset_key}/{shard:06d}.arrow"
+
+    def _shard_of(self, key: str) -> int | None:
+        folder, _, name = key.rpartition("/")
+        match = _SHARD_FILE.match(name)
+        return int(match.group(1)) if folder == self._dataset_key and match else None
+
+    def _count(self, **increments: int) -> None:
+        with self._guard:
+            self._stats = replace(self._stats, **{
+                name: getattr(self._stats, name) + value for name, value in increments.items()})
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheError("the cache is closed")
+
+
+@contextlib.contextmanager
+def _file_lock(path: str) -> Iterator[None]:
+    """An exclusive POSIX record lock on ``path`` (blocks with the GIL released).
+
+    Record locks (``lockf``), not ``flock``: they belong to the process and are not inherited
+    by a forked child, so a child can never find itself holding a lock its parent's thread
+    took; the kernel drops them when the process dies, SIGKILL included.
+    """
+    import fcntl  # POSIX only
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+# ---------------------------------------------------------------------- process tokens
+
+_token: tuple[int, str] | None = None
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip().replace("-", "")[:12]
+    except OSError:
+        return "noboot"
+
+
+def _start_ticks(pid: int) -> str | None:
+    """The start time of ``pid`` (clock ticks since boot); None if it is gone or a zombie;
+    "" where /proc does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return None if os.path.isdir("/proc") else ""
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def process_token() -> str:
+    """``<boot id>-<pid>-<start time>``: names this process's temporaries uniquely across pid
+    reuse and reboots."""
+    global _token
+    pid = os.getpid()
+    if _token is None or _token[0] != pid:
+        _token = (pid, f"{_boot_id()}-{pid}-{_start_ticks(pid) or 0}")
+    return _token[1]
+
+
+def process_alive(token: str) -> bool:
+    """Whether the process that made ``token`` still runs (False for a malformed token)."""
+    parts = token.split("-")
+    if len(parts) != 3 or not parts[1].isdigit():
+        return False
+    boot, pid, start = parts[0], int(parts[1]), parts[2]
+    if boot != _boot_id():
+        return False
+    ticks = _start_ticks(pid)
+    if ticks == "":  # no /proc: the best we can do is ask whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return ticks is not None and ticks == start
+
+
+def _listdir(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except FileNotFoundError:
+        return []
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+_live_caches: weakref.WeakSet[NodeCache] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for cache in list(_live_caches):
+        cache._reset_process_state()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+__all__ = ["CacheStats", "CacheUsage", "NodeCache"]

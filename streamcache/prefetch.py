@@ -1,0 +1,342 @@
+"""The prefetcher: keeps the next shards of the plan in flight so the reader rarely waits.
+
+Policy (here, in Python): from the plan's upcoming shards in first-use order, take the
+prefix that fits the lookahead limits (shards and bytes) and submit it to the native
+:class:`~streamcache._native.Scheduler` with the first-use position as priority; cancel what
+fell out of that prefix; tell the cache where each shard is read next, for eviction.
+
+Mechanism (in C++): the priority queue, the in-flight byte budget, the shard states, the
+blocking ``next_task`` of the download threads and the blocking ``wait`` of readers, with
+the GIL released, plus the counters. The download threads themselves are Python threads,
+because a download is fsspec (Python) code: see docs/cache.md.
+
+:class:`ShardUsage` turns a plan into the plain data the prefetcher takes (first and last
+position of every shard), so neither the cache nor the prefetcher imports the plan.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._native import (
+    SHARD_FAILED,
+    SHARD_READY,
+    TASK_STOPPED,
+    TASK_TIMEOUT,
+    WAIT_FAILED,
+    WAIT_NOT_SCHEDULED,
+    WAIT_READY,
+    WAIT_STOPPED,
+    Scheduler,
+    SchedulerCounters,
+)
+from .cache import NodeCache
+from .errors import PrefetchError
+
+#: Priority of a shard a reader is blocked on: ahead of every plan position.
+URGENT = -1
+_CHUNK = 1 << 20
+
+Locate = Callable[[int, int], tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class PrefetchOptions:
+    """How far ahead and how hard the prefetcher works.
+
+    Attributes:
+        workers: download threads (each runs one fetch + verify + materialize at a time).
+        lookahead_shards: at most this many upcoming shards (the current ones included) are
+            queued, in flight or kept.
+        lookahead_bytes: at most this many installed bytes of upcoming shards (None: the
+            cache's ``cache_limit``, so prefetching never evicts a shard needed sooner).
+        inflight_bytes: stored bytes downloading at once (one shard always may).
+        poll_s: longest single block in native code, so that close() and Ctrl-C are noticed.
+    """
+
+    workers: int = 4
+    lookahead_shards: int = 16
+    lookahead_bytes: int | None = None
+    inflight_bytes: int = 1 << 30
+    poll_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.lookahead_shards < 1 or self.inflight_bytes < 1:
+            raise ValueError("workers, lookahead_shards and inflight_bytes must be >= 1")
+        if self.poll_s <= 0:
+            raise ValueError("poll_s must be > 0")
+
+
+@dataclass(frozen=True)
+class ShardUsage:
+    """Where each shard is read in an epoch: first and last position (-1: not read).
+
+    Between its first and last read a shard counts as in use: its next use from a position
+    inside that span is taken to be now (exact for a shard read contiguously, an upper bound
+    on its urgency otherwise).
+    """
+
+    first: np.ndarray
+    last: np.ndarray
+
+    @classmethod
+    def from_locate(cls, locate: Locate, num_positions: int, num_shards: int) -> ShardUsage:
+        """Scan an epoch's order once; ``locate(start, stop)`` gives the (shard, row) arrays
+        of positions [start, stop) (e.g. ``EpochOrder.locate``)."""
+        first = np.full(num_shards, -1, dtype=np.int64)
+        last = np.full(num_shards, -1, dtype=np.int64)
+        for start in range(0, num_positions, _CHUNK):
+            shards = np.asarray(locate(start, min(num_positions, start + _CHUNK))[0])
+            unique, at = np.unique(shards, return_index=True)
+            fresh = first[unique] < 0
+            first[unique[fresh]] = at[fresh] + start
+            tail, at_end = np.unique(shards[::-1], return_index=True)
+            last[tail] = start + len(shards) - 1 - at_end
+        return cls(first, last)
+
+    def upcoming(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """Shards read at ``position`` or later, in order of next use, with that next use."""
+        alive = np.flatnonzero(self.last >= position)
+        next_use = np.maximum(self.first[alive], position)
+        order = np.lexsort((alive, next_use))
+        return alive[order], next_use[order]
+
+    def working_set_bytes(self, shard_bytes: Sequence[int] | np.ndarray) -> int:
+        """The most bytes of shards in use at any one position."""
+        read = np.flatnonzero(self.first >= 0)
+        sizes = np.asarray(shard_bytes, dtype=np.int64)[read]
+        positions = np.concatenate([self.first[read], self.last[read] + 1])
+        deltas = np.concatenate([sizes, -sizes])
+        order = np.lexsort((deltas, positions))  # at one position, departures first
+        return int(np.cumsum(deltas[order]).max(initial=0))
+
+
+@dataclass(frozen=True)
+class PrefetchStats:
+    """The prefetcher's counters (hits and misses count ``local_path`` calls)."""
+
+    hits: int
+    misses: int
+    bytes_fetched: int
+    bytes_evicted: int
+    wait_s: float
+    tasks_done: int
+    tasks_failed: int
+
+    @classmethod
+    def of(cls, counters: SchedulerCounters) -> PrefetchStats:
+        return cls(counters.hits, counters.misses, counters.bytes_fetched,
+                   counters.bytes_evicted, counters.wait_s, counters.tasks_done,
+                   counters.tasks_failed)
+
+
+class Prefetcher:
+    """A :class:`NodeCache` with download threads that stay ahead of the reader.
+
+    A ShardStore: ``DatasetReader(index, store=Prefetcher(cache))``. The loader calls
+    :meth:`update` (or :meth:`follow`) as its cursor moves; :meth:`local_path` returns a
+    shard, waiting (GIL released) only when it is not installed yet.
+
+    Owns: ``options.workers`` named daemon threads (``streamcache-prefetch-*``), started on
+    first use, and the cache: :meth:`close` stops the threads and closes the cache.
+    Thread safety: every method may be called from any thread. Fork: a child process gets a
+    new scheduler and new threads on first use; the parent's are never touched.
+    """
+
+    def __init__(self, cache: NodeCache, options: PrefetchOptions | None = None) -> None:
+        self.cache = cache
+        self.options = options or PrefetchOptions()
+        self._closed = False
+        self._reset_process_state()
+        cache.add_eviction_listener(self._evicted)
+        _live_prefetchers.add(self)
+
+    def _reset_process_state(self) -> None:
+        self._lock = threading.Lock()
+        self._scheduler = Scheduler(self.options.inflight_bytes)
+        self._threads: list[threading.Thread] = []
+        self._queued: set[int] = set()
+        self._errors: dict[int, BaseException] = {}
+        self._pid = os.getpid()
+
+    # ------------------------------------------------------------------ policy
+
+    def update(self, shards: Sequence[int] | np.ndarray,
+               positions: Sequence[int] | np.ndarray) -> None:
+        """The upcoming shards in first-use order and their next-use positions, from the
+        cursor on (e.g. ``ShardUsage.upcoming`` or ``EpochOrder.shard_first_use``)."""
+        shards = np.asarray(shards, dtype=np.int64)
+        positions = np.asarray(positions, dtype=np.int64)
+        next_use = dict(zip(shards.tolist(), positions.tolist(), strict=True))
+        self.cache.set_next_use(lambda shard: next_use.get(shard, math.inf))
+        chosen = self._lookahead(shards.tolist())
+        with self._lock:
+            self._start()
+            scheduler = self._scheduler
+            for shard in self._queued - set(chosen):
+                scheduler.cancel(shard)
+            for shard in chosen:
+                state = scheduler.state(shard)
+                if self.cache.contains(shard):
+                    scheduler.mark_ready(shard)
+                elif state != SHARD_FAILED:  # a failed shard is retried only by a reader
+                    if state == SHARD_READY:
+                        scheduler.forget(shard)  # evicted by another process
+                    scheduler.submit(shard, next_use[shard], self._stored_bytes(shard))
+            self._queued = set(chosen)
+
+    def follow(self, usage: ShardUsage, position: int) -> None:
+        """:meth:`update` from a :class:`ShardUsage` at the cursor ``position``."""
+        self.update(*usage.upcoming(position))
+
+    def _lookahead(self, upcoming: list[int]) -> list[int]:
+        limit = self.options.lookahead_bytes
+        if limit is None:
+            limit = self.cache.cache_limit
+        budget = math.inf if limit is None else float(limit)
+        chosen: list[int] = []
+        used = 0
+        for shard in upcoming[: self.options.lookahead_shards]:
+            used += self.cache.estimated_bytes(shard)
+            if chosen and used > budget:
+                break
+            chosen.append(shard)
+        return chosen
+
+    # ------------------------------------------------------------------ the store
+
+    def local_path(self, shard: int) -> str:
+        """The installed shard; blocks (GIL released) until a download thread installs it.
+
+        Raises:
+            The download's own error (FetchError, ChecksumMismatchError, ...) with its type.
+            PrefetchError: the prefetcher was closed while waiting.
+        """
+        with self._lock:
+            self._start()
+            scheduler = self._scheduler
+        path = self.cache.lookup(shard)
+        if path is not None:
+            scheduler.note_hit()
+            scheduler.mark_ready(shard)
+            return path
+        scheduler.forget(shard)  # it may be marked ready but gone: evicted by another process
+        scheduler.submit(shard, URGENT, self._stored_bytes(shard))
+        count = True
+        while True:
+            code, message = scheduler.wait(shard, self.options.poll_s, count_access=count)
+            count = False
+            if code == WAIT_READY:
+                path = self.cache.lookup(shard)
+                if path is not None:
+                    return path
+                scheduler.forget(shard)  # evicted between install and now: once more
+            elif code == WAIT_FAILED:
+                error = self._errors.get(shard)
+                raise error if error is not None else PrefetchError(message)
+            elif code == WAIT_STOPPED:
+                raise PrefetchError(f"the prefetcher was closed while shard {shard} was awaited")
+            if code in (WAIT_READY, WAIT_NOT_SCHEDULED):
+                scheduler.submit(shard, URGENT, self._stored_bytes(shard))
+
+    @property
+    def stats(self) -> PrefetchStats:
+        return PrefetchStats.of(self._scheduler.counters())
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._scheduler
+
+    def close(self) -> None:
+        """Stop the threads (a download in progress is abandoned) and close the cache."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            threads, self._threads = self._threads, []
+        self._scheduler.stop()
+        self._join(threads, self.options.poll_s + 1.0)
+        self.cache.close()  # closes the Fetcher: a download still running gives up
+        self._join(threads, 10.0)
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ threads
+
+    def _start(self) -> None:
+        """Start the download threads if this process has none yet (lock held)."""
+        if self._closed:
+            raise PrefetchError("the prefetcher is closed")
+        if self._threads:
+            return
+        for number in range(self.options.workers):
+            thread = threading.Thread(target=self._work, args=(self._scheduler,),
+                                      name=f"streamcache-prefetch-{number}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _work(self, scheduler: Scheduler) -> None:
+        while True:
+            shard = scheduler.next_task(self.options.poll_s)
+            if shard == TASK_STOPPED:
+                return
+            if shard == TASK_TIMEOUT:
+                continue
+            try:
+                fetched = self.cache.install(shard)
+            except Exception as error:  # carried to the reader that waits for this shard
+                self._errors[shard] = error
+                scheduler.complete(shard, False, 0, f"{type(error).__name__}: {error}")
+            else:
+                self._errors.pop(shard, None)
+                scheduler.complete(shard, True, fetched, "")
+
+    def _evicted(self, shard: int, nbytes: int) -> None:
+        self._scheduler.forget(shard, nbytes)
+
+    def _stored_bytes(self, shard: int) -> int:
+        return int(self.cache.index.shards[shard].bytes)
+
+    @staticmethod
+    def _join(threads: list[threading.Thread], timeout_s: float) -> None:
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout_s)
+
+
+_live_prefetchers: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
+# Schedulers a forked child inherited: never used there (a parent's thread may have held their
+# mutex at fork time) and never destroyed (destroying a locked mutex is undefined).
+_abandoned: list[Scheduler] = []
+
+
+def _after_fork_in_child() -> None:
+    for prefetcher in list(_live_prefetchers):
+        _abandoned.append(prefetcher._scheduler)
+        prefetcher._reset_process_state()
+
+
+def _close_all() -> None:
+    for prefetcher in list(_live_prefetchers):
+        if prefetcher._pid == os.getpid():
+            prefetcher.close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_close_all)
+
+__all__ = ["URGENT", "PrefetchOptions", "PrefetchStats", "Prefetcher", "ShardUsage"]
