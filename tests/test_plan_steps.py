@@ -398,3 +398,27 @@ def test_a_cursor_refuses_a_segment_it_did_not_begin() -> None:
     other = new_cursor([10, 20], samples_consumed=2).segment(2, 1)
     with pytest.raises(PlanError):
         cursor.advanced(other, 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(st.integers(0, 60), min_size=1, max_size=6).filter(lambda r: sum(r) > 0),
+    per_rank=st.integers(1, 5),
+    world=st.integers(1, 4),
+    start=st.integers(0, 300),
+    tail=st.sampled_from(list(TailPolicy)),
+    per_pass=st.integers(1, 40),
+)
+def test_batched_steps_equal_single_steps(
+    rows: list[int], per_rank: int, world: int, start: int, tail: TailPolicy, per_pass: int
+) -> None:
+    order = EpochOrder(rows, 5, 0, ShuffleOptions(window=7))
+    segment = EpochSegment(sum(rows), start % (sum(rows) + 1), per_rank * world, world, tail)
+    for rank in range(world):
+        single = [segment.rank_batch(order, step, rank) for step in range(segment.num_steps)]
+        batched = list(segment.worker_batches(order, rank, 0, 1, positions_per_pass=per_pass))
+        assert len(single) == len(batched)
+        for one, many in zip(single, batched, strict=True):
+            assert one.step == many.step
+            for field_name in ("positions", "sample_ids", "is_padding"):
+                assert np.array_equal(getattr(one, field_name), getattr(many, field_name))

@@ -181,6 +181,7 @@ class _Network:
     def __init__(self, sizes: Any, width: int, keys: list[Any]) -> None:
         self.sizes = sizes
         self.keys = keys
+        self.width = width
         low = width // 2
         # Per round: (low-part mask, low-part bits, the shift that keeps a hash's top bits).
         self.rounds = [
@@ -192,6 +193,8 @@ class _Network:
     def walk(self, points: np.ndarray) -> np.ndarray:
         """The permutation with cycle-walking: every image lands inside its domain."""
         out = self.run(points.astype(np.uint32))
+        if not isinstance(self.sizes, np.ndarray) and int(self.sizes) == 1 << self.width:
+            return out.astype(np.int64)  # the domain is exactly the network's: no walking
         walking = np.flatnonzero(out >= self.sizes)
         while walking.size:
             sub = self.take(walking)
@@ -205,6 +208,7 @@ class _Network:
         sub = object.__new__(_Network)
         sub.sizes = _pick(self.sizes, index)
         sub.keys = [_pick(k, index) for k in self.keys]
+        sub.width = self.width
         sub.rounds = self.rounds
         return sub
 

@@ -70,7 +70,8 @@ class PositionBlocks:
             if table is not None:
                 self._blocks.move_to_end(block)
                 return table
-            if probing and block not in self._touched:
+            # A probe goes direct, unless the reader is moving forward from the block before.
+            if probing and block not in self._touched and block - 1 not in self._blocks:
                 self._touched[block] = None
                 if len(self._touched) > _MAX_TOUCHED:
                     self._touched.popitem(last=False)

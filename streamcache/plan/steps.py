@@ -181,8 +181,53 @@ class EpochSegment:
         positions = virtual % total
         return RankBatch(step, positions, order.sample_ids_at(positions), virtual >= total)
 
+    def rank_batches(self, order: EpochOrder, steps: Sequence[int], rank: int,
+                     assignment: RankAssignment = CONTIGUOUS) -> list[RankBatch]:
+        """:meth:`rank_batch` for several steps at once, in one vectorized pass.
+
+        Cheaper per step than one call per step: the ids of all the steps' positions are
+        computed together, and only the rank's own positions are computed at all.
+        """
+        steps = list(steps)
+        full = [s for s in steps if self._is_full(s)]
+        if assignment is not CONTIGUOUS or len(full) < 2:
+            return [self.rank_batch(order, step, rank, assignment) for step in steps]
+        check_int("rank", rank, minimum=0, maximum=self.world_size - 1)
+        if order.num_samples != self.num_samples:
+            raise PlanError(f"the order has {order.num_samples} samples but the segment "
+                            f"{self.num_samples}")
+        width = self.per_rank
+        firsts = (self.start + rank * width
+                  + np.asarray(full, dtype=np.int64) * self.global_batch)
+        positions = (firsts[:, None] + np.arange(width, dtype=np.int64)).ravel()
+        ids = order.sample_ids_at(positions)
+        flags = np.zeros(positions.size, dtype=bool)
+        batches = {step: RankBatch(step, positions[i * width:(i + 1) * width],
+                                   ids[i * width:(i + 1) * width],
+                                   flags[i * width:(i + 1) * width])
+                   for i, step in enumerate(full)}
+        return [batches[step] if step in batches else self.rank_batch(order, step, rank)
+                for step in steps]
+
+    def _is_full(self, step: int) -> bool:
+        """Whether a step is a whole batch inside the epoch (only the last step may not be)."""
+        check_int("step", step, minimum=0, maximum=self.num_steps - 1)
+        return self.start + (step + 1) * self.global_batch <= self.num_samples
+
     def worker_batches(self, order: EpochOrder, rank: int, worker: int, num_workers: int,
-                       assignment: RankAssignment = CONTIGUOUS) -> Iterator[RankBatch]:
-        """The batches worker ``worker`` of rank ``rank`` produces, in step order."""
-        for step in self.worker_steps(worker, num_workers):
-            yield self.rank_batch(order, step, rank, assignment)
+                       assignment: RankAssignment = CONTIGUOUS,
+                       positions_per_pass: int = 1 << 16) -> Iterator[RankBatch]:
+        """The batches worker ``worker`` of rank ``rank`` produces, in step order.
+
+        Ids are computed for up to ``positions_per_pass`` positions (whole steps) at a time,
+        ahead of the step being yielded (pure, so that costs only memory); the first pass is
+        an eighth of that, so the first batch after a resume comes quickly.
+        """
+        steps = self.worker_steps(worker, num_workers)
+        per_pass = max(1, positions_per_pass // self.per_rank)
+        first = 0
+        size = max(1, per_pass // 8)
+        while first < len(steps):
+            yield from self.rank_batches(order, steps[first:first + size], rank, assignment)
+            first += size
+            size = per_pass

@@ -1,0 +1,183 @@
+"""The plan: random access, step generation speed and shuffle quality.
+
+Run:  python benchmarks/bench_plan.py [--repeats 5] [--quick]
+
+1. Time to the first sample id (build the order of an epoch of 1e9 samples in 1e6 shards,
+   then read one id) at position 0 and at the last position, interleaved, several times.
+2. Step generation, amortized over 1024 consecutive steps of a global batch of 1024, for
+   several shuffle settings: ``sample_ids`` and ``locate`` of whole steps (the cached-block
+   path a prefetcher uses), and ``worker_batches`` (the loader's path) for one rank of one
+   (1024 ids a step) and for rank 3 of 8 (128 ids a step).
+3. Shuffle quality on 1e7 samples in 1e4 shards of 1000 rows, for several windows, with and
+   without the stagger: distinct shards per global batch of 1024, correlation between
+   position and sample id, the least overlap between the shards of consecutive batches (0 is
+   a hard seam), and how many shards a run of one window's positions needs (cache cost).
+
+Writes benchmarks/out/bench_plan.json.
+
+Last result (RESULTS below filled from a run on this 2-core machine; see docs/plan.md):
+RESULTS
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from streamcache.plan import EpochOrder, EpochSegment, ShuffleOptions, TailPolicy
+
+BIG_SHARDS = 10**6
+BIG_ROWS = 1000
+STEP = 1024
+
+
+def time_first_id(repeats: int) -> dict[str, float]:
+    """Median seconds to build an order of 1e9 samples and read one id at 0 and at the end."""
+    rows = np.full(BIG_SHARDS, BIG_ROWS, dtype=np.int64)
+    last = BIG_SHARDS * BIG_ROWS - 1
+    results: dict[str, list[float]] = {"first_id_at_0_ms": [], "first_id_at_last_ms": [],
+                                       "build_ms": []}
+    for repeat in range(repeats):
+        for name, position in (("first_id_at_0_ms", 0), ("first_id_at_last_ms", last)):
+            start = time.process_time()
+            order = EpochOrder(rows, 1234 + repeat, 5)
+            built = time.process_time()
+            order.sample_ids(position, position + 1)
+            done = time.process_time()
+            results[name].append((done - start) * 1e3)
+            results["build_ms"].append((built - start) * 1e3)
+    probe = EpochOrder(rows, 1, 5)
+    positions = np.random.default_rng(0).integers(0, last + 1, size=1000)
+    start = time.process_time()
+    for position in positions.tolist():
+        probe.sample_ids(position, position + 1)
+    per_probe = (time.process_time() - start) / positions.size
+    summary = {name: statistics.median(values) for name, values in results.items()}
+    summary["random_probe_us"] = per_probe * 1e6
+    return summary
+
+
+STEP_CASES: list[tuple[str, ShuffleOptions]] = [
+    ("window 2^18, stagger (default)", ShuffleOptions()),
+    ("window 2^18, no stagger", ShuffleOptions(stagger=False)),
+    ("window 2^16, stagger", ShuffleOptions(window=1 << 16)),
+    ("window 2^20, stagger", ShuffleOptions(window=1 << 20)),
+    ("window 300000, stagger", ShuffleOptions(window=300_000)),
+    ("window 256 shards, stagger", ShuffleOptions(window=256, window_unit="shards")),
+    ("full shuffle of 1e9", ShuffleOptions(window=2**31)),
+    ("no shuffle", ShuffleOptions(enabled=False)),
+]
+
+
+def time_steps(options: ShuffleOptions, steps: int) -> dict[str, float]:
+    """Microseconds per step of 1024, amortized over ``steps`` consecutive steps."""
+    rows = np.full(BIG_SHARDS, BIG_ROWS, dtype=np.int64)
+    start_position = 123_456_789
+    out: dict[str, float] = {}
+    for name, call in (
+        ("sample_ids_us", lambda o, a: o.sample_ids(a, a + STEP)),
+        ("locate_us", lambda o, a: o.locate(a, a + STEP)),
+    ):
+        order = EpochOrder(rows, 9, 2, options)
+        begin = time.process_time()
+        for step in range(steps):
+            call(order, start_position + step * STEP)
+        out[name] = (time.process_time() - begin) / steps * 1e6
+    for name, world in (("worker_1of1_us", 1), ("worker_rank3of8_us", 8)):
+        order = EpochOrder(rows, 9, 2, options)
+        segment = EpochSegment(order.num_samples, start_position, STEP, world, TailPolicy.DROP)
+        batches = segment.worker_batches(order, rank=min(3, world - 1), worker=0, num_workers=1)
+        begin = time.process_time()
+        for _ in range(steps):
+            next(batches)
+        out[name] = (time.process_time() - begin) / steps * 1e6
+    out["ids_per_s"] = STEP / out["worker_1of1_us"] * 1e6
+    return out
+
+
+QUALITY_WINDOWS = [1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 10**7]
+
+
+def shuffle_quality(window: int, stagger: bool, batches: int) -> dict[str, float]:
+    """Quality measures of one setting on 1e7 samples in 1e4 shards of 1000 rows."""
+    rows = np.full(10**4, 1000, dtype=np.int64)
+    order = EpochOrder(rows, 77, 0, ShuffleOptions(window=window, stagger=stagger))
+    total = order.num_samples
+    distinct: list[int] = []
+    overlaps: list[float] = []
+    # Consecutive pairs of batches spread over the epoch; in half of them the first batch
+    # ends exactly at a window boundary, where plain windows change shards all at once.
+    starts = np.linspace(0, total - 2 * STEP, batches).astype(np.int64)
+    starts[: batches // 2] = (starts[: batches // 2] // window + 1) * window - STEP
+    for start in np.clip(starts, 0, total - 2 * STEP).tolist():
+        first = set(order.locate(start, start + STEP)[0].tolist())
+        second = set(order.locate(start + STEP, start + 2 * STEP)[0].tolist())
+        distinct.append(len(first))
+        overlaps.append(len(first & second) / len(first | second))
+    sampled = np.arange(0, total, 97, dtype=np.int64)
+    corr = float(np.corrcoef(sampled, order.sample_ids_at(sampled))[0, 1])
+    span = min(window, total)
+    spans = [np.unique(order.locate(s, s + span)[0]).size
+             for s in np.linspace(0, total - span, 5).astype(np.int64).tolist()]
+    return {
+        "shards_per_batch_mean": float(np.mean(distinct)),
+        "shards_per_batch_min": float(np.min(distinct)),
+        "corr_position_id": corr,
+        "consecutive_overlap_min": float(np.min(overlaps)),
+        "shards_per_window_run": float(np.mean(spans)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="fewer steps and batches")
+    args = parser.parse_args(argv)
+    steps = 256 if args.quick else 1024
+    batches = 40 if args.quick else 200
+    report: dict[str, Any] = {"first_id": time_first_id(args.repeats), "steps": {},
+                              "quality": {}}
+    first = report["first_id"]
+    print("1. first sample id, epoch of 1e9 samples in 1e6 shards (median of "
+          f"{args.repeats}, build included)")
+    print(f"   build {first['build_ms']:.1f} ms | id at 0: {first['first_id_at_0_ms']:.1f} ms | "
+          f"id at last: {first['first_id_at_last_ms']:.1f} ms | random probe on a built order: "
+          f"{first['random_probe_us']:.0f} us")
+    print(f"\n2. steps of {STEP} (us per step, amortized over {steps} steps)")
+    print(f"   {'setting':32} {'sample_ids':>10} {'locate':>8} {'worker 1/1':>10} "
+          f"{'rank 3/8':>8} {'Mids/s 1/1':>10}")
+    for name, options in STEP_CASES:
+        result = time_steps(options, steps)
+        report["steps"][name] = result
+        print(f"   {name:32} {result['sample_ids_us']:10.1f} {result['locate_us']:8.1f} "
+              f"{result['worker_1of1_us']:10.1f} {result['worker_rank3of8_us']:8.1f} "
+              f"{result['ids_per_s'] / 1e6:10.1f}")
+    print(f"\n3. shuffle quality, 1e7 samples in 1e4 shards of 1000, batches of {STEP}")
+    print(f"   {'window':>9} {'stagger':>7} {'shards/batch':>12} {'min':>5} {'corr':>8} "
+          f"{'min overlap':>11} {'shards/run':>10}")
+    for window in QUALITY_WINDOWS:
+        for stagger in (False, True):
+            quality = shuffle_quality(window, stagger, batches)
+            report["quality"][f"{window}/{'stagger' if stagger else 'plain'}"] = quality
+            print(f"   {window:9d} {stagger!s:>7} {quality['shards_per_batch_mean']:12.1f} "
+                  f"{quality['shards_per_batch_min']:5.0f} {quality['corr_position_id']:8.4f} "
+                  f"{quality['consecutive_overlap_min']:11.3f} "
+                  f"{quality['shards_per_window_run']:10.1f}")
+    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "bench_plan.json")
+    with open(path, "w") as handle:
+        json.dump(report, handle, indent=2)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
