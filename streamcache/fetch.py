@@ -22,7 +22,10 @@ Fetcher's; turn theirs down through ``storage_options`` where that matters.
 
 Fork safety: the filesystem instances (with their event loop, sessions and connections) and
 the Fetcher's locks and threads belong to the process that made them. A Fetcher used in a
-child created by ``fork()`` builds fresh ones there and never touches its parent's.
+child created by ``fork()`` builds fresh ones there. It never closes or collects its
+parent's there either: fork() shares the event loop's epoll set, so closing a connection in
+the child would stall the same connection in the parent. For the same reason, garbage is
+collected just before ``fork()`` in a process that has made asynchronous filesystems.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import random
 import threading
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import fsspec
@@ -105,15 +108,17 @@ class FetchOptions:
 
     Attributes:
         max_concurrency: requests in flight at once, per Fetcher and process (>= 1).
-        timeout_s: longest wait for a response or for the next block of a body, in seconds.
-            Enforced for asynchronous filesystems (s3, gs, az, http); synchronous ones (local
-            files, memory) block in their own calls.
+        timeout_s: longest wait, in seconds, for a response and then for each piece of its
+            body (the clock restarts whenever data arrives). Enforced for asynchronous
+            filesystems (s3, gs, az, http); an asynchronous filesystem without streamed
+            reads gets it as the limit of the whole request; synchronous ones (local files,
+            memory) block in their own calls.
         retries: extra attempts after the first for transient errors (>= 0).
         backoff_initial_s: the wait before the first retry; it doubles on each retry.
         backoff_max_s: the longest wait between two attempts.
         jitter: fraction of each wait drawn at random, 0 (none) to 1 (the whole wait), so
             that many clients that failed together do not retry together.
-        block_size: bytes read per step of a body; also the unit of the timeout.
+        block_size: bytes of a body handed on per step (to memory or to the file).
         storage_options: keyword arguments of the filesystem of the URLs' protocol
             (credentials, endpoint); one Fetcher serves one storage configuration.
     """
@@ -188,22 +193,10 @@ class FetchResult:
 _HTTP_TRANSIENT = frozenset({408, 425, 429})
 _HTTP_PERMANENT_5XX = frozenset({501, 505})
 _PERMANENT_ERRNOS = frozenset(
-    {
-        errno.ENOENT,
-        errno.EACCES,
-        errno.EPERM,
-        errno.EISDIR,
-        errno.ENOTDIR,
-        errno.EROFS,
-        errno.EINVAL,
-    }
+    {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EROFS}
 )
 _PERMANENT_TYPES: tuple[type[BaseException], ...] = (
-    FileNotFoundError,
-    PermissionError,
-    IsADirectoryError,
-    NotADirectoryError,
-    FileExistsError,
+    FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
 )
 
 
@@ -227,14 +220,8 @@ def _optional_transient_types() -> tuple[type[BaseException], ...]:
 
 
 _TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
-    TimeoutError,
-    asyncio.TimeoutError,
-    ConnectionError,
-    http.client.HTTPException,
-    FSTimeoutError,
-    ChecksumMismatchError,
-    _SizeMismatchError,
-    _RequestTimeoutError,
+    TimeoutError, asyncio.TimeoutError, ConnectionError, http.client.HTTPException,
+    FSTimeoutError, ChecksumMismatchError, _SizeMismatchError, _RequestTimeoutError,
     *_optional_transient_types(),
 )
 
@@ -266,24 +253,23 @@ def http_status(error: BaseException) -> int | None:
 def is_transient(error: BaseException) -> bool:
     """Whether another attempt may succeed where ``error`` failed.
 
-    Judged over the whole chain of causes, in this order: a permanent OS error type (not
-    found, permission denied, ...) anywhere means permanent; else an HTTP status anywhere
-    decides (5xx but 501/505, 408, 425, 429 are transient; other statuses permanent); else a
-    network, timeout, short-read or checksum error type means transient; else an ``OSError``
-    is transient unless its errno says not-found or access-denied; anything else (a bug, a
-    bad argument) is permanent.
+    The chain of causes is read from the outermost error inwards and the first decisive
+    fact decides: a permanent OS error type (not found, permission denied, is a directory)
+    means permanent; an HTTP status means transient for 5xx (but 501 and 505), 408, 425 and
+    429, permanent otherwise; a network, timeout, short-read or checksum error type means
+    transient. With no decisive fact, an ``OSError`` is transient unless its errno says
+    not-found or access-denied, and anything else (a bug, a bad argument) is permanent.
     """
-    chain = _chain(error)
-    if any(isinstance(e, _PERMANENT_TYPES) for e in chain):
-        return False
-    for e in chain:
+    for e in _chain(error):
+        if isinstance(e, _PERMANENT_TYPES):
+            return False
         status = http_status(e)
         if status is not None:
             return status in _HTTP_TRANSIENT or (
                 status >= 500 and status not in _HTTP_PERMANENT_5XX
             )
-    if any(isinstance(e, _TRANSIENT_TYPES) for e in chain):
-        return True
+        if isinstance(e, _TRANSIENT_TYPES):
+            return True
     if isinstance(error, OSError):
         return error.errno not in _PERMANENT_ERRNOS
     return False
@@ -415,24 +401,32 @@ class Fetcher:
         ``path``, is fsynced and verified, then renamed over ``path`` and the directory is
         fsynced: a reader sees the old file or the complete new one, never a part, and a
         failed or interrupted download leaves no file behind (a crash may leave a temporary).
-        Args, Raises: as :meth:`fetch`; plus ``OSError`` if the directory cannot be written.
+
+        Args: as :meth:`fetch`, and ``path``, the file to create or replace.
+        Raises: as :meth:`fetch`; and the ``OSError`` itself, not retried, when the local
+        file cannot be written (no such directory, no space left, ...).
         """
         target = os.path.abspath(os.fspath(path))
 
         def attempt() -> int:
             temp = f"{target}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}"
             try:
-                with open(temp, "wb") as out:
-                    received = self._transfer(url, size, out.write)
+                with _local_io():
+                    out = open(temp, "wb")  # noqa: SIM115  (closed by the with below)
+                with out:
+                    received = self._transfer(url, size, _local_writer(out))
                     _check_size(received, size)
-                    out.flush()
-                    os.fsync(out.fileno())
+                    with _local_io():
+                        out.flush()
+                        os.fsync(out.fileno())
                 _verify_file(temp, checksum, url)
-                os.replace(temp, target)
+                with _local_io():
+                    os.replace(temp, target)
             except BaseException:
                 _remove_quietly(temp)
                 raise
-            storage.fsync_dir(os.path.dirname(target))
+            with _local_io():
+                storage.fsync_dir(os.path.dirname(target))
             return received
 
         received = self._with_retries(url, attempt)
@@ -519,6 +513,9 @@ class Fetcher:
                     return attempt()
             except _ClosedError:
                 raise
+            except _LocalIOError as error:  # not the remote's fault: raised as it is
+                self._count(failures=1)
+                raise error.original from None
             except Exception as error:
                 transient = is_transient(error)
                 if not transient or number == attempts_allowed:
@@ -638,6 +635,30 @@ async def _close_stream(stream: Any) -> None:
         pass
 
 
+class _LocalIOError(Exception):
+    """Carries an ``OSError`` of a local file past the retry logic, which re-raises it."""
+
+    def __init__(self, original: OSError) -> None:
+        super().__init__(str(original))
+        self.original = original
+
+
+@contextlib.contextmanager
+def _local_io() -> Iterator[None]:
+    try:
+        yield
+    except OSError as error:
+        raise _LocalIOError(error) from error
+
+
+def _local_writer(out: Any) -> Callable[[bytes], None]:
+    def write(block: bytes) -> None:
+        with _local_io():
+            out.write(block)
+
+    return write
+
+
 def _check_size(received: int, expected: int | None) -> None:
     if expected is not None and received != expected:
         raise _SizeMismatchError(
@@ -649,7 +670,8 @@ def _check_size(received: int, expected: int | None) -> None:
 def _verify_file(path: str, expected: str | None, url: str) -> None:
     if expected is None:
         return
-    actual = _checksum.checksum_file(path)
+    with _local_io():
+        actual = _checksum.checksum_file(path)
     if actual != expected:
         raise ChecksumMismatchError(
             f"{url}: checksum {actual} does not match the index's {expected}; the object is "
