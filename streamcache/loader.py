@@ -178,6 +178,9 @@ class StreamLoader:
     Thread safety: one training loop iterates a loader at a time.
     """
 
+    # The state is global (JSON-able, the same on every rank): the Checkpointer saves it once.
+    global_state = True
+
     def __init__(self, dataset: StreamDataset, *, num_workers: int = 0,
                  pin_memory: bool = False, prefetch: int = 2, threads: int = 2,
                  timeout: float = 0, multiprocessing_context: Any = None) -> None:
