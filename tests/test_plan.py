@@ -101,17 +101,17 @@ def test_regular_windows_tile_the_epoch(width: int, total: int, stagger: bool) -
     windows = RegularWindows(width, 0, total)
     if stagger:
         windows = windows.staggered()
-    index, start, size = windows.locate(np.arange(total, dtype=np.int64))
-    assert index[0] == 0 and index[-1] == windows.count - 1
-    assert np.all(np.diff(index) >= 0) and np.all(np.diff(index) <= 1)
+    index = windows.index(np.arange(total, dtype=np.int64))
+    edges = windows.edges(0, windows.count - 1)
+    assert edges[0] == 0 and edges[-1] == total and np.all(np.diff(edges) > 0)
     for window in range(windows.count):
         members = np.flatnonzero(index == window)
-        assert np.all(start[members] == members[0])
-        assert np.all(size[members] == members.size)
-        assert members.size <= windows.largest
+        assert members.tolist() == list(range(edges[window], edges[window + 1]))
         if 0 < window == windows.count - 1:
             assert members.size >= width // 2  # no sliver of a window at the end
-    assert int(np.max(size)) == windows.largest
+    assert int(np.max(np.diff(edges))) == windows.largest
+    middle = windows.count // 2
+    assert np.array_equal(windows.edges(middle, middle), edges[middle:middle + 2])
 
 
 def test_shard_windows_merge_a_short_last_window() -> None:

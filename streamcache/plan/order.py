@@ -137,9 +137,9 @@ class EpochOrder:
         else:
             windows = BoundaryWindows.of_shards(self._stream.starts, self.shuffle.window)
         if windows.largest > MAX_DOMAIN:
-            raise PlanError(f"a shuffle window of {windows.largest} samples is too large; "
-                            "windows hold "
-                            f"at most {MAX_DOMAIN} samples (choose a smaller window)")
+            raise PlanError(f"a shuffle window of {windows.largest} samples is too large: "
+                            f"windows hold at most {MAX_DOMAIN} samples; choose a smaller "
+                            "window")
         layers = [ShuffleLayer(windows, derive_key(self.seed, self.epoch, TAG_WINDOW))]
         if self.shuffle.stagger and windows.count > 1:
             layers.insert(0, ShuffleLayer(windows.staggered(),

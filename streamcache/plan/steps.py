@@ -43,7 +43,8 @@ class RankAssignment(Protocol):
     into it. ``slots`` must be a pure function of its arguments (every rank calls it for
     itself), return ``part_sizes[rank]`` distinct slots, and the slots of all ranks must
     partition the batch. A locality-aware assignment may look up the shards of the batch with
-    ``order.locate`` and give each node the samples of shards it caches.
+    ``order.locate`` and give each node the samples of shards it caches (with PAD, positions
+    past ``num_samples`` wrap to ``position % num_samples``).
     """
 
     def slots(self, order: EpochOrder, batch_start: int, part_sizes: Sequence[int],

@@ -23,8 +23,12 @@ class Windows(Protocol):
     count: int
     largest: int
 
-    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(window index, window start, window size) of each position, all int64."""
+    def index(self, positions: np.ndarray) -> np.ndarray:
+        """The window holding each position (int64)."""
+        ...
+
+    def edges(self, first: int, last: int) -> np.ndarray:
+        """Start positions of windows ``first .. last + 1`` (the last is where ``last`` ends)."""
         ...
 
     def staggered(self) -> Windows:
@@ -54,13 +58,17 @@ class RegularWindows:
             first, last = width - offset, total - (boundaries * width - offset)
             self.largest = max(first, last, width if boundaries > 1 else 0)
 
-    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        last = self.count - 1
-        index = np.minimum((positions + self.offset) // self.width, last)
-        nominal = index * self.width - self.offset
-        start = np.maximum(nominal, 0)
-        stop = np.where(index == last, self.total, nominal + self.width)
-        return index, start, stop - start
+    def index(self, positions: np.ndarray) -> np.ndarray:
+        index = (positions + self.offset) // self.width
+        np.minimum(index, self.count - 1, out=index)
+        return index
+
+    def edges(self, first: int, last: int) -> np.ndarray:
+        edges = np.arange(first, last + 2, dtype=np.int64) * self.width - self.offset
+        edges[0] = max(int(edges[0]), 0)
+        if last == self.count - 1:
+            edges[-1] = self.total
+        return edges
 
     def staggered(self) -> Windows:
         return RegularWindows(self.width, self.width // 2, self.total)
@@ -85,10 +93,11 @@ class BoundaryWindows:
             edges = edges[:-1]
         return cls(np.unique(np.append(edges, slot_starts[-1])))
 
-    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        index = np.searchsorted(self.bounds, positions, side="right") - 1
-        start = self.bounds[index]
-        return index, start, self.bounds[index + 1] - start
+    def index(self, positions: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.bounds, positions, side="right") - 1
+
+    def edges(self, first: int, last: int) -> np.ndarray:
+        return self.bounds[first: last + 2]
 
     def staggered(self) -> Windows:
         middles = (self.bounds[:-1] + self.bounds[1:]) // 2
@@ -109,24 +118,26 @@ class ShuffleLayer:
         """The layer's image of each position (int64 array in, new int64 array out)."""
         if positions.size == 0:
             return positions.copy()
-        index, start, size = self.windows.locate(positions)
+        index = self.windows.index(positions)
         first, last = int(index.min()), int(index.max())
+        edges = self.windows.edges(first, last)
         if first == last:
-            return start + permute(positions - start, int(size[0]), fold_key(self.key, first))
+            start = int(edges[0])
+            local = permute(positions - start, int(edges[1]) - start, fold_key(self.key, first))
+            local += start
+            return local
         if last - first > _FEW_WINDOWS:
             # Many small windows: per-window parameters, gathered per point.
             group = index - first
-            sizes = np.zeros(last - first + 1, dtype=np.int64)
-            sizes[group] = size
+            starts = edges[:-1][group]
             keys = derive_keys(self.key, np.arange(first, last + 1, dtype=np.int64))
-            return start + permute(positions - start, sizes, keys, group)
+            return starts + permute(positions - starts, np.diff(edges), keys, group)
         # A few windows (a block across a boundary): one shared-parameter pass each is
         # cheaper than per-point parameters.
         out = np.empty_like(positions)
         for window in range(first, last + 1):
             members = np.flatnonzero(index == window)
-            if members.size:
-                base = int(start[members[0]])
-                out[members] = base + permute(positions[members] - base,
-                                              int(size[members[0]]), fold_key(self.key, window))
+            start, stop = int(edges[window - first]), int(edges[window - first + 1])
+            out[members] = start + permute(positions[members] - start, stop - start,
+                                           fold_key(self.key, window))
         return out
