@@ -15,8 +15,40 @@ Run:  python benchmarks/bench_plan.py [--repeats 5] [--quick]
 
 Writes benchmarks/out/bench_plan.json.
 
-Last result (RESULTS below filled from a run on this 2-core machine; see docs/plan.md):
-RESULTS
+Times are CPU seconds of this process (time.process_time): the 2-core machine was shared
+with other work (load average about 5), which inflates wall-clock times unevenly.
+
+Last result (2026-11-29, this 2-core machine, `python benchmarks/bench_plan.py --repeats 5`):
+
+  1. first sample id, epoch of 1e9 samples in 1e6 shards (median of 5, build included)
+     build 131.9 ms | id at 0: 134.6 ms | id at last: 132.5 ms | random probe on a built
+     order: 239 us
+
+  2. steps of 1024 (us per step, amortized over 1024 steps)
+     setting                          sample_ids   locate worker 1/1 rank 3/8 Mids/s 1/1
+     window 2^18, stagger (default)         46.4     49.1       43.6     10.8       23.5
+     window 2^18, no stagger                27.3     30.4       27.7      7.6       36.9
+     window 2^16, stagger                   52.6     60.2       52.9     11.6       19.4
+     window 2^20, stagger                   48.5     52.0       44.9      9.8       22.8
+     window 300000, stagger                 99.4    106.3      111.4     22.3        9.2
+     window 256 shards, stagger             95.2     97.3       81.7     18.1       12.5
+     full shuffle of 1e9                    92.3    134.1       97.2     16.1       10.5
+     no shuffle                              1.8     19.2       13.4      5.1       76.2
+
+  3. shuffle quality, 1e7 samples in 1e4 shards of 1000, batches of 1024
+        window stagger shards/batch   min     corr min overlap shards/run
+          4096   False          5.6     5   0.0156       0.100        7.6
+          4096    True          9.6     6   0.0119       0.538       11.6
+         16384   False         18.0    17   0.0109       0.000       28.4
+         16384    True         33.9    23   0.0136       0.420       44.6
+         65536   False         67.3    39   0.0047       0.000      113.4
+         65536    True        132.7   104   0.0090       0.658      166.0
+        262144   False        259.8   249   0.0107       0.000      428.0
+        262144    True        448.6   286   0.0083       0.456      690.2
+       1048576   False        648.1   465   0.0090       0.000     1791.0
+       1048576    True        803.9   717   0.0141       0.208     2630.2
+      10000000   False        976.7   961  -0.0048       0.041    10000.0
+      10000000    True        976.7   961  -0.0048       0.041    10000.0
 """
 
 from __future__ import annotations
@@ -148,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     print("1. first sample id, epoch of 1e9 samples in 1e6 shards (median of "
           f"{args.repeats}, build included)")
     print(f"   build {first['build_ms']:.1f} ms | id at 0: {first['first_id_at_0_ms']:.1f} ms | "
-          f"id at last: {first['first_id_at_last_ms']:.1f} ms | random probe on a built order: "
-          f"{first['random_probe_us']:.0f} us")
+          f"id at last: {first['first_id_at_last_ms']:.1f} ms | random probe on a built\n"
+          f"   order: {first['random_probe_us']:.0f} us")
     print(f"\n2. steps of {STEP} (us per step, amortized over {steps} steps)")
     print(f"   {'setting':32} {'sample_ids':>10} {'locate':>8} {'worker 1/1':>10} "
           f"{'rank 3/8':>8} {'Mids/s 1/1':>10}")

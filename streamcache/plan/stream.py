@@ -41,7 +41,7 @@ class ShardStream:
         self.delta = offsets[shards] - self.starts[:-1]
         self._shift = max(0, (self.total // max(1, count)).bit_length() - 1)
         # Bucket b starts at b << shift; slot k holds the buckets whose start it holds.
-        first_bucket = -(-self.starts // (1 << self._shift))
+        first_bucket = (self.starts + ((1 << self._shift) - 1)) >> self._shift
         slot_dtype = np.int32 if count < (1 << 31) else np.int64
         self._bucket_slot = np.repeat(np.arange(count, dtype=slot_dtype), np.diff(first_bucket))
 
