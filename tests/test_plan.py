@@ -19,6 +19,7 @@ from streamcache.plan import (
     ShuffleOptions,
     sample_seeds,
 )
+from streamcache.plan import order as order_module
 from streamcache.plan.bijection import permute
 from streamcache.plan.blocks import BLOCK
 from streamcache.plan.windows import BoundaryWindows, RegularWindows
@@ -39,7 +40,7 @@ def index_ids(rows: list[int]) -> np.ndarray:
     return np.arange(sum(rows), dtype=np.int64)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(rows=shard_rows_st, seed=seed_st, epoch=epoch_st, options=options_st)
 def test_order_is_a_permutation_of_the_samples(
     rows: list[int], seed: int, epoch: int, options: ShuffleOptions
@@ -50,7 +51,7 @@ def test_order_is_a_permutation_of_the_samples(
     assert np.array_equal(np.sort(ids), index_ids(rows))
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(rows=shard_rows_st, seed=seed_st, options=options_st, data=st.data())
 def test_every_access_path_gives_the_same_ids(
     rows: list[int], seed: int, options: ShuffleOptions, data: st.DataObject
@@ -184,6 +185,14 @@ def test_shard_first_use_is_the_order_of_first_reads() -> None:
         assert found.tolist() == list(expected)
         assert positions.tolist() == list(expected.values())
     assert set(order.shard_first_use(0, order.num_samples)[0].tolist()) == {0, 2, 3, 4, 6}
+
+
+def test_shard_first_use_across_scan_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    order = EpochOrder([7, 0, 13, 1, 30, 0, 9], 3, 1, ShuffleOptions(window=5))
+    whole = order.shard_first_use(3, 55)
+    monkeypatch.setattr(order_module, "_CHUNK", 4)
+    chunked = order.shard_first_use(3, 55)
+    assert np.array_equal(np.stack(whole), np.stack(chunked))
 
 
 def test_sample_seeds_are_per_sample_and_reproducible() -> None:

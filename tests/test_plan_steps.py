@@ -62,6 +62,8 @@ def rank_batches(order: EpochOrder, segment: EpochSegment, steps: int,
                 assert batch.step % num_workers == worker
                 per_step.setdefault(batch.step, []).append(batch)
     assert sorted(per_step) == list(range(steps))
+    # Every rank produced every step: the same step count on every rank.
+    assert all(len(parts) == segment.world_size for parts in per_step.values())
     return [per_step[step] for step in range(steps)]
 
 
@@ -119,7 +121,7 @@ segment_st = st.tuples(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(
     rows=st.lists(st.integers(0, 40), min_size=1, max_size=8).filter(lambda r: sum(r) > 0),
     seed=st.integers(0, 2**64 - 1),
@@ -151,7 +153,7 @@ def test_interrupted_epochs_read_every_sample_exactly_once(
             assert len(set(log.real)) == len(log.real)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     rows=st.lists(st.integers(0, 30), min_size=1, max_size=6).filter(lambda r: sum(r) > 0),
     per_rank=st.integers(1, 5),
@@ -194,6 +196,31 @@ def test_same_batch_resume_on_another_world_size_gives_the_same_global_batches(
     cursor = consume(rows, new_cursor(rows), global_batch, 2, 3, tail, 5, interrupted)
     consume(rows, cursor, global_batch, world_after, 1, tail, 10**9, interrupted)
     assert interrupted[0].batches == uninterrupted[0].batches
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=st.lists(st.integers(0, 50), min_size=1, max_size=6).filter(lambda r: sum(r) > 0),
+    tail=st.sampled_from(list(TailPolicy)),
+    stretches=st.lists(st.tuples(st.sampled_from([1, 2, 3, 6]), st.integers(1, 3),
+                                 st.integers(0, 6)), min_size=1, max_size=5),
+)
+def test_same_batch_global_batches_do_not_depend_on_world_size_or_workers(
+    rows: list[int], tail: TailPolicy, stretches: list[tuple[int, int, int]]
+) -> None:
+    global_batch = 6
+    expected: dict[int, EpochLog] = {}
+    consume(rows, new_cursor(rows), global_batch, 1, 1, tail, 10**9, expected)
+    logs: dict[int, EpochLog] = {}
+    cursor = new_cursor(rows)
+    for index, (world, workers, steps) in enumerate(stretches):
+        last = index == len(stretches) - 1
+        cursor = consume(rows, cursor, global_batch, world, workers, tail,
+                         10**9 if last else steps, logs)
+        if cursor.epoch == 1:
+            break
+    if cursor.epoch == 1:
+        assert logs[0].batches == expected[0].batches
 
 
 # --------------------------------------------------------------------------- resume helper
@@ -400,7 +427,7 @@ def test_a_cursor_refuses_a_segment_it_did_not_begin() -> None:
         cursor.advanced(other, 1)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     rows=st.lists(st.integers(0, 60), min_size=1, max_size=6).filter(lambda r: sum(r) > 0),
     per_rank=st.integers(1, 5),
