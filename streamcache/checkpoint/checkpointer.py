@@ -420,7 +420,10 @@ class Checkpointer:
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             error = _describe(exc, self.rank)
             log.error("checkpoint step %d failed on this rank: %s", job.step, error)
-        outcome = self._commit(job, files, error)
+        try:
+            outcome = self._commit(job, files, error)
+        except Exception as exc:  # a rank died or the group broke: nothing was published
+            outcome = f"the commit collective failed ({type(exc).__name__}: {exc})"
         if outcome is not None:
             job.error = CheckpointWriteError(
                 f"checkpoint of step {job.step} was not committed: {outcome}. Nothing was "
@@ -485,7 +488,8 @@ class Checkpointer:
         expected = _dcp_files(job.write_dir)
         missing = sorted(expected - merged.keys())
         if missing:
-            return f"files written by DCP but claimed by no rank: {missing}"
+            claimed = {rank: sorted(files) for rank, (files, _) in enumerate(gathered)}
+            return f"files written by DCP but claimed by no rank: {missing} (claimed: {claimed})"
         marker = layout.new_marker(job.step, self.world_size, merged)
         layout.write_marker(self.root.child(job.name), marker)
         return None

@@ -74,8 +74,12 @@ class Location:
             try:
                 with os.scandir(self.path) as it:
                     for entry in it:
-                        if entry.is_file(follow_symlinks=False):
-                            sizes[entry.name] = entry.stat().st_size
+                        try:
+                            if entry.is_file(follow_symlinks=False):
+                                sizes[entry.name] = entry.stat().st_size
+                        except FileNotFoundError:
+                            # renamed or removed since the listing (another rank's temp file)
+                            continue
             except (FileNotFoundError, NotADirectoryError):
                 return {}
             return sizes

@@ -1,0 +1,210 @@
+"""SIGKILL a checkpointing training job at random moments; every restart must be exact.
+
+A two-rank data-parallel training loop (dropout, so RNG states matter; AdamW, so optimizer
+state matters; a global cursor standing in for the StreamLoader) checkpoints every few steps
+through a local tier to a root. It is killed with SIGKILL (one rank dies, the other is killed
+right after, as torchrun does) during staging, during the DCP write, during the upload,
+just before and just after the commit marker, or at a random time chosen by the test; then
+restarted. Every time:
+
+- every commit marker on disk is truthful (all its files present with their checksums);
+- the restart loads the newest checkpoint whose marker is truthful, never a partial one;
+- the final weights are bitwise equal to those of an uninterrupted run.
+
+The StreamLoader's own version of this test comes with the loader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from dist import RankGroup, run_ranks
+
+from streamcache.checkpoint import Checkpointer, ModelState, checkpointer, layout
+from streamcache.checksum import checksum_file
+
+STEPS = 60
+SAVE_EVERY = 3
+BATCH = 4
+
+
+class Cursor:
+    """Stand-in for the StreamLoader's global cursor."""
+
+    global_state = True
+
+    def __init__(self) -> None:
+        self.samples_consumed = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"samples_consumed": self.samples_consumed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.samples_consumed = state_dict["samples_consumed"]
+
+    def next_batch(self, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of the next global batch, a pure function of the cursor."""
+        start = self.samples_consumed + rank * BATCH
+        ids = torch.arange(start, start + BATCH, dtype=torch.float32)
+        self.samples_consumed += BATCH * world
+        x = torch.stack([torch.sin(ids * (k + 1)) for k in range(8)], dim=1)
+        return x, torch.cos(ids).unsqueeze(1)
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _install_kill(phase: str, nth: int) -> None:
+    """Make this process SIGKILL itself inside ``phase`` at the ``nth`` time it is reached."""
+    count = [0]
+
+    def due() -> bool:
+        count[0] += 1
+        return count[0] == nth
+
+    if phase == "stage":
+        from torch.distributed.checkpoint.staging import DefaultStager
+
+        original_stage = DefaultStager.stage
+
+        def stage(self: Any, state_dict: Any, **kwargs: Any) -> Any:
+            if due():
+                _die()
+            return original_stage(self, state_dict, **kwargs)
+
+        DefaultStager.stage = stage  # type: ignore[method-assign]
+    elif phase == "write":
+        writer_cls = torch.distributed.checkpoint.FileSystemWriter
+        original_write = writer_cls.write_data
+
+        def write_data(self: Any, plan: Any, planner: Any) -> Any:
+            future = original_write(self, plan, planner)
+            if due():
+                future.wait()  # this rank's files are written, nothing else
+                _die()
+            return future
+
+        writer_cls.write_data = write_data  # type: ignore[method-assign]
+    elif phase == "upload":
+        original_upload = checkpointer.upload_file
+
+        def upload_file(target: Any, local_file: str, name: str) -> None:
+            original_upload(target, local_file, name)
+            if due():
+                _die()  # some files are in root, others are not
+
+        checkpointer.upload_file = upload_file  # type: ignore[assignment]
+    elif phase in ("before-marker", "after-marker"):
+        original_marker = layout.write_marker
+
+        def write_marker(location: Any, marker: Any) -> None:
+            if phase == "before-marker" and due():
+                _die()
+            original_marker(location, marker)
+            if phase == "after-marker" and due():
+                _die()  # committed, but the job dies before retention and before wait()
+
+        layout.write_marker = write_marker
+
+
+def _train(rank: int, world: int, root: str, local: str, kill: list[Any] | None,
+           ready: str | None) -> dict[str, Any]:
+    if kill is not None and kill[1] == rank:
+        _install_kill(kill[0], kill[2])
+    torch.manual_seed(0)  # identical initial weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    torch.manual_seed(100 + rank)  # dropout differs per rank: RNG states must be per rank
+    cursor = Cursor()
+    state = {"train": ModelState(model, optimizer), "loader": cursor}
+    with Checkpointer(root, local_dir=local, keep_last=2) as ckpt:
+        start = ckpt.load(state) or 0
+        if ready is not None:  # tell the test which step this restart found
+            Path(f"{ready}-{rank}").write_text(str(start))
+        for step in range(start, STEPS):
+            x, y = cursor.next_batch(rank, world)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            for p in model.parameters():
+                assert p.grad is not None
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            optimizer.step()
+            optimizer.zero_grad()
+            if (step + 1) % SAVE_EVERY == 0:
+                ckpt.save(step + 1, state)
+            time.sleep(0.01)  # a little compute, so that a kill at a random time lands anywhere
+    return {"start": start, "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def truthful_markers(root: Path) -> list[int]:
+    """Steps whose marker is on disk; asserts each one's files match it byte for byte."""
+    steps = []
+    for directory in sorted(root.iterdir()):
+        marker_path = directory / layout.MARKER_NAME
+        if not marker_path.exists():
+            continue
+        marker = json.loads(marker_path.read_bytes())["body"]
+        for name, entry in marker["files"].items():
+            path = directory / name
+            assert path.stat().st_size == entry["size"], f"{path}: marker lies about size"
+            assert checksum_file(path) == entry["checksum"], f"{path}: marker lies about bytes"
+        steps.append(marker["step"])
+    return steps
+
+
+def test_sigkill_at_random_moments_restarts_exactly(tmp_path: Path) -> None:
+    reference = run_ranks(_train, 2, str(tmp_path / "ref"), str(tmp_path / "ref-nvme"),
+                          None, None)
+    expected = reference[0].value["weights"]
+
+    seed = int(os.environ.get("STREAMCACHE_CRASH_SEED") or random.randrange(1 << 30))
+    chooser = random.Random(seed)
+    seed_note = f"rerun with STREAMCACHE_CRASH_SEED={seed}:"
+    phases = ["stage", "write", "upload", "before-marker", "after-marker", "time", "time"]
+    chooser.shuffle(phases)
+    root, local, ready = tmp_path / "root", tmp_path / "nvme", tmp_path / "ready"
+    history = []
+    for phase in [*phases, None]:
+        newest_truthful = max(truthful_markers(root), default=0) if root.exists() else 0
+        kill = None
+        if phase not in (None, "time"):
+            # only rank 0 writes markers; any rank stages, writes and uploads
+            dying_rank = 0 if "marker" in phase else chooser.randrange(2)
+            kill = [phase, dying_rank, chooser.randint(1, 3)]
+        ready_files = [Path(f"{ready}-{rank}") for rank in range(2)]
+        for path in ready_files:
+            path.unlink(missing_ok=True)
+        group = RankGroup(_train, 2, args=(str(root), str(local), kill, str(ready)),
+                          timeout_s=90, grace_s=0.2)
+        if phase == "time":
+            deadline = time.monotonic() + 60
+            while not ready_files[0].exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(chooser.uniform(0.0, 0.8))
+            group.kill()
+        results = group.join()
+        started = [int(p.read_text()) if p.exists() else None for p in ready_files]
+        history.append((phase, kill, newest_truthful, started))
+        note = f"{seed_note} {history}\n{group.describe()}"
+        # the restart found the newest checkpoint whose marker is truthful, on every rank
+        assert started == [newest_truthful, newest_truthful], note
+        truthful_markers(root)  # and whatever the kill interrupted left no lying marker
+        if phase is None or all(r.ok for r in results):
+            assert all(r.ok for r in results), note
+            break
+        assert any(r.killed for r in results), f"nobody was killed: {note}"
+    final = results[0].value["weights"]
+    assert final.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(final[key], expected[key]), (key, history)
+    print(seed_note, history)
