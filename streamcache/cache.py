@@ -12,7 +12,7 @@ Local source shards already in the local layout are read in place, never copied 
 Layout under ``cache_dir`` (see docs/cache.md)::
 
     accounting.json         installed bytes per shard, rewritten atomically under the lock
-    accounting.lock         the cache-wide lock (POSIX record lock)
+    accounting.lock         the cache-wide lock (flock)
     datasets/<fp>/NNNNNN.arrow    installed shards of the dataset with fingerprint <fp>
     locks/<fp>/NNNNNN.lock        per-shard install locks (empty files, never removed)
     tmp/<boot>-<pid>-<start>/     one process's temporaries; removed once that process is gone
@@ -429,20 +429,26 @@ class NodeCache:
 
 @contextlib.contextmanager
 def _file_lock(path: str) -> Iterator[None]:
-    """An exclusive POSIX record lock on ``path`` (blocks with the GIL released).
+    """An exclusive ``flock`` on ``path``, on a descriptor of its own (blocks, GIL released).
 
-    Record locks (``lockf``), not ``flock``: they belong to the process and are not inherited
-    by a forked child, so a child can never find itself holding a lock its parent's thread
-    took; the kernel drops them when the process dies, SIGKILL included.
+    ``flock``, not POSIX record locks (``lockf``): record locks belong to the whole process,
+    so the kernel's deadlock detection sees two threads of one process as one owner and fails
+    a legitimate wait with EDEADLK. A flock belongs to the open file; a child forked while it
+    is held shares it, which is why it is released with an explicit LOCK_UN (that releases it
+    for every copy of the descriptor) rather than by closing. The kernel releases it when the
+    process dies, SIGKILL included (and its forked children, if they still hold the copy).
     """
     import fcntl  # POSIX only
 
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX)
-        yield
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
-        os.close(fd)  # closing the descriptor releases the lock
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------- process tokens

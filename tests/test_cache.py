@@ -1,0 +1,355 @@
+"""The node cache (streamcache/cache.py) with real files, a real HTTP server and real processes.
+
+Datasets are small (a dozen shards of a few KB) and served by the fault-injecting HTTP server
+on 127.0.0.1, which counts requests per path: "one download per shard per node" is checked at
+the server. Multi-process tests use ``spawn`` processes; the crash test uses SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from servers import FaultServer
+
+from streamcache import DatasetReader, load_index, write_dataset
+from streamcache.cache import ACCOUNTING_NAME, NodeCache, process_alive, process_token
+from streamcache.errors import CacheBudgetError, ChecksumMismatchError
+from streamcache.fetch import FetchError, FetchOptions
+from streamcache.index import DatasetIndex
+from streamcache.materialize import is_local_layout
+from streamcache.reader import ShardReader
+
+SCHEMA = {"id": "int", "x": "tensor:int32:16", "blob": "bytes"}
+ROWS_PER_SHARD = 40
+FAST_RETRIES = FetchOptions(retries=6, backoff_initial_s=0.01, backoff_max_s=0.05,
+                            timeout_s=5.0)
+
+
+def sample(i: int) -> dict[str, Any]:
+    """Sample ``i``: every field derived from its id, so any read can be checked."""
+    rng = np.random.default_rng(i)
+    return {"id": i, "x": np.arange(16, dtype=np.int32) + i,
+            "blob": rng.bytes(100 + i % 50)}
+
+
+def write_shards(folder: Path, num_shards: int = 12, compression: str | None = "zstd",
+                 ) -> DatasetIndex:
+    samples = (sample(i) for i in range(num_shards * ROWS_PER_SHARD))
+    # shard_size in raw bytes: about ROWS_PER_SHARD rows of ~230 bytes
+    index = write_dataset(samples, str(folder), schema=SCHEMA, shard_size=ROWS_PER_SHARD * 228,
+                          compression=compression)
+    return index
+
+
+def serve_dataset(server: FaultServer, name: str = "ds", **kwargs: Any) -> DatasetIndex:
+    """Write a dataset under the server's root and load its index over HTTP."""
+    write_shards(Path(server.root or "") / name, **kwargs)
+    return load_index(server.url_for(f"{name}/index.json"))
+
+
+def check_batch(batch: dict[str, Any], ids: np.ndarray) -> None:
+    assert batch["id"].tolist() == ids.tolist()
+    for row, i in enumerate(ids.tolist()):
+        expected = sample(i)
+        assert batch["x"][row].tolist() == expected["x"].tolist()
+        assert batch["blob"][row] == expected["blob"]
+
+
+def read_everything(reader: DatasetReader, seed: int = 0, batch: int = 32) -> int:
+    ids = np.random.default_rng(seed).permutation(len(reader))
+    for start in range(0, len(ids), batch):
+        chunk = ids[start:start + batch]
+        check_batch(reader.read_batch(chunk), chunk)
+    return len(ids)
+
+
+def shard_gets(server: FaultServer, name: str = "ds") -> dict[str, int]:
+    return {p: n for p, n in server.requests.counts().items()
+            if p.startswith(f"/{name}/shard-")}
+
+
+def installed_files(cache_dir: Path) -> list[Path]:
+    return sorted((cache_dir / "datasets").glob("*/*.arrow"))
+
+
+def check_installed(index: DatasetIndex, cache_dir: Path) -> int:
+    """Every installed file is a whole shard in the local layout with the right rows."""
+    for path in installed_files(cache_dir):
+        shard = int(path.stem)
+        assert is_local_layout(str(path), index.schema), path
+        with ShardReader(str(path), index.schema,
+                         expected_rows=index.shards[shard].rows) as reader:
+            first = int(index.shard_rows[:shard].sum())
+            last = first + index.shards[shard].rows - 1
+            assert reader.row(0)["id"] == first
+            row = reader.row(index.shards[shard].rows - 1)
+            assert row["id"] == last and row["blob"] == sample(last)["blob"]
+    return len(installed_files(cache_dir))
+
+
+def accounting(cache_dir: Path) -> dict[str, int]:
+    obj = json.loads((cache_dir / ACCOUNTING_NAME).read_text())
+    return {key: entry["bytes"] for key, entry in obj["entries"].items()}
+
+
+def walked_bytes(cache_dir: Path) -> int:
+    return sum(p.stat().st_size for p in installed_files(cache_dir))
+
+
+# --------------------------------------------------------------------------- single process
+
+
+def test_installs_each_shard_once_and_serves_dataset_reader(
+        fault_server: FaultServer, tmp_path: Path) -> None:
+    index = serve_dataset(fault_server)
+    cache_dir = tmp_path / "cache"
+    with DatasetReader(index, store=NodeCache(index, str(cache_dir))) as reader:
+        assert read_everything(reader) == index.num_samples
+        stats = reader.store.stats  # type: ignore[attr-defined]
+    assert set(shard_gets(fault_server).values()) == {1}
+    assert stats.installs == len(index.shards) and stats.bytes_fetched == index.total_bytes
+    assert check_installed(index, cache_dir) == len(index.shards)
+    assert accounting(cache_dir) and sum(accounting(cache_dir).values()) == walked_bytes(cache_dir)
+    assert not any((cache_dir / "tmp").iterdir())  # close removed this process's temporaries
+    # a second cache on the same directory (a restart, another process) downloads nothing
+    with DatasetReader(index, store=NodeCache(index, str(cache_dir))) as reader:
+        read_everything(reader, seed=1)
+    assert set(shard_gets(fault_server).values()) == {1}
+
+
+def test_local_uncompressed_source_is_read_in_place_never_copied(tmp_path: Path) -> None:
+    index = write_shards(tmp_path / "ds", compression=None)
+    cache = NodeCache(index, str(tmp_path / "cache"), cache_limit=1)  # 1 byte: nothing to cache
+    with DatasetReader(index, store=cache) as reader:
+        read_everything(reader)
+        assert cache.local_path(0) == str(tmp_path / "ds" / index.shards[0].path)
+    assert installed_files(tmp_path / "cache") == []
+    assert cache.usage().bytes == 0
+
+
+def test_local_compressed_source_is_materialized_into_the_cache(tmp_path: Path) -> None:
+    index = write_shards(tmp_path / "ds", num_shards=3)
+    with DatasetReader(index, store=NodeCache(index, str(tmp_path / "cache"))) as reader:
+        read_everything(reader)
+    assert check_installed(index, tmp_path / "cache") == len(index.shards)
+
+
+def test_budget_smaller_than_the_working_set_is_refused_with_the_minimum(
+        tmp_path: Path) -> None:
+    index = write_shards(tmp_path / "ds", num_shards=3)
+    largest = max(NodeCache(index, str(tmp_path / "c0")).estimated_bytes(k)
+                  for k in range(len(index.shards)))
+    with pytest.raises(CacheBudgetError, match=f"at least {largest} bytes"):
+        NodeCache(index, str(tmp_path / "c1"), cache_limit=largest - 1)
+    with pytest.raises(CacheBudgetError, match="at least 500000 bytes"):
+        NodeCache(index, str(tmp_path / "c2"), cache_limit=400_000, working_set_bytes=500_000)
+    NodeCache(index, str(tmp_path / "c3"), cache_limit=500_000, working_set_bytes=500_000)
+
+
+def test_eviction_takes_the_farthest_next_use_then_falls_back_to_lru(tmp_path: Path) -> None:
+    index = write_shards(tmp_path / "ds", num_shards=6)
+    probe = NodeCache(index, str(tmp_path / "probe"))
+    probe.install(0)
+    size = os.path.getsize(probe.shard_path(0))
+    limit = 3 * size + size // 2  # three shards (they are about the same size)
+    cache = NodeCache(index, str(tmp_path / "cache"), cache_limit=limit)
+    for shard in (0, 1, 2):
+        cache.install(shard)
+    next_use = {0: 50.0, 1: 900.0, 2: 10.0, 3: 5.0}
+    cache.set_next_use(lambda k: next_use.get(k, float("inf")))
+    cache.install(3)
+    assert [cache.contains(k) for k in range(4)] == [True, False, True, True]
+    cache.set_next_use(None)  # no plan: least recently used goes
+    time.sleep(0.01)
+    cache.local_path(0)
+    cache.local_path(3)
+    cache.install(4)
+    assert [cache.contains(k) for k in range(5)] == [True, False, False, True, True]
+    assert cache.usage().bytes <= limit and walked_bytes(tmp_path / "cache") <= limit
+    assert cache.stats.evictions == 2
+
+
+def test_evicting_a_mapped_shard_does_not_break_its_reader(tmp_path: Path) -> None:
+    index = write_shards(tmp_path / "ds", num_shards=4)
+    probe = NodeCache(index, str(tmp_path / "x"))
+    largest = max(probe.estimated_bytes(k) for k in range(len(index.shards)))
+    cache = NodeCache(index, str(tmp_path / "cache"), cache_limit=largest + 10)
+    reader = ShardReader(cache.local_path(0), index.schema, expected_rows=index.shards[0].rows)
+    cache.install(1)  # evicts shard 0 while it is mapped
+    assert not cache.contains(0)
+    assert [reader.row(r)["id"] for r in range(3)] == [0, 1, 2]
+    assert reader.row(5)["blob"] == sample(5)["blob"]
+    reader.close()
+
+
+def test_accounting_is_rebuilt_from_the_directory_when_a_cache_opens(tmp_path: Path) -> None:
+    index = write_shards(tmp_path / "ds", num_shards=4)
+    cache_dir = tmp_path / "cache"
+    cache = NodeCache(index, str(cache_dir))
+    for shard in range(3):
+        cache.install(shard)
+    # what a crash can leave: an entry without its file (renamed away) or a torn file
+    os.unlink(cache.shard_path(2))
+    NodeCache(index, str(cache_dir))
+    assert sum(accounting(cache_dir).values()) == walked_bytes(cache_dir)
+    assert len(accounting(cache_dir)) == 2
+    (cache_dir / ACCOUNTING_NAME).write_text("{not json")
+    assert NodeCache(index, str(cache_dir)).usage().bytes == walked_bytes(cache_dir)
+
+
+def test_stale_temporaries_of_dead_processes_are_removed_live_ones_kept(
+        tmp_path: Path) -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "from streamcache.cache import process_token as t; print(t())"],
+        check=True, capture_output=True, text=True).stdout.strip()
+    assert not process_alive(dead) and process_alive(process_token())
+    assert not process_alive("garbage") and not process_alive("nobootid-1-1")
+    index = write_shards(tmp_path / "ds", num_shards=2)
+    tmp = tmp_path / "cache" / "tmp"
+    for token in (dead, process_token()):
+        (tmp / token / "abc").mkdir(parents=True)
+        (tmp / token / "abc" / "000001.download").write_bytes(b"partial")
+    NodeCache(index, str(tmp_path / "cache"))
+    assert [p.name for p in tmp.iterdir()] == [process_token()]
+
+
+def test_a_permanently_missing_shard_fails_at_once_with_the_url(
+        fault_server: FaultServer, tmp_path: Path) -> None:
+    index = serve_dataset(fault_server)
+    os.unlink(Path(fault_server.root or "") / "ds" / index.shards[3].path)
+    cache = NodeCache(index, str(tmp_path / "cache"), fetch_options=FAST_RETRIES)
+    started = time.monotonic()
+    with pytest.raises(FetchError, match=index.shards[3].path) as caught:
+        cache.local_path(3)
+    assert caught.value.permanent and time.monotonic() - started < 5
+    assert installed_files(tmp_path / "cache") == []
+    assert cache.local_path(4)  # the others are fine
+
+
+def test_a_corrupted_body_is_detected_and_fetched_again(
+        fault_server: FaultServer, tmp_path: Path) -> None:
+    index = serve_dataset(fault_server)
+    path = f"/ds/{index.shards[2].path}"
+    fault_server.faults.script(path, ["corrupt", "corrupt"])
+    with DatasetReader(index, store=NodeCache(index, str(tmp_path / "cache"),
+                                              fetch_options=FAST_RETRIES)) as reader:
+        read_everything(reader)
+    assert fault_server.requests.count(path) == 3
+    fault_server.faults.configure(rate=1.0, kinds=("corrupt",))
+    cache = NodeCache(index, str(tmp_path / "other"),
+                      fetch_options=FetchOptions(retries=1, backoff_initial_s=0.01))
+    with pytest.raises(ChecksumMismatchError):
+        cache.local_path(5)
+    assert installed_files(tmp_path / "other") == []
+
+
+# --------------------------------------------------------------------------- several processes
+
+
+def _stream_in_process(index_url: str, cache_dir: str, seed: int, prefetch: bool,
+                       start: Any, results: Any) -> None:
+    """A 'rank' of a node: stream the whole dataset through the shared cache."""
+    from streamcache.prefetch import Prefetcher, PrefetchOptions
+
+    index = load_index(index_url)
+    cache = NodeCache(index, cache_dir, fetch_options=FAST_RETRIES)
+    store: Any = Prefetcher(cache, PrefetchOptions(workers=3)) if prefetch else cache
+    start.wait()
+    if prefetch:
+        order = np.random.default_rng(seed).permutation(len(index.shards))
+        store.update(order, np.arange(len(order)))
+    with DatasetReader(index, store=store) as reader:
+        results.put((seed, read_everything(reader, seed=seed)))
+
+
+def process_context() -> Any:
+    """Fresh processes (forked from a clean, single-threaded server, not from pytest), with
+    the imports done once: a spawned interpreter would pay seconds of imports each."""
+    ctx = mp.get_context("forkserver")
+    # (the server does not get the tests folder on its sys.path: preload the package only)
+    ctx.set_forkserver_preload(["streamcache.cache", "streamcache.prefetch",
+                                "fsspec.implementations.http", "pytest"])
+    return ctx
+
+
+def run_processes(index_url: str, cache_dir: Path, count: int, prefetch: bool) -> list[int]:
+    ctx = process_context()
+    start, results = ctx.Barrier(count), ctx.Queue()
+    procs = [ctx.Process(target=_stream_in_process,
+                         args=(index_url, str(cache_dir), seed, prefetch, start, results))
+             for seed in range(count)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+    assert [p.exitcode for p in procs] == [0] * count
+    return sorted(results.get(timeout=5)[1] for _ in range(count))
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["cache", "prefetch"])
+def test_four_processes_on_a_node_download_every_shard_exactly_once(
+        fault_server: FaultServer, tmp_path: Path, prefetch: bool) -> None:
+    index = serve_dataset(fault_server)
+    fault_server.faults.configure(rate=1.0, kinds=("slow",), delay_s=0.05)  # widen the races
+    counts = run_processes(fault_server.url_for("ds/index.json"), tmp_path / "cache", 4,
+                           prefetch)
+    assert counts == [index.num_samples] * 4
+    gets = shard_gets(fault_server)
+    assert len(gets) == len(index.shards) and set(gets.values()) == {1}, gets
+    assert check_installed(index, tmp_path / "cache") == len(index.shards)
+    assert sum(accounting(tmp_path / "cache").values()) == walked_bytes(tmp_path / "cache")
+
+
+def _stream_until_killed(index_url: str, cache_dir: str, seed: int) -> None:
+    index = load_index(index_url)
+    cache = NodeCache(index, cache_dir, fetch_options=FAST_RETRIES)
+    threads = [threading.Thread(target=lambda k=k: [cache.install(s) for s in range(k, len(
+        index.shards), 3)]) for k in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def test_sigkill_during_downloads_and_installs_leaves_nothing_trusted(
+        fault_server: FaultServer, tmp_path: Path) -> None:
+    index = serve_dataset(fault_server, num_shards=24)
+    url = fault_server.url_for("ds/index.json")
+    cache_dir = tmp_path / "cache"
+    fault_server.faults.configure(rate=0.5, kinds=("slow", "stall"), delay_s=0.1)
+    ctx = process_context()
+    rng = random.Random(7)
+    killed_with_temporaries = 0
+    for round_number in range(4):
+        proc = ctx.Process(target=_stream_until_killed, args=(url, str(cache_dir), round_number))
+        proc.start()
+        deadline = time.monotonic() + 20
+        before = len(installed_files(cache_dir))  # wait until it is busy installing
+        while len(installed_files(cache_dir)) == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.3))
+        os.kill(proc.pid or 0, signal.SIGKILL)
+        proc.join(10)
+        assert proc.exitcode == -signal.SIGKILL
+        killed_with_temporaries += any((cache_dir / "tmp").rglob("*.*"))
+        check_installed(index, cache_dir)  # only whole shards were ever published
+    assert killed_with_temporaries >= 1  # the kills did land mid-download
+    fault_server.faults.clear()
+    with DatasetReader(index, store=NodeCache(index, str(cache_dir))) as reader:
+        read_everything(reader)
+        assert list((cache_dir / "tmp").iterdir()) in ([], [cache_dir / "tmp" / process_token()])
+    assert check_installed(index, cache_dir) == len(index.shards)
+    assert sum(accounting(cache_dir).values()) == walked_bytes(cache_dir)
+    assert not any((cache_dir / "tmp").iterdir())
