@@ -357,6 +357,11 @@ def test_impossible_topologies_are_refused(global_batch: int, world: int, match:
         EpochSegment(100, 0, global_batch, world)
 
 
+def test_an_unknown_tail_policy_is_refused() -> None:
+    with pytest.raises(PlanError, match="tail policy"):
+        new_cursor([4]).segment(2, 1, "wrap")
+
+
 def test_bad_step_rank_and_worker_are_refused() -> None:
     order = EpochOrder([10], 0, 0)
     segment = EpochSegment(10, 0, 4, 2)

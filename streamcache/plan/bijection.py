@@ -27,6 +27,7 @@ TAG_STAGGER = 3
 TAG_SAMPLE_SEED = 4
 
 FEISTEL_ROUNDS = 6
+MAX_DOMAIN = (1 << 32) - 1  # Feistel domains use 32-bit arithmetic (see docs/plan.md)
 
 
 def mix64(value: int) -> int:
@@ -88,9 +89,6 @@ def counter_hash(key: int, counters: np.ndarray) -> np.ndarray:
     state *= np.uint64(_GAMMA)
     state += np.uint64(key & MASK64)
     return mix64_array(state)
-
-
-MAX_DOMAIN = (1 << 32) - 1  # Feistel domains use 32-bit arithmetic (see docs/plan.md)
 
 
 def round_keys(key: int) -> list[np.uint32]:

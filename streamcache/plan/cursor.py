@@ -12,7 +12,7 @@ from typing import Any
 
 from ._util import CursorMismatchError, PlanError, check_int, check_seed
 from .order import EpochOrder, ShuffleOptions
-from .steps import EpochSegment, TailPolicy
+from .steps import EpochSegment, TailPolicy, tail_policy
 
 CURSOR_VERSION = 1
 KEY_VERSION = "version"
@@ -74,7 +74,7 @@ class Cursor:
                 tail: TailPolicy | str = TailPolicy.DROP) -> EpochSegment:
         """The rest of the cursor's epoch as steps of ``global_batch`` on ``world_size`` ranks."""
         return EpochSegment(self.num_samples, self.samples_consumed, global_batch, world_size,
-                            TailPolicy(tail))
+                            tail_policy(tail))
 
     def advanced(self, segment: EpochSegment, steps_done: int) -> Cursor:
         """The cursor once ``steps_done`` steps of ``segment`` (begun at this cursor) are

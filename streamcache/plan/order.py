@@ -160,12 +160,21 @@ class EpochOrder:
         return self._blocks.lookup(start, stop)[0].copy()
 
     def sample_ids_at(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
-        """Global sample ids (int64) at arbitrary positions (any shape, each in range)."""
+        """Global sample ids (int64) at arbitrary positions (any shape, each in range).
+
+        Evaluated directly, without the block cache: best for long arrays (a rank's positions
+        for many steps) or scattered probes.
+
+        Raises:
+            PositionOutOfRangeError: a position outside ``[0, num_samples)``.
+            PlanError: positions that are not integers.
+        """
         pos = self._check_positions(positions)
         return self._resolve(pos.ravel())[0].reshape(pos.shape)
 
     def locate(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """(shard index, row within shard) of positions ``[start, stop)``, both int64."""
+        """(shard index, row within shard) of positions ``[start, stop)``, both int64: what
+        the reader gathers. Raises like :meth:`sample_ids`."""
         self._check_range(start, stop)
         resolved = self._blocks.lookup(start, stop)
         shards = self._stream.slot_shard[resolved[1]]
@@ -195,12 +204,12 @@ class EpochOrder:
         return np.concatenate(found_shards), np.concatenate(found_positions)
 
     def shard_of_ids(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(shard index, row within shard) of global sample ids, both int64."""
-        ids = np.asarray(ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.num_samples):
-            raise PositionOutOfRangeError(
-                f"sample ids must lie in [0, {self.num_samples}), got "
-                f"[{ids.min()}, {ids.max()}]")
+        """(shard index, row within shard) of global sample ids, both int64.
+
+        Raises:
+            PositionOutOfRangeError: an id outside ``[0, num_samples)``.
+        """
+        ids = self._check_positions(ids)
         shards = np.searchsorted(self.shard_offsets, ids, side="right") - 1
         return shards, ids - self.shard_offsets[shards]
 
@@ -225,6 +234,7 @@ class EpochOrder:
                 f"positions [{start}, {stop}) are outside the epoch's [0, {self.num_samples})")
 
     def _check_positions(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
+        """``positions`` (or ids) as int64, each in ``[0, num_samples)``, or a clear error."""
         pos = np.asarray(positions)
         if pos.size == 0:
             return pos.astype(np.int64)

@@ -36,6 +36,15 @@ class TailPolicy(str, enum.Enum):
     SPLIT = "split"
 
 
+def tail_policy(value: TailPolicy | str) -> TailPolicy:
+    """``value`` as a :class:`TailPolicy`, or a :class:`PlanError` listing the choices."""
+    try:
+        return TailPolicy(value)
+    except ValueError:
+        raise PlanError(f"unknown tail policy {value!r}; choose one of "
+                        f"{[policy.value for policy in TailPolicy]}") from None
+
+
 class RankAssignment(Protocol):
     """The hook that decides which slots of a global batch each rank reads.
 
@@ -85,6 +94,16 @@ class RankBatch:
 class EpochSegment:
     """The steps of an epoch from ``start`` on, for one global batch size and world size.
 
+    Attributes:
+        num_samples: samples in the epoch.
+        start: the cursor's ``samples_consumed`` when the segment began; step ``t`` covers
+            positions ``[start + t * global_batch, start + (t + 1) * global_batch)``.
+        global_batch: samples per step over all ranks.
+        world_size: number of ranks; each takes ``global_batch // world_size`` a step.
+        tail: what the last, partial global batch becomes (:class:`TailPolicy`).
+
+    Thread safety: immutable; every method is pure.
+
     Raises:
         PlanError: the global batch is not a multiple of the world size (or smaller than it),
             or ``start`` lies outside ``[0, num_samples]``.
@@ -108,7 +127,7 @@ class EpochSegment:
             raise PlanError(f"global batch {self.global_batch} is not divisible by world size "
                             f"{self.world_size}: every rank must take the same number of "
                             "samples a step; use a multiple of the world size")
-        object.__setattr__(self, "tail", TailPolicy(self.tail))
+        object.__setattr__(self, "tail", tail_policy(self.tail))
 
     @property
     def num_steps(self) -> int:
