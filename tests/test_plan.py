@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import numpy as np
@@ -298,3 +299,23 @@ def test_skewed_shard_sizes_locate_correctly(options: ShuffleOptions) -> None:
     shards, row = order.locate(0, order.num_samples)
     assert np.array_equal(np.stack(order.shard_of_ids(ids)), np.stack([shards, row]))
     assert np.array_equal(np.sort(ids), np.arange(order.num_samples))
+
+
+def test_one_order_serves_several_threads() -> None:
+    rows = [977] * 300
+    shared = EpochOrder(rows, 8, 2, ShuffleOptions(window=30011), cache_bytes=4 << 20)
+    expected = EpochOrder(rows, 8, 2, ShuffleOptions(window=30011), cache_bytes=0)
+    failures: list[str] = []
+
+    def read(offset: int) -> None:
+        for start in range(offset, shared.num_samples - 2000, 7919):
+            if not np.array_equal(shared.sample_ids(start, start + 2000),
+                                  expected.sample_ids(start, start + 2000)):
+                failures.append(f"ids at {start}")
+
+    threads = [threading.Thread(target=read, args=(offset,)) for offset in range(0, 4000, 1000)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert failures == []
