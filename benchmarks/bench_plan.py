@@ -3,7 +3,8 @@
 Run:  python benchmarks/bench_plan.py [--repeats 5] [--quick]
 
 1. Time to the first sample id (build the order of an epoch of 1e9 samples in 1e6 shards,
-   then read one id) at position 0 and at the last position, interleaved, several times.
+   then read one id) at position 0 and at the last position, interleaved, several times;
+   and the cost of ``shard_first_use`` (the prefetcher's planning query) per position.
 2. Step generation, amortized over 1024 consecutive steps of a global batch of 1024, for
    several shuffle settings: ``sample_ids`` and ``locate`` of whole steps (the cached-block
    path a prefetcher uses), and ``worker_batches`` (the loader's path) for one rank of one
@@ -96,6 +97,18 @@ def time_first_id(repeats: int) -> dict[str, float]:
     return summary
 
 
+def time_first_use(repeats: int) -> dict[str, float]:
+    """CPU ns per position of ``shard_first_use`` over 2**20 positions (prefetch planning)."""
+    order = EpochOrder(np.full(BIG_SHARDS, BIG_ROWS, dtype=np.int64), 3, 1)
+    times = []
+    for repeat in range(repeats):
+        start = 10**8 * (repeat + 1)
+        begin = time.process_time()
+        order.shard_first_use(start, start + (1 << 20))
+        times.append((time.process_time() - begin) / (1 << 20) * 1e9)
+    return {"shard_first_use_ns_per_position": statistics.median(times)}
+
+
 STEP_CASES: list[tuple[str, ShuffleOptions]] = [
     ("window 2^18, stagger (default)", ShuffleOptions()),
     ("window 2^18, no stagger", ShuffleOptions(stagger=False)),
@@ -175,13 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     steps = 256 if args.quick else 1024
     batches = 40 if args.quick else 200
     report: dict[str, Any] = {"first_id": time_first_id(args.repeats), "steps": {},
-                              "quality": {}}
+                              "quality": {}, "first_use": time_first_use(args.repeats)}
     first = report["first_id"]
     print("1. first sample id, epoch of 1e9 samples in 1e6 shards (median of "
           f"{args.repeats}, build included)")
     print(f"   build {first['build_ms']:.1f} ms | id at 0: {first['first_id_at_0_ms']:.1f} ms | "
           f"id at last: {first['first_id_at_last_ms']:.1f} ms | random probe on a built\n"
           f"   order: {first['random_probe_us']:.0f} us")
+    print(f"   shard_first_use over 2^20 positions: "
+          f"{report['first_use']['shard_first_use_ns_per_position']:.0f} ns a position")
     print(f"\n2. steps of {STEP} (us per step, amortized over {steps} steps)")
     print(f"   {'setting':32} {'sample_ids':>10} {'locate':>8} {'worker 1/1':>10} "
           f"{'rank 3/8':>8} {'Mids/s 1/1':>10}")
