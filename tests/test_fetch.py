@@ -436,12 +436,10 @@ def test_a_fetcher_used_before_fork_works_in_the_child(
             )
 
         assert _fetch_in_child(child) == 0
-        # The parent's Fetchers still work after the child is gone, at full speed: the child
-        # must not have closed the parent's connections (which would cost a timeout here).
-        started = time.monotonic()
+        # The parent's Fetchers still work after the child is gone, first time: had the child
+        # closed the parent's connections, a request would time out here and be retried.
         assert s3_fetcher.fetch(s3_url) == s3_data
         assert http_fetcher.fetch(http_url) == http_data
-        assert time.monotonic() - started < 1.0
         assert s3_fetcher.stats.retries == http_fetcher.stats.retries == 0
     assert fault_server.requests.count("/fork-obj") == 3
 
