@@ -16,25 +16,26 @@ Run:  python benchmarks/bench_plan.py [--repeats 5] [--quick]
 
 Writes benchmarks/out/bench_plan.json.
 
-Times are CPU seconds of this process (time.process_time): the 2-core machine was shared
-with other work (load average about 5), which inflates wall-clock times unevenly.
+Times are CPU seconds of this process (time.process_time): the 2-core machine is shared
+with other work, which inflates wall-clock times unevenly (this run: load average ~2.3).
 
 Last result (2026-11-29, this 2-core machine, `python benchmarks/bench_plan.py --repeats 5`):
 
   1. first sample id, epoch of 1e9 samples in 1e6 shards (median of 5, build included)
-     build 131.9 ms | id at 0: 134.6 ms | id at last: 132.5 ms | random probe on a built
-     order: 239 us
+     build 67.1 ms | id at 0: 65.0 ms | id at last: 70.1 ms | random probe on a built
+     order: 221 us
+     shard_first_use over 2^20 positions: 49 ns a position
 
   2. steps of 1024 (us per step, amortized over 1024 steps)
      setting                          sample_ids   locate worker 1/1 rank 3/8 Mids/s 1/1
-     window 2^18, stagger (default)         46.4     49.1       43.6     10.8       23.5
-     window 2^18, no stagger                27.3     30.4       27.7      7.6       36.9
-     window 2^16, stagger                   52.6     60.2       52.9     11.6       19.4
-     window 2^20, stagger                   48.5     52.0       44.9      9.8       22.8
-     window 300000, stagger                 99.4    106.3      111.4     22.3        9.2
-     window 256 shards, stagger             95.2     97.3       81.7     18.1       12.5
-     full shuffle of 1e9                    92.3    134.1       97.2     16.1       10.5
-     no shuffle                              1.8     19.2       13.4      5.1       76.2
+     window 2^18, stagger (default)         43.4     47.9       40.1     10.1       25.5
+     window 2^18, no stagger                25.8     29.2       23.5      6.6       43.6
+     window 2^16, stagger                   47.1     51.7       45.4     10.5       22.5
+     window 2^20, stagger                   44.6     44.8       41.2      8.9       24.9
+     window 300000, stagger                 95.1     95.8       90.3     18.9       11.3
+     window 256 shards, stagger             76.1     75.1       67.9     14.8       15.1
+     full shuffle of 1e9                    72.1    108.7       66.6     12.7       15.4
+     no shuffle                              1.8     15.7       11.9      4.1       85.8
 
   3. shuffle quality, 1e7 samples in 1e4 shards of 1000, batches of 1024
         window stagger shards/batch   min     corr min overlap shards/run
