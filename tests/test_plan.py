@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 import threading
 import time
 
@@ -319,3 +320,11 @@ def test_one_order_serves_several_threads() -> None:
     for thread in threads:
         thread.join(timeout=60)
     assert failures == []
+
+
+def test_an_order_pickles_as_its_arguments() -> None:
+    order = EpochOrder([30, 0, 45], 6, 1, ShuffleOptions(window=8), cache_bytes=1 << 21)
+    order.sample_ids(0, 75)
+    copy = pickle.loads(pickle.dumps(order))
+    assert np.array_equal(copy.sample_ids(0, 75), order.sample_ids(0, 75))
+    assert (copy.seed, copy.epoch, copy.shuffle) == (6, 1, ShuffleOptions(window=8))

@@ -9,6 +9,7 @@ steps; with the same global batch, the global batches do not depend on the world
 from __future__ import annotations
 
 import json
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 from streamcache.errors import StreamcacheError
 from streamcache.plan import (
+    CONTIGUOUS,
     Cursor,
     CursorMismatchError,
     EpochOrder,
@@ -332,6 +334,16 @@ def test_a_custom_assignment_changes_who_reads_not_what_is_read() -> None:
         flat = sorted(np.concatenate([b.positions for b in default]).tolist())
         assert sorted(np.concatenate([b.positions for b in strided]).tolist()) == flat
         assert strided[1].positions.tolist()[0] == default[0].positions.tolist()[1]
+
+
+def test_the_default_assignment_survives_pickling() -> None:
+    order = EpochOrder([9, 14], 2, 0)
+    segment = pickle.loads(pickle.dumps(EpochSegment(23, 0, 6, 3, TailPolicy.PAD)))
+    copied = pickle.loads(pickle.dumps(CONTIGUOUS))
+    assert copied is not CONTIGUOUS
+    for step in range(segment.num_steps):
+        assert np.array_equal(segment.rank_batch(order, step, 1, copied).sample_ids,
+                              segment.rank_batch(order, step, 1).sample_ids)
 
 
 def test_a_broken_assignment_is_refused() -> None:

@@ -125,8 +125,14 @@ class EpochOrder:
             raise EmptyDatasetError("the dataset holds no samples (every shard is empty); "
                                     "check the index or the dataset URL")
         self._layers = self._build_layers() if shuffle.enabled else []
-        self._blocks = PositionBlocks(self._resolve, self.num_samples,
-                                      check_int("cache_bytes", cache_bytes, minimum=0))
+        self._cache_bytes = check_int("cache_bytes", cache_bytes, minimum=0)
+        self._blocks = PositionBlocks(self._resolve, self.num_samples, self._cache_bytes)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as its arguments (for worker processes started with spawn): the order is
+        # rebuilt, not copied, and the cache and its lock stay behind.
+        return (_rebuild, (self.shard_rows, self.seed, self.epoch, self.shuffle,
+                           self._cache_bytes))
 
     def _build_layers(self) -> list[ShuffleLayer]:
         """The shuffle layers applied to a position, outermost (stagger) first."""
@@ -247,6 +253,11 @@ class EpochOrder:
     def __repr__(self) -> str:
         return (f"EpochOrder(num_samples={self.num_samples}, num_shards={self.num_shards}, "
                 f"seed={self.seed}, epoch={self.epoch}, shuffle={self.shuffle})")
+
+
+def _rebuild(shard_rows: np.ndarray, seed: int, epoch: int, shuffle: ShuffleOptions,
+             cache_bytes: int) -> EpochOrder:
+    return EpochOrder(shard_rows, seed, epoch, shuffle, cache_bytes=cache_bytes)
 
 
 def _check_rows(shard_rows: Sequence[int] | np.ndarray) -> np.ndarray:

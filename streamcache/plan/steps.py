@@ -179,7 +179,7 @@ class EpochSegment:
                             f"{self.num_samples}")
         first, _ = self.step_span(step)
         sizes = self.part_sizes(step)
-        if assignment is CONTIGUOUS:
+        if isinstance(assignment, ContiguousAssignment):
             lo = first + sum(sizes[:rank])
             return self._contiguous(order, step, lo, lo + sizes[rank])
         slots = np.asarray(assignment.slots(order, first, sizes, rank), dtype=np.int64)
@@ -210,7 +210,7 @@ class EpochSegment:
         """
         steps = list(steps)
         full = [s for s in steps if self._is_full(s)]
-        if assignment is not CONTIGUOUS or len(full) < 2:
+        if not isinstance(assignment, ContiguousAssignment) or len(full) < 2:
             return [self.rank_batch(order, step, rank, assignment) for step in steps]
         check_int("rank", rank, minimum=0, maximum=self.world_size - 1)
         if order.num_samples != self.num_samples:
