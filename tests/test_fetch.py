@@ -430,6 +430,7 @@ def test_a_fetcher_used_before_fork_works_in_the_child(
         assert http_fetcher.fetch(http_url) == http_data
 
         def child() -> bool:
+            gc.collect()  # as a long-lived child (a DataLoader worker) eventually does
             results = s3_fetcher.fetch_many([FetchRequest(s3_url)] * 3)
             return all(r.data == s3_data for r in results) and (
                 http_fetcher.fetch(http_url, checksum=checksum_bytes(http_data)) == http_data
