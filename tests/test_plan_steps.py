@@ -352,8 +352,24 @@ def test_a_broken_assignment_is_refused() -> None:
                   rank: int) -> np.ndarray:
             return np.arange(sum(part_sizes))
 
-    with pytest.raises(PlanError, match="assignment"):
-        EpochSegment(10, 0, 4, 2).rank_batch(EpochOrder([10], 0, 0), 0, 0, TooMany())
+    class Repeats:
+        def slots(self, order: EpochOrder, batch_start: int, part_sizes: list[int],
+                  rank: int) -> np.ndarray:
+            return np.zeros(part_sizes[rank], dtype=np.int64)
+
+    class Overlaps:
+        def slots(self, order: EpochOrder, batch_start: int, part_sizes: list[int],
+                  rank: int) -> np.ndarray:
+            return np.arange(part_sizes[rank])  # every rank takes the first slots
+
+    order, segment = EpochOrder([10], 0, 0), EpochSegment(10, 0, 4, 2)
+    for broken in (TooMany(), Repeats()):
+        with pytest.raises(PlanError, match="assignment"):
+            segment.rank_batch(order, 0, 0, broken)
+    with pytest.raises(PlanError, match="partition"):
+        segment.check_assignment(order, 0, Overlaps())
+    segment.check_assignment(order, 0, Strided())
+    segment.check_assignment(order, 1, CONTIGUOUS)
 
 
 # --------------------------------------------------------------------------- bad input

@@ -184,13 +184,26 @@ class EpochSegment:
             return self._contiguous(order, step, lo, lo + sizes[rank])
         slots = np.asarray(assignment.slots(order, first, sizes, rank), dtype=np.int64)
         if slots.shape != (sizes[rank],) or (slots.size and (
-                slots.min() < 0 or slots.max() >= sum(sizes))):
+                slots.min() < 0 or slots.max() >= sum(sizes)
+                or np.unique(slots).size != slots.size)):
             raise PlanError(f"rank assignment returned slots {slots!r} for rank {rank}; "
-                            f"expected {sizes[rank]} slots in [0, {sum(sizes)})")
+                            f"expected {sizes[rank]} distinct slots in [0, {sum(sizes)})")
         virtual = first + slots
         positions = virtual % self.num_samples
         return RankBatch(step, positions, order.sample_ids_at(positions),
                          virtual >= self.num_samples)
+
+    def check_assignment(self, order: EpochOrder, step: int,
+                         assignment: RankAssignment) -> None:
+        """Raise :class:`PlanError` unless ``assignment`` partitions step ``step`` among the
+        ranks (for testing an assignment; it calls the assignment for every rank)."""
+        sizes = self.part_sizes(step)
+        first, _ = self.step_span(step)
+        taken = np.concatenate([np.asarray(assignment.slots(order, first, sizes, rank),
+                                           dtype=np.int64) for rank in range(self.world_size)])
+        if not np.array_equal(np.sort(taken), np.arange(sum(sizes))):
+            raise PlanError(f"rank assignment does not partition step {step}: the ranks' "
+                            f"slots must cover [0, {sum(sizes)}) once each")
 
     def _contiguous(self, order: EpochOrder, step: int, lo: int, hi: int) -> RankBatch:
         total = self.num_samples
