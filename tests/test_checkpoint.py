@@ -407,3 +407,40 @@ def test_cli_lists_and_verifies(tmp_path: Path, capsys: pytest.CaptureFixture[st
     flip_4k_in_the_middle(data_file(tmp_path / "big"))
     assert cli_main(["checkpoints", str(tmp_path / "big"), "--verify", "1"]) == 1
     assert "is damaged" in capsys.readouterr().err
+
+
+def test_background_staging_saves_the_state_of_the_save_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from streamcache.checkpoint import staging
+
+    original = staging.Staging.stage_later
+
+    def slow(self: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(0.3)  # the training loop runs on meanwhile
+        return original(self, state_dict)
+
+    monkeypatch.setattr(staging.Staging, "stage_later", slow)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    state = {"train": ModelState(model, optimizer)}
+    with Checkpointer(tmp_path, async_mode="thread") as ckpt:
+        model(torch.randn(8, 4)).sum().backward()
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        started = time.perf_counter()
+        ckpt.save(1, state)
+        blocked = time.perf_counter() - started
+        model(torch.randn(8, 4)).sum().backward()  # BatchNorm statistics: waits for the copy
+        optimizer.step()  # waits for the copy
+        waited = time.perf_counter() - started
+        ckpt.wait()
+        assert blocked < 0.25 < waited
+        torch.manual_seed(1)
+        loaded = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        ckpt.load({"train": ModelState(loaded, torch.optim.SGD(loaded.parameters()))})
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    assert not torch.equal(model[0].weight, expected["0.weight"])  # the step did happen

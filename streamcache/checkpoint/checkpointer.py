@@ -36,7 +36,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -49,6 +48,7 @@ from .errors import (
     CheckpointWriteError,
 )
 from .layout import GLOBAL_NAME, MARKER_NAME, CheckpointInfo, FileEntry
+from .staging import Staging
 from .state import is_global_state
 from .tiers import Location
 
@@ -101,6 +101,7 @@ class _Job:
     started: float
     blocked_s: float
     dcp_future: Any = None
+    stage_later: dict[str, Any] | None = None
     error: BaseException | None = None
     durable_s: float | None = None
 
@@ -123,6 +124,9 @@ class Checkpointer:
         seed: base seed for RNG states of ranks that did not exist when a checkpoint was saved.
         timeout: timeout of the checkpointer's collectives.
         write_threads: DCP writer threads per rank.
+        background_staging: (thread mode) copy the tensors of :class:`ModelState` entries in
+            the writer thread; ``optimizer.step()`` (and the forward of models with buffers)
+            waits until the copy is done. See :meth:`wait_staged`.
         storage_options: fsspec options for ``root`` (credentials, endpoint).
 
     Thread safety: call from one thread (the training loop); the background work has its own
@@ -140,6 +144,7 @@ class Checkpointer:
         seed: int = 0,
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         write_threads: int = 1,
+        background_staging: bool = True,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         if keep_last < 1:
@@ -180,15 +185,12 @@ class Checkpointer:
             self._private_tmp = tempfile.mkdtemp(prefix="streamcache-ckpt-")
             self._write_base = Location(self._private_tmp)
         self._tiered = self._write_base.url != self.root.url
-        self._stager: DefaultStager | None = None
+        self._staging: Staging | None = None
         if self.async_mode is not AsyncMode.SYNC:
-            on_gpu = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(
-                use_pinned_memory=on_gpu,
-                use_shared_memory=self.async_mode is AsyncMode.PROCESS,
-                use_async_staging=False,
-                use_non_blocking_copy=on_gpu,
-            ))
+            self._staging = Staging(
+                shared_memory=self.async_mode is AsyncMode.PROCESS,
+                background=background_staging and self.async_mode is AsyncMode.THREAD,
+            )
         self._thread: threading.Thread | None = None
         self._job: _Job | None = None
         self._closed = False
@@ -230,14 +232,13 @@ class Checkpointer:
                 storage_writer=self._writer(job.write_dir),
                 process_group=self._ckpt_pg,
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                async_stager=self._stager,
+                async_stager=self._staging.stager if self._staging else None,
                 no_dist=not self._distributed,
             )
         else:
-            assert self._stager is not None
-            staged = self._stager.stage(state_dict)  # use_async_staging=False: a dict
-            assert isinstance(staged, dict)
-            job.state = staged
+            assert self._staging is not None
+            now, job.stage_later = self._staging.split(state, state_dict)
+            job.state = self._staging.stage_now(now)
         job.blocked_s = time.perf_counter() - started
         self.last_save = SaveStats(step, job.blocked_s)
         self._job = job
@@ -259,6 +260,16 @@ class Checkpointer:
         thread.join()
         self._job, self._thread = None, None
         self._raise_if_failed(job)
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight no longer reads the live model/optimizer tensors.
+
+        Only needed with ``background_staging`` before changing model or optimizer state by
+        other means than ``optimizer.step()`` or the model's forward (which wait by
+        themselves), e.g. editing weights in place.
+        """
+        if self._staging is not None:
+            self._staging.wait_staged()
 
     def load(self, state: dict[str, Any], step: int | None = None) -> int | None:
         """Load the newest complete checkpoint (or ``step``) into ``state`` in place.
@@ -322,8 +333,8 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
-            if self._stager is not None:
-                self._stager.close()
+            if self._staging is not None:
+                self._staging.close()
             for group in (self._ckpt_pg, self._control_pg):
                 if group is not None:
                     dist.destroy_process_group(group)
@@ -407,6 +418,10 @@ class Checkpointer:
             if job.dcp_future is not None:
                 job.dcp_future.result()
             else:
+                if job.stage_later is not None and job.state is not None:
+                    assert self._staging is not None
+                    job.state.update(self._staging.stage_later(job.stage_later))
+                    job.stage_later = None
                 dcp.save(
                     job.state,
                     storage_writer=self._writer(job.write_dir),
