@@ -94,7 +94,12 @@ class BoundaryWindows:
         return cls(np.unique(np.append(edges, slot_starts[-1])))
 
     def index(self, positions: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.bounds, positions, side="right") - 1
+        # Positions of one call span few windows: search only their bounds (cache-resident).
+        first = int(np.searchsorted(self.bounds, positions.min(), side="right")) - 1
+        last = int(np.searchsorted(self.bounds, positions.max(), side="right")) - 1
+        if first == last:
+            return np.full(positions.shape, first, dtype=np.int64)
+        return first - 1 + np.searchsorted(self.bounds[first:last + 1], positions, side="right")
 
     def edges(self, first: int, last: int) -> np.ndarray:
         return self.bounds[first: last + 2]
