@@ -20,6 +20,7 @@ import atexit
 import math
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -257,16 +258,20 @@ class Prefetcher:
         return self._scheduler
 
     def close(self) -> None:
-        """Stop the threads (a download in progress is abandoned) and close the cache."""
+        """Stop the threads and close the cache; returns within about ``poll_s + 2`` s.
+
+        Downloads waiting for a slot or a retry fail at once (the Fetcher is closed). A
+        thread blocked in a read that is not moving is left to its Fetcher's ``timeout_s``
+        (it is a daemon thread, and it ends as soon as that read returns).
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             threads, self._threads = self._threads, []
         self._scheduler.stop()
-        self._join(threads, self.options.poll_s + 1.0)
-        self.cache.close()  # closes the Fetcher: a download still running gives up
-        self._join(threads, 10.0)
+        self.cache.close()
+        self._join(threads, self.options.poll_s + 2.0)
 
     def __enter__(self) -> Prefetcher:
         return self
@@ -312,9 +317,10 @@ class Prefetcher:
 
     @staticmethod
     def _join(threads: list[threading.Thread], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
         for thread in threads:
             if thread is not threading.current_thread():
-                thread.join(timeout_s)
+                thread.join(max(0.0, deadline - time.monotonic()))
 
 
 _live_prefetchers: weakref.WeakSet[Prefetcher] = weakref.WeakSet()

@@ -21,11 +21,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from servers import FaultServer
 
 from streamcache import DatasetReader, load_index, write_dataset
 from streamcache.cache import ACCOUNTING_NAME, NodeCache, process_alive, process_token
 from streamcache.errors import CacheBudgetError, ChecksumMismatchError
+from streamcache.eviction import Resident, choose_victims, simulate_fetches
 from streamcache.fetch import FetchError, FetchOptions
 from streamcache.index import DatasetIndex
 from streamcache.materialize import is_local_layout
@@ -353,3 +356,33 @@ def test_sigkill_during_downloads_and_installs_leaves_nothing_trusted(
     assert check_installed(index, cache_dir) == len(index.shards)
     assert sum(accounting(cache_dir).values()) == walked_bytes(cache_dir)
     assert not any((cache_dir / "tmp").iterdir())
+
+
+# --------------------------------------------------------------------------- eviction policy
+
+
+def test_choose_victims_orders_by_next_use_then_recency() -> None:
+    residents = {k: Resident(10, float(t)) for k, t in [("a", 3), ("b", 1), ("c", 2)]}
+    assert choose_victims(residents, 0, 30) == []
+    assert choose_victims(residents, 10, 30) == ["b"]  # LRU
+    assert choose_victims(residents, 15, 30) == ["b", "c"]
+    far = {"a": 100.0, "b": 5.0, "c": 100.0}
+    assert choose_victims(residents, 10, 30, far.__getitem__) == ["c"]  # tie: older first
+    assert choose_victims(residents, 100, 30) == ["b", "c", "a"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(reads=st.lists(st.integers(0, 9), min_size=1, max_size=80),
+       sizes=st.lists(st.integers(1, 5), min_size=10, max_size=10),
+       slack=st.integers(0, 20))
+def test_belady_never_fetches_more_than_lru_for_equal_shards(
+        reads: list[int], sizes: list[int], slack: int) -> None:
+    limit = max(sizes) + slack
+    for shard_bytes in (sizes, [5] * 10):  # optimality is a theorem for equal sizes only
+        belady = simulate_fetches(reads, shard_bytes, limit, "belady")
+        lru = simulate_fetches(reads, shard_bytes, limit, "lru")
+        assert len(set(reads)) <= min(belady, lru) and max(belady, lru) <= len(reads)
+        if shard_bytes == [5] * 10:
+            assert belady <= lru
+        if limit >= sum(shard_bytes):
+            assert belady == lru == len(set(reads))
