@@ -69,6 +69,10 @@ def test_every_access_path_gives_the_same_ids(
     assert np.array_equal(order.sample_ids_at(probes), whole[probes])
     shards, row = order.locate(0, order.num_samples)
     assert np.array_equal(order.shard_offsets[shards] + row, whole)
+    for ids, in_shards, in_rows in (order.samples(0, order.num_samples),
+                                    order.samples_at(np.arange(order.num_samples))):
+        assert np.array_equal(ids, whole)
+        assert np.array_equal(in_shards, shards) and np.array_equal(in_rows, row)
     assert np.all(row < np.asarray(rows)[shards])
     assert np.array_equal(np.stack(order.shard_of_ids(whole)), np.stack([shards, row]))
 

@@ -480,5 +480,8 @@ def test_batched_steps_equal_single_steps(
         assert len(single) == len(batched)
         for one, many in zip(single, batched, strict=True):
             assert one.step == many.step
-            for field_name in ("positions", "sample_ids", "is_padding"):
+            for field_name in ("positions", "sample_ids", "shards", "rows", "is_padding"):
                 assert np.array_equal(getattr(one, field_name), getattr(many, field_name))
+            shards, rows_in_shard = order.shard_of_ids(many.sample_ids)
+            assert np.array_equal(many.shards, shards)
+            assert np.array_equal(many.rows, rows_in_shard)

@@ -178,13 +178,31 @@ class EpochOrder:
         pos = self._check_positions(positions)
         return self._resolve(pos.ravel())[0].reshape(pos.shape)
 
-    def locate(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """(shard index, row within shard) of positions ``[start, stop)``, both int64: what
-        the reader gathers. Raises like :meth:`sample_ids`."""
+    def samples(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sample id, shard index, row within shard) at positions ``[start, stop)``, all
+        int64, through the block cache. Raises like :meth:`sample_ids`."""
         self._check_range(start, stop)
         resolved = self._blocks.lookup(start, stop)
         shards = self._stream.slot_shard[resolved[1]]
-        return shards, resolved[0] - self.shard_offsets[shards]
+        return resolved[0].copy(), shards, resolved[0] - self.shard_offsets[shards]
+
+    def samples_at(self, positions: np.ndarray | Sequence[int]
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sample id, shard index, row within shard) at arbitrary positions, all int64 and
+        of the positions' shape: everything the reader needs, in one pass. Raises like
+        :meth:`sample_ids_at`."""
+        pos = self._check_positions(positions)
+        resolved = self._resolve(pos.ravel())
+        shards = self._stream.slot_shard[resolved[1]]
+        rows = resolved[0] - self.shard_offsets[shards]
+        return (resolved[0].reshape(pos.shape), shards.reshape(pos.shape),
+                rows.reshape(pos.shape))
+
+    def locate(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(shard index, row within shard) of positions ``[start, stop)``, both int64: what
+        the reader gathers. Raises like :meth:`sample_ids`."""
+        _, shards, rows = self.samples(start, stop)
+        return shards, rows
 
     def shard_first_use(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Each shard read in positions ``[start, stop)``, with the first position that reads it.

@@ -81,12 +81,19 @@ class RankBatch:
         step: the step's index within its segment.
         positions: epoch positions read (int64); padding wraps to the start of the epoch.
         sample_ids: global sample id at each position (int64).
+        shards: the shard holding each sample (int64, index order).
+        rows: each sample's row within its shard (int64).
         is_padding: True where a position only pads the last batch (bool).
+
+    The arrays of batches computed together may be views of one larger array; treat them as
+    read-only.
     """
 
     step: int
     positions: np.ndarray
     sample_ids: np.ndarray
+    shards: np.ndarray
+    rows: np.ndarray
     is_padding: np.ndarray
 
 
@@ -188,10 +195,7 @@ class EpochSegment:
                 or np.unique(slots).size != slots.size)):
             raise PlanError(f"rank assignment returned slots {slots!r} for rank {rank}; "
                             f"expected {sizes[rank]} distinct slots in [0, {sum(sizes)})")
-        virtual = first + slots
-        positions = virtual % self.num_samples
-        return RankBatch(step, positions, order.sample_ids_at(positions),
-                         virtual >= self.num_samples)
+        return self._batch(order, step, first + slots)
 
     def check_assignment(self, order: EpochOrder, step: int,
                          assignment: RankAssignment) -> None:
@@ -206,13 +210,16 @@ class EpochSegment:
                             f"slots must cover [0, {sum(sizes)}) once each")
 
     def _contiguous(self, order: EpochOrder, step: int, lo: int, hi: int) -> RankBatch:
-        total = self.num_samples
-        if hi <= total:
-            return RankBatch(step, np.arange(lo, hi, dtype=np.int64), order.sample_ids(lo, hi),
-                             np.zeros(hi - lo, dtype=bool))
-        virtual = np.arange(lo, hi, dtype=np.int64)
-        positions = virtual % total
-        return RankBatch(step, positions, order.sample_ids_at(positions), virtual >= total)
+        if hi > self.num_samples:
+            return self._batch(order, step, np.arange(lo, hi, dtype=np.int64))
+        return RankBatch(step, np.arange(lo, hi, dtype=np.int64), *order.samples(lo, hi),
+                         np.zeros(hi - lo, dtype=bool))
+
+    def _batch(self, order: EpochOrder, step: int, virtual: np.ndarray) -> RankBatch:
+        """The batch of ``virtual`` positions (past ``num_samples``: padding, wrapped)."""
+        positions = virtual % self.num_samples
+        ids, shards, rows = order.samples_at(positions)
+        return RankBatch(step, positions, ids, shards, rows, virtual >= self.num_samples)
 
     def rank_batches(self, order: EpochOrder, steps: Sequence[int], rank: int,
                      assignment: RankAssignment = CONTIGUOUS) -> list[RankBatch]:
@@ -233,11 +240,8 @@ class EpochSegment:
         firsts = (self.start + rank * width
                   + np.asarray(full, dtype=np.int64) * self.global_batch)
         positions = (firsts[:, None] + np.arange(width, dtype=np.int64)).ravel()
-        ids = order.sample_ids_at(positions)
-        flags = np.zeros(positions.size, dtype=bool)
-        batches = {step: RankBatch(step, positions[i * width:(i + 1) * width],
-                                   ids[i * width:(i + 1) * width],
-                                   flags[i * width:(i + 1) * width])
+        arrays = (positions, *order.samples_at(positions), np.zeros(positions.size, bool))
+        batches = {step: RankBatch(step, *(a[i * width:(i + 1) * width] for a in arrays))
                    for i, step in enumerate(full)}
         return [batches[step] if step in batches else self.rank_batch(order, step, rank)
                 for step in steps]
