@@ -123,7 +123,7 @@ segment_st = st.tuples(
 )
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     rows=st.lists(st.integers(0, 40), min_size=1, max_size=8).filter(lambda r: sum(r) > 0),
     seed=st.integers(0, 2**64 - 1),
@@ -200,7 +200,7 @@ def test_same_batch_resume_on_another_world_size_gives_the_same_global_batches(
     assert interrupted[0].batches == uninterrupted[0].batches
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     rows=st.lists(st.integers(0, 50), min_size=1, max_size=6).filter(lambda r: sum(r) > 0),
     tail=st.sampled_from(list(TailPolicy)),
