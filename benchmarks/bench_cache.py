@@ -1,0 +1,361 @@
+"""Node cache and prefetcher: cold epoch, warm reads, reader wait, Belady vs LRU.
+
+Run:  python benchmarks/bench_cache.py [--repeats 3] [--mb 48] [--workers 8]
+
+Four parts, each a ratio measured in the same run (cases interleaved per repetition; the
+median of the per-repetition ratios is reported):
+
+cold   a dataset of --mb MB (about 100 KB samples, random bytes, zstd Arrow shards of ~2 MB)
+       in moto's S3-compatible server on 127.0.0.1 (tests/servers.py).
+         raw       s3fs ``fs.cat(all shard URLs, batch_size=workers)``: the network limit here
+         cache     a cold NodeCache + Prefetcher (workers threads) installing every shard:
+                   download to a temporary file, fsync, xxh64, decode, write the local
+                   layout, fsync, rename (what a first epoch pays)
+       ratio = raw seconds / cache seconds (1.0: the cache installs at the network's rate).
+warm   batch reads from a warm cache (page cache hot) through ``DatasetReader.read_batch``
+       of random ids, vs the page-cache gather limit: the faster of (a) the native gather
+       called directly on the same memory-mapped columns with the rows located in advance
+       and (b) numpy fancy indexing of them (no index lookup, no store, no checks); a
+       contiguous copy of the same bytes (memcpy) is shown as the bandwidth ceiling.
+         small  ~1 KB samples (uint8[1024]), batches of 512
+         large  ~100 KB samples (uint8[100000]), batches of 64
+       ratio = reader rows/s / limit rows/s.
+wait   one epoch in plan order (shuffled, windows of 2 shards) of a --mb MB dataset of
+       10 KB samples from a cold cache on S3, batches of 64, with --compute-ms of simulated
+       compute per step: time in ``read_batch`` per step with prefetching (Prefetcher,
+       lookahead 16) and without (NodeCache installing on demand).
+evict  Belady vs LRU re-fetches with cache_limit at 30% of the dataset over 3 epochs of the
+       real plan order (EpochOrder, shuffled, windows of 8 shards): a pure simulation over
+       the order (streamcache.eviction.simulate_fetches), and a real run of the same reads
+       through a NodeCache (local compressed source, so every fetch materializes).
+
+Results go to benchmarks/out/bench_cache.json.
+
+Last result (2-core VM shared with other jobs, Python 3.11; --repeats 3 --mb 48 --workers 8;
+the S3 server and the client share the two cores):
+  see the table at the end of this docstring, filled in from the last run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+from servers import MotoServer, S3Bucket, aws_test_environment  # noqa: E402
+
+from streamcache import DatasetReader, _native, load_index, write_dataset  # noqa: E402
+from streamcache.cache import NodeCache  # noqa: E402
+from streamcache.eviction import simulate_fetches  # noqa: E402
+from streamcache.fetch import FetchOptions  # noqa: E402
+from streamcache.index import DatasetIndex  # noqa: E402
+from streamcache.plan import EpochOrder, ShuffleOptions  # noqa: E402
+from streamcache.prefetch import Prefetcher, PrefetchOptions, ShardUsage  # noqa: E402
+from streamcache.reader import ShardReader  # noqa: E402
+
+OUT = os.path.join(HERE, "out")
+
+
+def blobs(count: int, size: int, seed: int) -> Any:
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        yield {"id": i, "data": rng.integers(0, 256, size, dtype=np.uint8)}
+
+
+def schema(size: int) -> dict[str, str]:
+    return {"id": "int", "data": f"tensor:uint8:{size}"}
+
+
+# ------------------------------------------------------------------------------- cold
+
+
+def cold_raw(urls: list[str], options: dict[str, Any], workers: int) -> float:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+    started = time.perf_counter()
+    fs.cat(urls, batch_size=workers)
+    return time.perf_counter() - started
+
+
+def cold_cache(index: DatasetIndex, options: dict[str, Any], workers: int,
+               scratch: str) -> float:
+    cache_dir = tempfile.mkdtemp(dir=scratch)
+    fetch = FetchOptions(max_concurrency=workers, storage_options=options)
+    cache = NodeCache(index, cache_dir, fetch_options=fetch)
+    shards = list(range(len(index.shards)))
+    started = time.perf_counter()
+    with Prefetcher(cache, PrefetchOptions(workers=workers, lookahead_shards=len(shards))) as p:
+        p.update(shards, shards)
+        for shard in shards:
+            p.local_path(shard)
+        seconds = time.perf_counter() - started
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    return seconds
+
+
+def run_cold(bucket: S3Bucket, args: argparse.Namespace, scratch: str) -> dict[str, Any]:
+    options = bucket.storage_options(client_retries=True)
+    size = 100_000
+    count = int(args.mb * 1e6 / size)
+    write_dataset(blobs(count, size, 0), bucket.url("cold"), schema=schema(size),
+                  shard_size=2_000_000, storage_options=options)
+    index = load_index(bucket.url("cold"), options)
+    urls = [index.shard_url(k) for k in range(len(index.shards))]
+    mb = index.total_bytes / 1e6
+    cold_cache(index, options, args.workers, scratch)  # warm-up: connections, imports
+    times: dict[str, list[float]] = {"raw": [], "cache": []}
+    for repeat in range(args.repeats):
+        times["raw"].append(cold_raw(urls, options, args.workers))
+        times["cache"].append(cold_cache(index, options, args.workers, scratch))
+        print(f"cold round {repeat + 1}: raw {mb / times['raw'][-1]:.1f} MB/s, "
+              f"cache {mb / times['cache'][-1]:.1f} MB/s", flush=True)
+    ratios = [raw / own for raw, own in zip(times["raw"], times["cache"], strict=True)]
+    return {"mb": mb, "shards": len(urls), "seconds": times,
+            "raw_mb_s": mb / statistics.median(times["raw"]),
+            "cache_mb_s": mb / statistics.median(times["cache"]),
+            "ratio": statistics.median(ratios)}
+
+
+# ------------------------------------------------------------------------------- warm
+
+
+def warm_case(folder: str, size: int, count: int, batch: int, args: argparse.Namespace,
+              ) -> dict[str, Any]:
+    index = write_dataset(blobs(count, size, 1), os.path.join(folder, f"src{size}"),
+                          schema=schema(size), shard_size=8_000_000)
+    cache = NodeCache(index, os.path.join(folder, f"cache{size}"))
+    reader = DatasetReader(index, fields=["data"], store=cache)
+    rng = np.random.default_rng(2)
+    batches = [rng.integers(0, count, batch) for _ in range(args.warm_batches)]
+    for ids in batches[:4]:
+        reader.read_batch(ids)  # installs and maps every shard touched
+    for k in range(len(index.shards)):
+        reader.shard_reader(k)
+    mapped = [ShardReader(cache.local_path(k), index.schema) for k in range(len(index.shards))]
+    columns = [m.buffers("data").data.reshape(-1, size) for m in mapped]
+    starts = np.concatenate([[0], np.cumsum(index.shard_rows)])
+
+    located = [(np.searchsorted(starts, ids, side="right") - 1) for ids in batches]
+    located_rows = [ids - starts[shards] for ids, shards in zip(batches, located, strict=True)]
+    flat = [c.reshape(-1) for c in columns]
+
+    def numpy_gather() -> None:  # fancy indexing, shard by shard
+        for ids, shards in zip(batches, located, strict=True):
+            out = np.empty((len(ids), size), dtype=np.uint8)
+            for k in np.unique(shards):
+                chosen = shards == k
+                out[chosen] = columns[k][ids[chosen] - starts[k]]
+
+    def native_gather() -> None:  # the core's gather, rows located in advance
+        for shards, rows in zip(located, located_rows, strict=True):
+            out = np.empty((len(rows), size), dtype=np.uint8)
+            _native.gather_fixed(flat, size, shards.astype(np.int32), rows, out)
+
+    def memcpy() -> None:  # the same bytes, contiguous: the bandwidth ceiling
+        for ids in batches:
+            out = np.empty((len(ids), size), dtype=np.uint8)
+            np.copyto(out, columns[0][: len(ids)])
+
+    def ours() -> None:
+        for ids in batches:
+            reader.read_batch(ids)
+
+    cases = {"numpy": numpy_gather, "native": native_gather, "memcpy": memcpy, "reader": ours}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(args.repeats):
+        for name, run in cases.items():
+            began = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - began)
+    rows = len(batches) * batch
+    limits = [min(a, b) for a, b in zip(times["numpy"], times["native"], strict=True)]
+    ratios = [lim / own for lim, own in zip(limits, times["reader"], strict=True)]
+    reader.close()
+    for m in mapped:
+        m.close()
+    rate = {name: rows / statistics.median(t) for name, t in times.items()}
+    return {"sample_bytes": size, "batch": batch, "rows": rows, "seconds": times,
+            "rows_s": rate, "limit_rows_s": rows / statistics.median(limits),
+            "reader_rows_s": rate["reader"],
+            "reader_gb_s": rate["reader"] * size / 1e9,
+            "memcpy_gb_s": rate["memcpy"] * size / 1e9,
+            "ratio": statistics.median(ratios)}
+
+
+def run_warm(scratch: str, args: argparse.Namespace) -> dict[str, Any]:
+    folder = tempfile.mkdtemp(dir=scratch)
+    return {"small": warm_case(folder, 1024, 40_000, 512, args),
+            "large": warm_case(folder, 100_000, 600, 64, args)}
+
+
+# ------------------------------------------------------------------------------- wait
+
+
+def run_wait(bucket: S3Bucket, args: argparse.Namespace, scratch: str) -> dict[str, Any]:
+    options = bucket.storage_options(client_retries=True)
+    size = 10_000
+    write_dataset(blobs(int(args.mb * 1e6 / size), size, 4), bucket.url("wait"),
+                  schema=schema(size), shard_size=2_000_000, storage_options=options)
+    index = load_index(bucket.url("wait"), options)
+    order = EpochOrder(index.shard_rows, seed=1, epoch=0,
+                       shuffle=ShuffleOptions(window=2, window_unit="shards"))
+    usage = ShardUsage.from_locate(order.locate, order.num_samples, len(index.shards))
+    fetch = FetchOptions(max_concurrency=args.workers, storage_options=options)
+    batch = 64
+    results: dict[str, Any] = {}
+    for mode in ("off", "on"):
+        cache = NodeCache(index, tempfile.mkdtemp(dir=scratch), fetch_options=fetch)
+        prefetcher = Prefetcher(cache, PrefetchOptions(workers=args.workers)) \
+            if mode == "on" else None
+        reader = DatasetReader(index, fields=["id"], store=prefetcher or cache)
+        spent: list[float] = []
+        for position in range(0, order.num_samples, batch):
+            if prefetcher is not None:
+                prefetcher.follow(usage, position)
+            ids = order.sample_ids(position, min(order.num_samples, position + batch))
+            began = time.perf_counter()
+            reader.read_batch(ids)
+            spent.append(time.perf_counter() - began)
+            time.sleep(args.compute_ms / 1e3)
+        steps = len(spent)
+        results[mode] = {"steps": steps, "read_ms_per_step": sum(spent) / steps * 1e3,
+                         "first_step_ms": spent[0] * 1e3,
+                         "later_steps_ms": sum(spent[1:]) / max(1, steps - 1) * 1e3}
+        if prefetcher is not None:
+            stats = prefetcher.stats
+            results[mode].update(wait_ms_per_step=stats.wait_s / steps * 1e3, hits=stats.hits,
+                                 misses=stats.misses)
+        reader.close()
+        print(f"wait {mode}: {results[mode]}", flush=True)
+    results["compute_ms"] = args.compute_ms
+    return results
+
+
+# ------------------------------------------------------------------------------- evict
+
+
+def plan_reads(index: DatasetIndex, epochs: int, batch: int) -> np.ndarray:
+    """The shards read, in order, batch by batch (a shard once per batch)."""
+    reads: list[np.ndarray] = []
+    for epoch in range(epochs):
+        order = EpochOrder(index.shard_rows, seed=5, epoch=epoch,
+                           shuffle=ShuffleOptions(window=8, window_unit="shards"))
+        for position in range(0, order.num_samples, batch):
+            shards, _ = order.locate(position, min(order.num_samples, position + batch))
+            reads.append(shards[np.sort(np.unique(shards, return_index=True)[1])])
+    return np.concatenate(reads)
+
+
+def real_fetches(index: DatasetIndex, reads: np.ndarray, limit: int, policy: str,
+                 working_set: int, scratch: str) -> int:
+    from streamcache.eviction import next_use_table
+
+    following = next_use_table(reads)
+    cache = NodeCache(index, tempfile.mkdtemp(dir=scratch), cache_limit=limit,
+                      working_set_bytes=working_set)
+    upcoming: dict[int, float] = {}
+    if policy == "belady":
+        cache.set_next_use(lambda shard: upcoming.get(shard, float("inf")))
+    for i, shard in enumerate(reads.tolist()):
+        upcoming[shard] = float(following[i])
+        cache.local_path(shard)
+    cache.close()
+    return cache.stats.installs
+
+
+def run_evict(scratch: str, args: argparse.Namespace) -> dict[str, Any]:
+    size = 4096
+    index = write_dataset(blobs(60 * 50, size, 3), os.path.join(scratch, "evict-src"),
+                          schema=schema(size), shard_size=50 * size)
+    probe = NodeCache(index, os.path.join(scratch, "evict-probe"))
+    sizes = np.array([probe.estimated_bytes(k) for k in range(len(index.shards))])
+    limit = int(0.3 * sizes.sum())
+    reads = plan_reads(index, 3, 64)
+    working_set = int(sizes.max()) * 9  # one window of 8 shards plus one across a seam
+    out: dict[str, Any] = {"shards": len(index.shards), "limit_fraction": 0.3,
+                           "epochs": 3, "distinct": len(index.shards)}
+    for policy in ("belady", "lru"):
+        out[f"simulated_{policy}"] = simulate_fetches(reads, sizes, limit, policy)
+        out[f"real_{policy}"] = real_fetches(index, reads, limit, policy, working_set, scratch)
+    for kind in ("simulated", "real"):
+        out[f"{kind}_refetch_ratio_lru_over_belady"] = (
+            (out[f"{kind}_lru"] - len(index.shards))
+            / max(1, out[f"{kind}_belady"] - len(index.shards)))
+    print(f"evict: {out}", flush=True)
+    return out
+
+
+# ------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mb", type=float, default=48.0, help="size of the S3 dataset, MB")
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--warm-batches", type=int, default=60)
+    parser.add_argument("--compute-ms", type=float, default=20.0)
+    parser.add_argument("--parts", default="cold,warm,wait,evict")
+    args = parser.parse_args(argv)
+    parts = set(args.parts.split(","))
+    os.makedirs(OUT, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="bench-cache-", dir=OUT)
+    results: dict[str, Any] = {"args": vars(args)}
+    try:
+        if parts & {"cold", "wait"}:
+            with aws_test_environment(), MotoServer() as server:
+                bucket = S3Bucket.create(server.endpoint_url, "bench-cache")
+                results["cold"] = run_cold(bucket, args, scratch)
+                if "wait" in parts:
+                    results["wait"] = run_wait(bucket, args, scratch)
+        if "warm" in parts:
+            results["warm"] = run_warm(scratch, args)
+        if "evict" in parts:
+            results["evict"] = run_evict(scratch, args)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print_table(results)
+    with open(os.path.join(OUT, "bench_cache.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    return 0
+
+
+def print_table(results: dict[str, Any]) -> None:
+    print(f"\n{'part':<28}{'ours':>14}{'limit/other':>14}{'ratio':>8}")
+    if "cold" in results:
+        c = results["cold"]
+        print(f"{'cold epoch MB/s (S3)':<28}{c['cache_mb_s']:>14.1f}{c['raw_mb_s']:>14.1f}"
+              f"{c['ratio']:>8.2f}")
+    for name in ("small", "large"):
+        if "warm" in results:
+            w = results["warm"][name]
+            print(f"{'warm ' + name + ' rows/s':<28}{w['reader_rows_s']:>14.0f}"
+                  f"{w['limit_rows_s']:>14.0f}{w['ratio']:>8.2f}"
+                  f"   ({w['reader_gb_s']:.2f} GB/s; memcpy {w['memcpy_gb_s']:.2f} GB/s)")
+    if "wait" in results:
+        on, off = results["wait"]["on"], results["wait"]["off"]
+        for key in ("read_ms_per_step", "later_steps_ms"):
+            print(f"{key + ' on/off':<28}{on[key]:>14.2f}{off[key]:>14.2f}"
+                  f"{off[key] / max(on[key], 1e-9):>8.1f}")
+    if "evict" in results:
+        e = results["evict"]
+        for kind in ("simulated", "real"):
+            print(f"{kind + ' fetches belady/lru':<28}{e[kind + '_belady']:>14}"
+                  f"{e[kind + '_lru']:>14}"
+                  f"{e[kind + '_refetch_ratio_lru_over_belady']:>8.2f}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
