@@ -289,8 +289,8 @@ def _describe(error: BaseException) -> str:
     """``Type: message`` of the first error in the chain that has a message."""
     for e in _chain(error):
         if str(e):
-            return f"{type(e).__name__}: {e}"
-    return type(error).__name__
+            return f"{type(e).__name__.lstrip('_')}: {e}"
+    return type(error).__name__.lstrip("_")
 
 
 # ------------------------------------------------------------------------------- the Fetcher

@@ -234,7 +234,18 @@ class FaultServer:
         self._thread: threading.Thread | None = None
 
     def url_for(self, path: str) -> str:
+        """The URL of ``path`` (relative to ``root``, or the upstream's path)."""
         return f"{self.url}/{urllib.parse.quote(path.lstrip('/'))}"
+
+    def put(self, path: str, data: bytes) -> str:
+        """Write ``data`` to ``root/path`` (directories made as needed); returns its URL."""
+        if self.root is None:
+            raise ValueError("put() needs a server made with root=; this one is a proxy")
+        full = os.path.join(self.root, path.lstrip("/"))
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "wb") as f:
+            f.write(data)
+        return self.url_for(path)
 
     def start(self) -> FaultServer:
         self._thread = threading.Thread(
