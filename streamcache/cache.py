@@ -37,7 +37,7 @@ from . import storage
 from .errors import CacheBudgetError, CacheError
 from .eviction import Resident, choose_victims
 from .fetch import Fetcher, FetchOptions
-from .index import DatasetIndex
+from .index import DatasetIndex, ShardInfo
 from .materialize import is_local_layout, materialize
 
 ACCOUNTING_NAME = "accounting.json"
@@ -72,6 +72,12 @@ class CacheUsage:
     bytes: int
     shards: int
     limit: int | None
+
+
+def local_bytes_estimate(info: ShardInfo) -> int:
+    """Bytes a shard is expected to take installed (its raw column bytes plus the layout's
+    overhead; its stored size when the index does not record the raw size)."""
+    return (info.raw_bytes if info.raw_bytes is not None else info.bytes) + LAYOUT_OVERHEAD
 
 
 class NodeCache:
@@ -209,8 +215,7 @@ class NodeCache:
             return 0
         if shard in self._actual_bytes:
             return self._actual_bytes[shard]
-        info = self.index.shards[shard]
-        return (info.raw_bytes if info.raw_bytes is not None else info.bytes) + LAYOUT_OVERHEAD
+        return local_bytes_estimate(self.index.shards[shard])
 
     @property
     def stats(self) -> CacheStats:
@@ -531,4 +536,4 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-__all__ = ["CacheStats", "CacheUsage", "NodeCache"]
+__all__ = ["CacheStats", "CacheUsage", "NodeCache", "local_bytes_estimate"]
