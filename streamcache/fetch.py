@@ -25,7 +25,7 @@ the Fetcher's locks and threads belong to the process that made them. A Fetcher 
 child created by ``fork()`` builds fresh ones there. It never closes or collects its
 parent's there either: fork() shares the event loop's epoll set, so closing a connection in
 the child would stall the same connection in the parent. For the same reason, garbage is
-collected just before ``fork()`` in a process that has made asynchronous filesystems.
+collected just before ``fork()`` when a filesystem a Fetcher let go of is still alive.
 """
 
 from __future__ import annotations
@@ -302,15 +302,17 @@ _live_fetchers: weakref.WeakSet[Fetcher] = weakref.WeakSet()
 # closing a connection unregisters its socket from the event loop's epoll set, which fork()
 # shares with the parent: the parent's connection would then wait for data it never sees.
 _inherited_filesystems: list[Any] = []
-_made_async_filesystems = False  # whether this process has event-loop-bound filesystems
+_async_filesystems: weakref.WeakSet[Any] = weakref.WeakSet()  # every one made, until freed
 
 
 def _before_fork() -> None:
-    # A filesystem the parent dropped but has not collected yet (a Fetcher in a reference
-    # cycle, one kept by a traceback) would be collected in the child instead: its finalizer
-    # then waits about a second for the parent's event loop, which does not run in the child,
-    # and unregisters its socket from the shared epoll set. Collect such garbage here.
-    if _made_async_filesystems:
+    # A filesystem a Fetcher dropped (on close) but that is still alive, typically kept by a
+    # reference cycle through a traceback, would be collected in the child instead: its
+    # finalizer then waits about a second for the parent's event loop, which does not run
+    # in the child, and unregisters its socket from the shared epoll set. Collect it here;
+    # in the usual case (none dropped and alive) this costs no collection.
+    held = {id(fs) for fetcher in list(_live_fetchers) for fs in fetcher._filesystems.values()}
+    if any(id(fs) not in held for fs in list(_async_filesystems)):
         gc.collect()
 
 
@@ -541,8 +543,7 @@ class Fetcher:
                 url, skip_instance_cache=True, **self.options.storage_options
             )
             if getattr(fs, "async_impl", False):
-                global _made_async_filesystems
-                _made_async_filesystems = True
+                _async_filesystems.add(fs)
             with self._lock:
                 fs = self._filesystems.setdefault(key, fs)
         return fs, fs._strip_protocol(url)
