@@ -38,6 +38,7 @@ import errno
 import gc
 import http.client
 import importlib
+import inspect
 import os
 import random
 import threading
@@ -631,7 +632,9 @@ async def _close_stream(stream: Any) -> None:
         # it; an unfinished response must be closed so its connection is not reused.
         response = getattr(stream, "r", None)
         if response is not None and callable(getattr(response, "close", None)):
-            response.close()
+            closing = response.close()
+            if inspect.isawaitable(closing):
+                await closing
     except Exception:  # closing after a failure must not hide the failure
         pass
 
