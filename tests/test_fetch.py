@@ -385,6 +385,19 @@ def test_fetches_from_s3_through_a_faulty_proxy(
     assert set(s3_fault_proxy.requests.counts()) == {f"/{s3_bucket.name}/{k}" for k in objects}
 
 
+@pytest.mark.parametrize(("status", "attempts"), [(503, 3), (500, 3), (403, 1), (404, 1)])
+def test_s3_errors_through_the_proxy_are_classified_by_status(
+    s3_bucket: S3Bucket, s3_fault_proxy: FaultServer, status: int, attempts: int
+) -> None:
+    url = s3_bucket.put(f"fetch/status/{status}", b"data")
+    s3_fault_proxy.faults.configure(rate=1.0, kinds=("error",), status=status)
+    options = fast(retries=2, storage_options=s3_bucket.storage_options(via=s3_fault_proxy.url))
+    with Fetcher(options) as fetcher, pytest.raises(FetchError) as caught:
+        fetcher.fetch(url)
+    assert (caught.value.attempts, caught.value.permanent) == (attempts, attempts == 1)
+    assert s3_fault_proxy.requests.count(f"/{s3_bucket.name}/fetch/status/{status}") == attempts
+
+
 # ------------------------------------------------------------------------------ fork
 
 
