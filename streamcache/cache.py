@@ -286,11 +286,11 @@ class NodeCache:
 
     def _find_in_place(self, shard: int) -> str | None:
         info = self.index.shards[shard]
-        fs, path = storage.filesystem(self.index.shard_url(shard))
-        if storage.is_local(fs) and info.format == "arrow" and is_local_layout(
-                path, self.index.schema):
-            return str(path)
-        return None
+        url = self.index.shard_url(shard)
+        if info.format != "arrow" or ("://" in url and not url.startswith("file://")):
+            return None  # remote or Parquet: never in the local layout as it is
+        path = url.removeprefix("file://")
+        return path if is_local_layout(path, self.index.schema) else None
 
     # ------------------------------------------------------------------ install
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from servers import FaultServer
+from servers import FaultServer, S3Bucket
 
 from streamcache import DatasetReader, load_index, write_dataset
 from streamcache.cache import ACCOUNTING_NAME, NodeCache, process_alive, process_token
@@ -262,12 +263,13 @@ def test_a_corrupted_body_is_detected_and_fetched_again(
 
 
 def _stream_in_process(index_url: str, cache_dir: str, seed: int, prefetch: bool,
-                       start: Any, results: Any) -> None:
+                       start: Any, results: Any, storage_options: dict[str, Any]) -> None:
     """A 'rank' of a node: stream the whole dataset through the shared cache."""
     from streamcache.prefetch import Prefetcher, PrefetchOptions
 
-    index = load_index(index_url)
-    cache = NodeCache(index, cache_dir, fetch_options=FAST_RETRIES)
+    index = load_index(index_url, storage_options)
+    cache = NodeCache(index, cache_dir, fetch_options=replace(
+        FAST_RETRIES, storage_options=storage_options))
     store: Any = Prefetcher(cache, PrefetchOptions(workers=3)) if prefetch else cache
     start.wait()
     if prefetch:
@@ -287,11 +289,13 @@ def process_context() -> Any:
     return ctx
 
 
-def run_processes(index_url: str, cache_dir: Path, count: int, prefetch: bool) -> list[int]:
+def run_processes(index_url: str, cache_dir: Path, count: int, prefetch: bool,
+                  storage_options: dict[str, Any] | None = None) -> list[int]:
     ctx = process_context()
     start, results = ctx.Barrier(count), ctx.Queue()
     procs = [ctx.Process(target=_stream_in_process,
-                         args=(index_url, str(cache_dir), seed, prefetch, start, results))
+                         args=(index_url, str(cache_dir), seed, prefetch, start, results,
+                               storage_options or {}))
              for seed in range(count)]
     for proc in procs:
         proc.start()
@@ -313,6 +317,20 @@ def test_four_processes_on_a_node_download_every_shard_exactly_once(
     assert len(gets) == len(index.shards) and set(gets.values()) == {1}, gets
     assert check_installed(index, tmp_path / "cache") == len(index.shards)
     assert sum(accounting(tmp_path / "cache").values()) == walked_bytes(tmp_path / "cache")
+
+
+def test_four_processes_stream_one_s3_dataset_with_one_get_per_shard(
+        s3_bucket: S3Bucket, s3_fault_proxy: FaultServer, tmp_path: Path) -> None:
+    prefix = f"cache-{tmp_path.name}"
+    direct = s3_bucket.storage_options()
+    index = write_dataset((sample(i) for i in range(8 * ROWS_PER_SHARD)),
+                          s3_bucket.url(prefix), schema=SCHEMA,
+                          shard_size=ROWS_PER_SHARD * 228, storage_options=direct)
+    via_proxy = s3_bucket.storage_options(via=s3_fault_proxy.url)
+    counts = run_processes(s3_bucket.url(prefix), tmp_path / "cache", 4, True, via_proxy)
+    assert counts == [index.num_samples] * 4
+    gets = {p: n for p, n in s3_fault_proxy.requests.counts().items() if "/shard-" in p}
+    assert gets == {f"/{s3_bucket.name}/{prefix}/{s.path}": 1 for s in index.shards}
 
 
 def _stream_until_killed(index_url: str, cache_dir: str, seed: int) -> None:

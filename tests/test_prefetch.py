@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -207,7 +208,9 @@ def test_a_forked_child_gets_its_own_scheduler_and_threads(
     with Prefetcher(cache, PrefetchOptions(workers=2)) as prefetcher:
         prefetcher.update(list(range(4)), list(range(4)))
         parent_scheduler = prefetcher.scheduler
-        pid = os.fork()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
+            pid = os.fork()
         if pid == 0:  # the child: a loader worker
             code = 1
             try:
