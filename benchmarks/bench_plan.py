@@ -17,25 +17,26 @@ Run:  python benchmarks/bench_plan.py [--repeats 5] [--quick]
 Writes benchmarks/out/bench_plan.json.
 
 Times are CPU seconds of this process (time.process_time): the 2-core machine is shared
-with other work, which inflates wall-clock times unevenly (this run: load average ~2.3).
+with other work, which inflates wall-clock times unevenly; this run had a load average of
+about 8, and CPU times were 10-40% lower in an earlier run at load 2.
 
 Last result (2026-11-29, this 2-core machine, `python benchmarks/bench_plan.py --repeats 5`):
 
   1. first sample id, epoch of 1e9 samples in 1e6 shards (median of 5, build included)
-     build 67.1 ms | id at 0: 65.0 ms | id at last: 70.1 ms | random probe on a built
-     order: 221 us
-     shard_first_use over 2^20 positions: 49 ns a position
+     build 147.0 ms | id at 0: 148.2 ms | id at last: 146.9 ms | random probe on a built
+     order: 280 us
+     shard_first_use over 2^20 positions: 57 ns a position
 
   2. steps of 1024 (us per step, amortized over 1024 steps)
      setting                          sample_ids   locate worker 1/1 rank 3/8 Mids/s 1/1
-     window 2^18, stagger (default)         43.4     47.9       40.1     10.1       25.5
-     window 2^18, no stagger                25.8     29.2       23.5      6.6       43.6
-     window 2^16, stagger                   47.1     51.7       45.4     10.5       22.5
-     window 2^20, stagger                   44.6     44.8       41.2      8.9       24.9
-     window 300000, stagger                 95.1     95.8       90.3     18.9       11.3
-     window 256 shards, stagger             76.1     75.1       67.9     14.8       15.1
-     full shuffle of 1e9                    72.1    108.7       66.6     12.7       15.4
-     no shuffle                              1.8     15.7       11.9      4.1       85.8
+     window 2^18, stagger (default)         49.5     55.5       56.3     14.5       18.2
+     window 2^18, no stagger                35.1     40.6       39.1      9.5       26.2
+     window 2^16, stagger                   62.8     63.0       57.7     14.0       17.7
+     window 2^20, stagger                   50.8     50.1       49.0     11.3       20.9
+     window 300000, stagger                114.1    114.4      122.2     27.5        8.4
+     window 256 shards, stagger             76.8     71.6       74.6     18.0       13.7
+     full shuffle of 1e9                    88.3    134.8      185.8     19.8        5.5
+     no shuffle                              2.0     19.2       17.4      5.8       58.9
 
   3. shuffle quality, 1e7 samples in 1e4 shards of 1000, batches of 1024
         window stagger shards/batch   min     corr min overlap shards/run
