@@ -31,7 +31,15 @@ from .batching import (
 )
 from .dataset_reader import DatasetReader, FolderStore, ShardStore
 from .index import DatasetIndex, load_index
-from .plan import Cursor, EpochOrder, EpochSegment, PlanError, ShuffleOptions, TailPolicy
+from .plan import (
+    Cursor,
+    EpochOrder,
+    EpochSegment,
+    PlanError,
+    RankBatch,
+    ShuffleOptions,
+    TailPolicy,
+)
 from .plan import sample_seeds as plan_sample_seeds
 from .plan.order import DEFAULT_WINDOW
 
@@ -119,20 +127,20 @@ class Schedule:
                 f"{global_batch} (tail={tail.value}): infinite iteration would never yield"
             )
 
-    def __iter__(self) -> Iterator[StepRef]:
-        number = 0
-        epoch, segment = self.cursor.epoch, self.first
+    def segments(self) -> Iterator[tuple[int, EpochSegment, int]]:
+        """(epoch, segment, number of its first step): the first, then (infinite) full ones."""
+        number, epoch, segment = 0, self.cursor.epoch, self.first
         while True:
-            for step in range(segment.num_steps):
-                yield StepRef(epoch, segment, step, number)
-                number += 1
+            yield epoch, segment, number
             if not self.infinite:
                 return
+            number += segment.num_steps
             epoch, segment = epoch + 1, self.full
 
-    def for_worker(self, worker: int, num_workers: int) -> Iterator[StepRef]:
-        """Worker ``worker`` of ``num_workers`` takes global steps ``number % num_workers``."""
-        return (ref for ref in self if ref.number % num_workers == worker)
+    def __iter__(self) -> Iterator[StepRef]:
+        for epoch, segment, first in self.segments():
+            for step in range(segment.num_steps):
+                yield StepRef(epoch, segment, step, first + step)
 
     def cursor_after(self, steps_done: int) -> Cursor:
         """The cursor once ``steps_done`` global steps of this schedule are consumed."""
@@ -246,11 +254,23 @@ class StreamDataset(IterableDataset):
     def transformed(self) -> bool:
         return self.options.transform is not None or self.options.batch_transform is not None
 
-    def read_step(self, ref: StepRef) -> dict[str, Any]:
+    def planned(self, worker: int = 0, num_workers: int = 1,
+                ) -> Iterator[tuple[StepRef, RankBatch]]:
+        """This rank's steps for worker ``worker`` of ``num_workers`` (global step numbers
+        ``% num_workers == worker``), each with its part of the global batch. The plan is
+        computed many steps per pass."""
+        for epoch, segment, first in self.schedule().segments():
+            order = self.order(epoch)
+            local_worker = (worker - first) % num_workers
+            if local_worker >= segment.num_steps:
+                continue
+            for part in segment.worker_batches(order, self.rank, local_worker, num_workers):
+                yield StepRef(epoch, segment, part.step, first + part.step), part
+
+    def read_step(self, ref: StepRef, part: RankBatch) -> dict[str, Any]:
         """This rank's raw arrays of one step (no transform). Safe from any thread."""
         opts = self.options
-        part = ref.segment.rank_batch(self.order(ref.epoch), ref.step, self.rank)
-        arrays: dict[str, Any] = dict(self.reader.read_batch(part.sample_ids))
+        arrays: dict[str, Any] = dict(self.reader.read_located(part.shards, part.rows))
         arrays[ID_KEY] = part.sample_ids
         if self.tail is TailPolicy.PAD:
             arrays[PADDING_KEY] = part.is_padding
@@ -277,9 +297,11 @@ class StreamDataset(IterableDataset):
             assert opts.batch_transform is not None
             return self._tensors(opts.batch_transform(arrays))
 
-    def make_batch(self, ref: StepRef) -> Any:
+    def make_batch(self, ref: StepRef, part: RankBatch | None = None) -> Any:
         """This rank's batch of one step: read, transform, convert to tensors."""
-        return self.finish_step(ref, self.read_step(ref))
+        if part is None:
+            part = ref.segment.rank_batch(self.order(ref.epoch), ref.step, self.rank)
+        return self.finish_step(ref, self.read_step(ref, part))
 
     def _tensors(self, arrays: Mapping[str, Any]) -> dict[str, Any]:
         out = dict(arrays)
@@ -291,8 +313,8 @@ class StreamDataset(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        for ref in self.schedule().for_worker(worker, workers):
-            yield self.make_batch(ref)
+        for ref, part in self.planned(worker, workers):
+            yield self.make_batch(ref, part)
 
     # ------------------------------------------------------------ pickling for workers
 

@@ -155,6 +155,11 @@ class DatasetReader:
     def read_batch(self, ids: Sequence[int] | np.ndarray) -> dict[str, np.ndarray | Ragged]:
         """The samples ``ids`` as batch arrays, in the order given."""
         shards, rows = self.locate(np.asarray(ids, dtype=np.int64))
+        return self.read_located(shards, rows)
+
+    def read_located(self, shards: np.ndarray, rows: np.ndarray,
+                     ) -> dict[str, np.ndarray | Ragged]:
+        """Rows ``rows[i]`` of shards ``shards[i]`` (index order) as batch arrays."""
         unique, which = np.unique(shards, return_inverse=True)
         readers = [self.shard_reader(int(s)) for s in unique]
         return gather(readers, which.astype(np.int32), rows, list(self.schema))

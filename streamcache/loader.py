@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from .dataset import Schedule, StepRef, StreamDataset
-from .plan import Cursor, CursorMismatchError
+from .plan import Cursor, CursorMismatchError, RankBatch
 
 STATE_VERSION = 1
 KEY_VERSION = "version"
@@ -42,17 +42,18 @@ class _NativeBatches:
     def __init__(self, dataset: StreamDataset, schedule: Schedule, depth: int, threads: int,
                  pin: bool) -> None:
         self._dataset = dataset
-        self._refs = iter(schedule)
+        self._refs = dataset.planned()
         self._depth = max(1, depth)
         self._pin = pin
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads),
                                         thread_name_prefix="streamcache-loader")
         self._pending: collections.deque[tuple[StepRef, Future[Any]]] = collections.deque()
+        del schedule  # the dataset plans from the same cursor
         self._closed = False
         self._fill()
 
-    def _work(self, ref: StepRef) -> Any:
-        arrays = self._dataset.read_step(ref)
+    def _work(self, ref: StepRef, part: RankBatch) -> Any:
+        arrays = self._dataset.read_step(ref, part)
         if self._dataset.transformed:
             return arrays  # finished on the consumer thread
         return _pinned(self._dataset.finish_step(ref, arrays)) if self._pin else \
@@ -60,10 +61,11 @@ class _NativeBatches:
 
     def _fill(self) -> None:
         while len(self._pending) < self._depth:
-            ref = next(self._refs, None)
-            if ref is None:
+            planned = next(self._refs, None)
+            if planned is None:
                 return
-            self._pending.append((ref, self._pool.submit(self._work, ref)))
+            ref, part = planned
+            self._pending.append((ref, self._pool.submit(self._work, ref, part)))
 
     def __next__(self) -> Any:
         if self._closed or not self._pending:
