@@ -47,6 +47,9 @@ ACCOUNTING_VERSION = 1
 KEY_FORMAT, KEY_VERSION, KEY_ENTRIES = "format", "version", "entries"
 KEY_BYTES, KEY_INSTALLED = "bytes", "installed"
 _SHARD_FILE = re.compile(r"^(\d{6,})\.arrow$")
+#: A shard handed out by lookup() this recently (by any process) is evicted only when
+#: nothing else can make room: the process may not have mapped it yet.
+EVICTION_GRACE_S = 2.0
 #: Bytes a local-layout file holds beyond its raw column data (schema, footer, padding).
 LAYOUT_OVERHEAD = 8 << 10
 
@@ -165,7 +168,9 @@ class NodeCache:
         if in_place is not None:
             return in_place
         path = self.shard_path(shard)
-        if not os.path.exists(path):
+        try:
+            os.utime(path)  # tells every process's eviction that it was just handed out
+        except FileNotFoundError:
             return None
         self._last_used[self._key(shard)] = time.time()
         return path
@@ -342,8 +347,11 @@ class NodeCache:
                         f"{self.cache_limit} cannot hold it: set cache_limit to at least "
                         f"{max(nbytes, self.working_set_bytes)} bytes")
                 self._evict(entries, nbytes)
-            entries[key] = {KEY_BYTES: nbytes, KEY_INSTALLED: time.time()}
+            now = time.time()
+            entries[key] = {KEY_BYTES: nbytes, KEY_INSTALLED: now}
             self._write_accounting(entries)
+            # installed is not handed out: only lookup() makes a shard fresh for eviction
+            os.utime(staged, (now - EVICTION_GRACE_S, now - EVICTION_GRACE_S))
             os.replace(staged, self.shard_path(shard))
             if self.durable:
                 storage.fsync_dir(self._shard_dir)
@@ -354,7 +362,17 @@ class NodeCache:
         residents = {key: Resident(int(e[KEY_BYTES]),
                                    max(float(e[KEY_INSTALLED]), self._last_used.get(key, 0.0)))
                      for key, e in entries.items()}
-        for key in choose_victims(residents, incoming, self.cache_limit, self._key_next_use):
+        fresh: set[str] = set()
+        checked: set[str] = set()
+        while True:  # stat only the candidates, never the whole directory
+            victims = choose_victims(residents, incoming, self.cache_limit,
+                                     self._key_next_use, last_resort=fresh)
+            unchecked = [key for key in victims if key not in checked]
+            if not unchecked:
+                break
+            checked.update(unchecked)
+            fresh.update(key for key in unchecked if self._handed_out_lately(key))
+        for key in victims:
             _remove_quietly(os.path.join(self.cache_dir, key))
             nbytes = int(entries.pop(key)[KEY_BYTES])
             self._count(evictions=1, bytes_evicted=nbytes)
@@ -362,6 +380,15 @@ class NodeCache:
             if shard is not None:
                 for listener in self._listeners:
                     listener(shard, nbytes)
+
+    def _handed_out_lately(self, key: str) -> bool:
+        """Whether some process's lookup() returned this shard in the last few seconds: it
+        may be about to map it, and an unlink before the mapping would make it fail."""
+        try:
+            return time.time() - os.stat(os.path.join(self.cache_dir, key)).st_mtime < (
+                EVICTION_GRACE_S)
+        except FileNotFoundError:
+            return False
 
     def _key_next_use(self, key: str) -> float:
         shard = self._shard_of(key)

@@ -10,7 +10,7 @@ under either policy and counts the fetches, so the two can be compared on a real
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -32,20 +32,22 @@ class Resident:
 
 
 def choose_victims(residents: Mapping[K, Resident], incoming: int, limit: int,
-                   next_use: Callable[[K], float] | None = None) -> list[K]:
+                   next_use: Callable[[K], float] | None = None,
+                   last_resort: Collection[K] = ()) -> list[K]:
     """The entries to evict so that ``incoming`` more bytes fit within ``limit``.
 
     Victims are taken farthest next use first; among equal next uses (and for every entry
-    when ``next_use`` is None) least recently used first. Returns as few as that order
-    allows, possibly all of them: the caller decides what to do when even that is not enough.
+    when ``next_use`` is None) least recently used first; entries in ``last_resort`` only
+    after all others. Returns as few as that order allows, possibly all of them: the caller
+    decides what to do when even that is not enough.
     """
     total = sum(r.nbytes for r in residents.values())
     if total + incoming <= limit:
         return []
 
-    def rank(key: K) -> tuple[float, float]:
+    def rank(key: K) -> tuple[bool, float, float]:
         far = next_use(key) if next_use is not None else math.inf
-        return (-far, residents[key].last_used)
+        return (key in last_resort, -far, residents[key].last_used)
 
     victims: list[K] = []
     for key in sorted(residents, key=rank):

@@ -404,3 +404,26 @@ def test_belady_never_fetches_more_than_lru_for_equal_shards(
             assert belady <= lru
         if limit >= sum(shard_bytes):
             assert belady == lru == len(set(reads))
+
+
+def test_a_shard_just_handed_out_elsewhere_is_evicted_only_as_a_last_resort(
+        tmp_path: Path) -> None:
+    index = write_shards(tmp_path / "ds", num_shards=5)
+    probe = NodeCache(index, str(tmp_path / "probe"))
+    for shard in range(4):
+        probe.install(shard)
+    largest = max(os.path.getsize(probe.shard_path(k)) for k in range(4))
+    limit = 2 * largest + largest // 2  # two shards
+    ours = NodeCache(index, str(tmp_path / "cache"), cache_limit=limit, working_set_bytes=1)
+    other = NodeCache(index, str(tmp_path / "cache"), cache_limit=limit,
+                      working_set_bytes=1)  # as another process would
+    ours.install(0)
+    ours.install(1)
+    ours.set_next_use({0: 100.0, 1: 5.0, 2: 1.0}.__getitem__)  # 0 is Belady's victim...
+    assert other.lookup(0) is not None  # ...but another process is about to map it
+    ours.install(2)
+    assert [ours.contains(k) for k in range(3)] == [True, False, True]
+    assert other.lookup(2) is not None  # now both residents were just handed out
+    ours.set_next_use({0: 100.0, 2: 1.0, 3: 2.0}.__getitem__)
+    ours.install(3)  # no resident is stale: the plan decides among the fresh ones
+    assert [ours.contains(k) for k in range(4)] == [False, False, True, True]
