@@ -128,6 +128,8 @@ class Checkpointer:
             the writer thread; ``optimizer.step()`` (and the forward of models with buffers)
             waits until the copy is done. See :meth:`wait_staged`.
         storage_options: fsspec options for ``root`` (credentials, endpoint).
+        writer_nice: (thread mode, Linux) scheduling niceness of the writer thread, so that
+            the background write takes CPU time the training loop leaves idle.
 
     Thread safety: call from one thread (the training loop); the background work has its own
     thread and its own gloo process group.
@@ -145,6 +147,7 @@ class Checkpointer:
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         write_threads: int = 1,
         background_staging: bool = True,
+        writer_nice: int = 0,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         if keep_last < 1:
@@ -155,6 +158,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.seed = seed
         self.write_threads = write_threads
+        self.writer_nice = writer_nice
         self._distributed = dist.is_available() and dist.is_initialized()
         self._control_pg: Any = None
         self._ckpt_pg: Any = None
@@ -243,7 +247,7 @@ class Checkpointer:
         self.last_save = SaveStats(step, job.blocked_s)
         self._job = job
         self._thread = threading.Thread(
-            target=self._run_job, args=(job,), name=f"streamcache-checkpoint-{step}", daemon=True
+            target=self._run_job_in_thread, args=(job,), name=f"streamcache-checkpoint-{step}", daemon=True
         )
         self._thread.start()
         return True
@@ -409,6 +413,14 @@ class Checkpointer:
             thread_count=self.write_threads,
             overwrite=False,
         )
+
+    def _run_job_in_thread(self, job: _Job) -> None:
+        if self.writer_nice and hasattr(os, "setpriority"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.writer_nice)
+            except OSError as exc:
+                log.warning("could not lower the writer thread's priority: %s", exc)
+        self._run_job(job)
 
     def _run_job(self, job: _Job) -> None:
         """Write, upload and commit one save; runs on every rank, ends with one collective."""
