@@ -95,7 +95,9 @@ class NodeCache:
         working_set_bytes: bytes of shards that must be cached at once (the reader's shuffle
             window); default: the largest shard. A smaller ``cache_limit`` is refused.
         fetcher: the :class:`Fetcher` to download with (default: one made from
-            ``fetch_options``, closed with the cache).
+            ``fetch_options`` and ``storage_options``, closed with the cache).
+        storage_options: fsspec options of the dataset's filesystem (replace those of
+            ``fetch_options``).
         durable: fsync installed shards and the directory, so a power loss cannot leave a
             renamed but empty shard.
 
@@ -109,13 +111,17 @@ class NodeCache:
 
     def __init__(self, index: DatasetIndex, cache_dir: str, *, cache_limit: int | None = None,
                  working_set_bytes: int | None = None, fetcher: Fetcher | None = None,
-                 fetch_options: FetchOptions | None = None, durable: bool = True) -> None:
+                 fetch_options: FetchOptions | None = None,
+                 storage_options: Mapping[str, Any] | None = None, durable: bool = True) -> None:
         self.index = index
         self.cache_dir = os.path.abspath(cache_dir)
         self.cache_limit = cache_limit
         self.durable = durable
         self._own_fetcher = fetcher is None
-        self.fetcher = fetcher or Fetcher(fetch_options)
+        options = fetch_options or FetchOptions()
+        if storage_options is not None:
+            options = replace(options, storage_options=dict(storage_options))
+        self.fetcher = fetcher or Fetcher(options)
         name = index.fingerprint.replace(":", "-")
         self._shard_dir = os.path.join(self.cache_dir, "datasets", name)
         self._lock_dir = os.path.join(self.cache_dir, "locks", name)

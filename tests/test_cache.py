@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -268,8 +267,8 @@ def _stream_in_process(index_url: str, cache_dir: str, seed: int, prefetch: bool
     from streamcache.prefetch import Prefetcher, PrefetchOptions
 
     index = load_index(index_url, storage_options)
-    cache = NodeCache(index, cache_dir, fetch_options=replace(
-        FAST_RETRIES, storage_options=storage_options))
+    cache = NodeCache(index, cache_dir, fetch_options=FAST_RETRIES,
+                      storage_options=storage_options)
     store: Any = Prefetcher(cache, PrefetchOptions(workers=3)) if prefetch else cache
     start.wait()
     if prefetch:
