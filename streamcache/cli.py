@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("streamcache.convert", "convert Parquet/Arrow/JSONL/images/numpy into shards"),
     "index": ("streamcache.index", "build index.json for existing Parquet or Arrow IPC files"),
     "inspect": ("streamcache.inspect", "show a dataset's schema, shards, sizes and samples"),
+    "bench": ("streamcache.bench", "stream a dataset and report throughput and waiting"),
     "checkpoints": ("streamcache.checkpoint", "list checkpoints under a root, or verify one"),
     "goodput": ("streamcache.goodput", "checkpoint interval and expected goodput"),
 }

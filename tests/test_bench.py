@@ -1,0 +1,38 @@
+"""streamcache bench: the library function and the CLI adapter."""
+
+from __future__ import annotations
+
+import json
+
+from loader_helpers import make_dataset
+
+from streamcache.bench import format_results, run_bench
+from streamcache.cli import main
+
+
+def test_run_bench_counts_every_sample_and_compares(tmp_path) -> None:
+    url = make_dataset(str(tmp_path), [60, 40], seq=False)
+    results = run_bench(url, batch_size=10, cache_dir=str(tmp_path / "c"), compare=True)
+    streamcache, baseline = results
+    assert (streamcache.steps, streamcache.samples) == (10, 100)
+    assert (baseline.steps, baseline.samples) == (10, 100)
+    assert streamcache.bytes == 100 * 8 + 100 * 8  # x (int64) and __id__ (int64)
+    assert streamcache.first_batch_s > 0 and streamcache.samples_per_s > 0
+    assert "ratio streamcache / DataLoader" in format_results(results)
+
+
+def test_compute_time_is_not_counted_as_waiting(tmp_path) -> None:
+    url = make_dataset(str(tmp_path), [200], seq=False)
+    (result,) = run_bench(url, batch_size=10, cache_dir=str(tmp_path / "c"), steps=15,
+                          compute_ms=20)
+    assert result.steps == 15
+    assert result.seconds >= 15 * 0.02
+    assert result.waited_s < 0.5 * result.seconds  # the reader works while the loop computes
+
+
+def test_cli_json(tmp_path, capsys) -> None:
+    url = make_dataset(str(tmp_path), [30], seq=False)
+    assert main(["bench", url, "--batch-size", "10", "--json", "--cache-dir",
+                 str(tmp_path / "c")]) == 0
+    (result,) = json.loads(capsys.readouterr().out)
+    assert result["name"] == "streamcache" and result["samples"] == 30
