@@ -15,7 +15,7 @@ Layout under ``cache_dir`` (see docs/cache.md)::
     accounting.lock         the cache-wide lock (flock)
     datasets/<fp>/NNNNNN.arrow    installed shards of the dataset with fingerprint <fp>
     locks/<fp>/NNNNNN.lock        per-shard install locks (empty files, never removed)
-    tmp/<boot>-<pid>-<start>/     one process's temporaries; removed once that process is gone
+    tmp/<boot>-<pidns>-<pid>-<start>/   one process's temporaries; removed once it is gone
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ _SHARD_FILE = re.compile(r"^(\d{6,})\.arrow$")
 #: A shard handed out by lookup() this recently (by any process) is evicted only when
 #: nothing else can make room: the process may not have mapped it yet.
 EVICTION_GRACE_S = 2.0
+#: Temporaries of a process in another pid namespace (another container) whose liveness
+#: cannot be checked are removed once nothing in them has changed for this long.
+FOREIGN_TEMP_IDLE_S = 3600.0
 #: Bytes a local-layout file holds beyond its raw column data (schema, footer, padding).
 LAYOUT_OVERHEAD = 8 << 10
 
@@ -276,8 +279,10 @@ class NodeCache:
         """Remove temporaries of dead processes and rebuild the accounting from the files."""
         tmp_root = os.path.join(self.cache_dir, "tmp")
         for name in _listdir(tmp_root):
-            if not process_alive(name):
-                shutil.rmtree(os.path.join(tmp_root, name), ignore_errors=True)
+            folder = os.path.join(tmp_root, name)
+            alive = process_alive(name)
+            if alive is False or (alive is None and _idle_s(folder) > FOREIGN_TEMP_IDLE_S):
+                shutil.rmtree(folder, ignore_errors=True)
         with self._accounting_lock():
             self._write_accounting(self._walk())
 
@@ -515,24 +520,35 @@ def _start_ticks(pid: int) -> str | None:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
 def process_token() -> str:
-    """``<boot id>-<pid>-<start time>``: names this process's temporaries uniquely across pid
-    reuse and reboots."""
+    """``<boot id>-<pid namespace>-<pid>-<start time>``: names this process's temporaries
+    uniquely across pid reuse, reboots and containers sharing the cache directory."""
     global _token
     pid = os.getpid()
     if _token is None or _token[0] != pid:
-        _token = (pid, f"{_boot_id()}-{pid}-{_start_ticks(pid) or 0}")
+        _token = (pid, f"{_boot_id()}-{_pid_namespace()}-{pid}-{_start_ticks(pid) or 0}")
     return _token[1]
 
 
-def process_alive(token: str) -> bool:
-    """Whether the process that made ``token`` still runs (False for a malformed token)."""
+def process_alive(token: str) -> bool | None:
+    """Whether the process that made ``token`` still runs: False for a malformed token or
+    one of an earlier boot, None when it belongs to another pid namespace (another container
+    on this node: its pids mean nothing here)."""
     parts = token.split("-")
-    if len(parts) != 3 or not parts[1].isdigit():
+    if len(parts) != 4 or not parts[2].isdigit():
         return False
-    boot, pid, start = parts[0], int(parts[1]), parts[2]
+    boot, namespace, pid, start = parts[0], parts[1], int(parts[2]), parts[3]
     if boot != _boot_id():
         return False
+    if namespace != _pid_namespace():
+        return None
     ticks = _start_ticks(pid)
     if ticks == "":  # no /proc: the best we can do is ask whether the pid exists
         try:
@@ -543,6 +559,16 @@ def process_alive(token: str) -> bool:
             return True
         return True
     return ticks is not None and ticks == start
+
+
+def _idle_s(folder: str) -> float:
+    """Seconds since anything under ``folder`` last changed."""
+    newest = 0.0
+    for root, dirs, files in os.walk(folder):
+        for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
+            with contextlib.suppress(FileNotFoundError):
+                newest = max(newest, os.stat(name).st_mtime)
+    return time.time() - newest
 
 
 def _listdir(folder: str) -> list[str]:

@@ -26,7 +26,13 @@ from hypothesis import strategies as st
 from servers import FaultServer, S3Bucket
 
 from streamcache import DatasetReader, load_index, write_dataset
-from streamcache.cache import ACCOUNTING_NAME, NodeCache, process_alive, process_token
+from streamcache.cache import (
+    ACCOUNTING_NAME,
+    FOREIGN_TEMP_IDLE_S,
+    NodeCache,
+    process_alive,
+    process_token,
+)
 from streamcache.errors import CacheBudgetError, ChecksumMismatchError
 from streamcache.eviction import Resident, choose_victims, simulate_fetches
 from streamcache.fetch import FetchError, FetchOptions
@@ -217,15 +223,22 @@ def test_stale_temporaries_of_dead_processes_are_removed_live_ones_kept(
     dead = subprocess.run(
         [sys.executable, "-c", "from streamcache.cache import process_token as t; print(t())"],
         check=True, capture_output=True, text=True).stdout.strip()
-    assert not process_alive(dead) and process_alive(process_token())
-    assert not process_alive("garbage") and not process_alive("nobootid-1-1")
+    assert process_alive(dead) is False and process_alive(process_token()) is True
+    assert process_alive("garbage") is False and process_alive("nobootid-1-1-1") is False
+    boot, _, pid, start = process_token().split("-")
+    container = f"{boot}-1-{pid}-{start}"  # another pid namespace: liveness unknown
+    old_container = f"{boot}-2-{pid}-{start}"
+    assert process_alive(container) is None
     index = write_shards(tmp_path / "ds", num_shards=2)
     tmp = tmp_path / "cache" / "tmp"
-    for token in (dead, process_token()):
+    for token in (dead, process_token(), container, old_container):
         (tmp / token / "abc").mkdir(parents=True)
         (tmp / token / "abc" / "000001.download").write_bytes(b"partial")
+    long_ago = time.time() - 2 * FOREIGN_TEMP_IDLE_S
+    for path in [tmp / old_container, *(tmp / old_container).rglob("*")]:
+        os.utime(path, (long_ago, long_ago))
     NodeCache(index, str(tmp_path / "cache"))
-    assert [p.name for p in tmp.iterdir()] == [process_token()]
+    assert sorted(p.name for p in tmp.iterdir()) == sorted([process_token(), container])
 
 
 def test_a_permanently_missing_shard_fails_at_once_with_the_url(
