@@ -27,8 +27,9 @@ from streamcache.checkpoint import (
     CheckpointWriteError,
     GlobalState,
     ModelState,
-    checkpointer,
+    commit,
     layout,
+    restore,
     rng,
 )
 from streamcache.cli import main as cli_main
@@ -258,7 +259,7 @@ def test_upload_failure_publishes_nothing_and_is_raised_at_wait(
     def refused(target: Any, local_file: str, name: str) -> None:
         raise PermissionError(13, "Permission denied", target.join(name))
 
-    monkeypatch.setattr(checkpointer, "upload_file", refused)
+    monkeypatch.setattr(commit, "upload_file", refused)
     with Checkpointer(tmp_path / "root", local_dir=tmp_path / "nvme") as ckpt:
         ckpt.save(1, state)
         with pytest.raises(CheckpointWriteError, match="Permission denied"):
@@ -281,13 +282,13 @@ def test_tiered_save_loads_local_copy_and_falls_back_to_root(
     assert local_files == {p.name for p in (root / name).iterdir()} - {layout.MARKER_NAME}
 
     sources: list[str] = []
-    original = checkpointer.Checkpointer._load_from
+    original = restore.Restorer.load_from
 
     def spy(self: Any, source: Any, info: Any, state: Any) -> None:
         sources.append(source.url)
         original(self, source, info, state)
 
-    monkeypatch.setattr(checkpointer.Checkpointer, "_load_from", spy)
+    monkeypatch.setattr(restore.Restorer, "load_from", spy)
     with Checkpointer(root, local_dir=nvme) as ckpt:
         model2, _, state2 = fresh_state()
         assert ckpt.load(state2) == 4
@@ -327,13 +328,13 @@ def test_skip_if_busy_returns_false_while_a_write_is_in_flight(
 
     _, _, state = make_state(10)
     release = threading.Event()
-    original = checkpointer.upload_file
+    original = commit.upload_file
 
     def slow_upload(target: Any, local_file: str, name: str) -> None:
         release.wait(30)
         original(target, local_file, name)
 
-    monkeypatch.setattr(checkpointer, "upload_file", slow_upload)
+    monkeypatch.setattr(commit, "upload_file", slow_upload)
     with Checkpointer(tmp_path / "root", local_dir=tmp_path / "nvme", if_busy="skip") as ckpt:
         assert ckpt.save(1, state)
         assert not ckpt.save(2, state)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from dist import RankGroup, run_ranks
 
-from streamcache.checkpoint import Checkpointer, ModelState, checkpointer, layout
+from streamcache.checkpoint import Checkpointer, ModelState, commit, layout
 from streamcache.checksum import checksum_file
 
 STEPS = 60
@@ -95,14 +95,14 @@ def _install_kill(phase: str, nth: int) -> None:
 
         writer_cls.write_data = write_data  # type: ignore[method-assign]
     elif phase == "upload":
-        original_upload = checkpointer.upload_file
+        original_upload = commit.upload_file
 
         def upload_file(target: Any, local_file: str, name: str) -> None:
             original_upload(target, local_file, name)
             if due():
                 _die()  # some files are in root, others are not
 
-        checkpointer.upload_file = upload_file  # type: ignore[assignment]
+        commit.upload_file = upload_file  # type: ignore[assignment]
     elif phase in ("before-marker", "after-marker"):
         original_marker = layout.write_marker
 

@@ -22,7 +22,7 @@ from streamcache.checkpoint import (
     CheckpointError,
     CheckpointWriteError,
     ModelState,
-    checkpointer,
+    commit,
     layout,
     rng,
 )
@@ -142,20 +142,20 @@ def _round_trip_and_failures(rank: int, world: int, tmp: str) -> dict[str, Any]:
             out["disk_full"] = str(exc)
         torch.distributed.checkpoint.FileSystemWriter.write_data = original  # type: ignore[method-assign]
         # permission denied while rank 1 uploads to root
-        original_upload = checkpointer.upload_file
+        original_upload = commit.upload_file
 
         def denied(target: Any, local_file: str, name: str) -> None:
             raise PermissionError(errno.EACCES, "Permission denied", target.join(name))
 
         if rank == 1:
-            checkpointer.upload_file = denied  # type: ignore[assignment]
+            commit.upload_file = denied  # type: ignore[assignment]
         ckpt.save(4, state)
         try:
             ckpt.save(5, state)  # reported at the next save
             out["denied"] = None
         except CheckpointWriteError as exc:
             out["denied"] = str(exc)
-        checkpointer.upload_file = original_upload  # type: ignore[assignment]
+        commit.upload_file = original_upload  # type: ignore[assignment]
         ckpt.save(6, state)
         ckpt.wait()
         out["complete"] = [i.step for i in ckpt.list() if i.complete]

@@ -1,0 +1,215 @@
+"""The background part of a save: write, checksum, upload, commit, retention.
+
+Runs on every rank (in the writer thread, or in the caller's thread in sync mode) and ends
+with collectives on the writer group: rank 0 gathers every rank's file list and error,
+publishes the marker only if there is no error and the files cover everything DCP's metadata
+refers to, and broadcasts the outcome so that every rank reports the same failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from . import layout
+from .errors import CheckpointWriteError
+from .layout import GLOBAL_NAME, MARKER_NAME, FileEntry
+from .ranks import Ranks
+from .staging import Staging
+from .tiers import Location
+
+log = logging.getLogger("streamcache.checkpoint")
+
+_RANK_FILE_RE = re.compile(r"^__(\d+)_")
+
+
+@dataclass
+class SaveJob:
+    """One save attempt, from staging to commit."""
+
+    step: int
+    name: str
+    write_dir: Location
+    state: dict[str, Any] | None
+    global_bytes: bytes
+    started: float
+    blocked_s: float = 0.0
+    dcp_future: Any = None
+    stage_later: dict[str, Any] | None = None
+    error: CheckpointWriteError | None = None
+    durable_s: float | None = None
+
+
+@dataclass
+class Committer:
+    """Everything the background part of a save needs; shared by all saves of a Checkpointer."""
+
+    ranks: Ranks
+    root: Location
+    write_base: Location
+    keep_last: int
+    write_threads: int
+    staging: Staging | None
+    private_tmp: bool
+
+    @property
+    def tiered(self) -> bool:
+        return self.write_base.url != self.root.url
+
+    def writer(self, write_dir: Location) -> dcp.FileSystemWriter:
+        # A tier's copy need not be durable: root's copy is, and a restart verifies the
+        # local copy against the marker before trusting it.
+        return dcp.FileSystemWriter(write_dir.local_path(), sync_files=not self.tiered,
+                                    thread_count=self.write_threads, overwrite=False)
+
+    def run(self, job: SaveJob) -> None:
+        """Write, upload and commit ``job``; sets ``job.error`` or ``job.durable_s``."""
+        files: dict[str, FileEntry] = {}
+        error: str | None = None
+        try:
+            self._write(job)
+            if self.ranks.rank == 0:
+                job.write_dir.write_atomic(GLOBAL_NAME, job.global_bytes)
+            files = self._checksum_and_upload(job)
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            error = describe(exc, self.ranks.rank)
+            log.error("checkpoint step %d failed on this rank: %s", job.step, error)
+        try:
+            outcome = self._commit(job, files, error)
+        except Exception as exc:  # a rank died or the group broke: nothing was published
+            outcome = f"the commit collective failed ({type(exc).__name__}: {exc})"
+        if outcome is not None:
+            job.error = CheckpointWriteError(
+                f"checkpoint of step {job.step} was not committed: {outcome}. Nothing was "
+                "published for it; fix the cause (disk space, permissions, network) and save "
+                "again, older checkpoints are intact"
+            )
+            return
+        job.durable_s = time.perf_counter() - job.started
+        self._after_commit(job)
+
+    def _write(self, job: SaveJob) -> None:
+        if job.dcp_future is not None:  # process mode: DCP's checkpoint process writes
+            job.dcp_future.result()
+            return
+        assert job.state is not None
+        if job.stage_later is not None:
+            assert self.staging is not None
+            job.state.update(self.staging.stage_later(job.stage_later))
+            job.stage_later = None
+        dcp.save(job.state, storage_writer=self.writer(job.write_dir),
+                 process_group=self.ranks.writer, no_dist=not self.ranks.distributed)
+        job.state = None  # the staging buffers are reused by the next save
+
+    def _own_files(self, write_dir: Location) -> list[str]:
+        """The files of this attempt this rank answers for (DCP names them __<rank>_...)."""
+        owned = []
+        for name in write_dir.list_sizes():
+            match = _RANK_FILE_RE.match(name)
+            if match is not None:
+                if int(match.group(1)) == self.ranks.rank:
+                    owned.append(name)
+            elif self.ranks.rank == 0 and ".tmp" not in name:
+                owned.append(name)
+        return sorted(owned)
+
+    def _checksum_and_upload(self, job: SaveJob) -> dict[str, FileEntry]:
+        files = {}
+        target = self.root.child(job.name)
+        if self.tiered:
+            target.makedirs()
+        for name in self._own_files(job.write_dir):
+            path = job.write_dir.local_path(name)
+            files[name] = FileEntry(os.path.getsize(path), job.write_dir.checksum(name))
+            if self.tiered:
+                upload_file(target, path, name)
+        return files
+
+    def _commit(self, job: SaveJob, files: dict[str, FileEntry], error: str | None) -> str | None:
+        gathered = self.ranks.gather((files, error), self.ranks.writer)
+        outcome: str | None = None
+        if self.ranks.rank == 0:
+            try:
+                outcome = self._publish(job, gathered)
+            except Exception as exc:
+                outcome = f"rank 0 could not publish the marker: {type(exc).__name__}: {exc}"
+        result: str | None = self.ranks.broadcast(outcome, self.ranks.writer)
+        return result
+
+    def _publish(self, job: SaveJob, gathered: list[Any]) -> str | None:
+        errors = [err for _, err in gathered if err is not None]
+        if errors:
+            return "; ".join(dict.fromkeys(errors))  # DCP reports one failure on every rank
+        merged: dict[str, FileEntry] = {}
+        for files, _ in gathered:
+            merged.update(files)
+        missing = sorted(dcp_files(job.write_dir) - merged.keys())
+        if missing:
+            claimed = {rank: sorted(files) for rank, (files, _) in enumerate(gathered)}
+            return f"files written by DCP but claimed by no rank: {missing} (claimed: {claimed})"
+        marker = layout.new_marker(job.step, self.ranks.world_size, merged)
+        layout.write_marker(self.root.child(job.name), marker)
+        return None
+
+    def _after_commit(self, job: SaveJob) -> None:
+        """Retention on root (rank 0) and on this rank's local tier; failures only log."""
+        try:
+            keep_names: list[str] = []
+            if self.ranks.rank == 0:
+                complete = layout.complete_newest_first(self.root)
+                keep_names = [info.name for info in complete[: self.keep_last]] + [job.name]
+            keep = set(self.ranks.broadcast(keep_names, self.ranks.writer))
+            if self.ranks.rank == 0:
+                prune(self.root, keep, job.step)
+            if self.tiered:
+                prune(self.write_base, keep, job.step)
+            if self.private_tmp:
+                job.write_dir.remove_tree()
+        except Exception as exc:
+            log.warning("checkpoint retention failed (checkpoints are intact): %s", exc)
+
+
+def prune(location: Location, keep: set[str], newest_step: int) -> None:
+    """Delete checkpoints not kept that are older than the newest complete step.
+
+    Directories of newer steps are left alone (never delete one being written); a complete
+    checkpoint loses its marker before its files, so it is never seen half deleted as complete.
+    """
+    for step, name, _, _ in layout.scan(location):
+        if name in keep or step > newest_step:
+            continue
+        location.child(name).remove(MARKER_NAME)
+        location.child(name).remove_tree()
+
+
+def describe(exc: BaseException, rank: int) -> str:
+    """One line per failing rank; DCP's exception carries every rank's failure."""
+    if isinstance(exc, CheckpointException):
+        parts = []
+        for failed_rank, failure in sorted(exc.failures.items()):
+            # a _WrappedException locally, an (exception, frames) tuple from other ranks
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            inner = getattr(inner, "exception", inner)
+            parts.append(f"rank {failed_rank}: {type(inner).__name__}: {inner}")
+        return "; ".join(parts)
+    return f"rank {rank}: {type(exc).__name__}: {exc}"
+
+
+def upload_file(target: Location, local_file: str, name: str) -> None:
+    """Copy one finished file to ``root`` (a seam of its own: crash tests kill inside it)."""
+    target.put_file(local_file, name)
+
+
+def dcp_files(write_dir: Location) -> set[str]:
+    """Every file DCP's metadata refers to, plus the metadata and global.json themselves."""
+    metadata = dcp.FileSystemReader(write_dir.local_path()).read_metadata()
+    storage = metadata.storage_data or {}
+    paths = {info.relative_path for info in storage.values()}
+    return paths | {layout.DCP_METADATA_NAME, GLOBAL_NAME}
