@@ -123,6 +123,14 @@ class _LoaderIterator:
     def __iter__(self) -> _LoaderIterator:
         return self
 
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def steps_in_pass(self) -> int:
+        return self._schedule.first.num_steps
+
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
@@ -221,8 +229,12 @@ class StreamLoader:
             return self._active
 
     def __len__(self) -> int:
+        """Steps of the pass in progress (constant while it runs), else of the next pass."""
         if self.dataset.options.infinite:
             raise TypeError("an infinite StreamLoader has no length")
+        active = self._active
+        if active is not None and not active.done:
+            return active.steps_in_pass
         return len(self.dataset)
 
     def set_epoch(self, epoch: int) -> None:

@@ -173,6 +173,12 @@ def test_set_epoch_and_len(data: tuple[str, str]) -> None:
     url, cache = data
     with loader(url, cache, global_batch_size=30) as it:
         assert len(it) == 6
+        for i, _ in enumerate(it):
+            assert len(it) == 6  # constant during a pass, as a DataLoader's
+            if i == 2:
+                break
+        rest = iter(it)  # a new pass continues after the 3 steps taken
+        assert len(it) == 3 and len(list(rest)) == 3
         it.set_epoch(5)
         assert it.state_dict()["cursor"]["epoch"] == 5
         ids5 = np.concatenate([ids_of(b) for b in it])
