@@ -303,8 +303,9 @@ class NodeCache:
     def _find_in_place(self, shard: int) -> str | None:
         info = self.index.shards[shard]
         url = self.index.shard_url(shard)
-        if info.format != "arrow" or ("://" in url and not url.startswith("file://")):
-            return None  # remote or Parquet: never in the local layout as it is
+        if info.format != "arrow" or info.compression is not None or (
+                "://" in url and not url.startswith("file://")):
+            return None  # remote, Parquet or compressed: never in the local layout as it is
         path = url.removeprefix("file://")
         return path if is_local_layout(path, self.index.schema) else None
 
@@ -329,7 +330,9 @@ class NodeCache:
         try:
             nbytes = self.fetcher.fetch_to_file(url, download, size=info.bytes,
                                                 checksum=info.checksum)
-            if info.format == "arrow" and is_local_layout(download, self.index.schema):
+            # (a compressed shard is never in the layout; checking would decompress it once more)
+            if info.format == "arrow" and info.compression is None and is_local_layout(
+                    download, self.index.schema):
                 os.replace(download, staged)  # stored uncompressed already: no decode
             else:
                 materialize(download, info.format, self.index.schema, staged, where=url,
