@@ -1,0 +1,239 @@
+"""ReplicaLoader: this rank's part of its replica group's slice, step by step, exactly once.
+
+The training loop drives it one step at a time, because the next step's slices depend on
+who committed this one::
+
+    loader = ReplicaLoader(dataset, num_groups=4, group=replica_group_id)
+    while True:
+        batch = loader.next_batch()          # None once the epoch is over
+        if batch is None:
+            break
+        ...forward, backward, gradient all-reduce across the live groups...
+        loader.commit(committed_groups)     # the quorum's verdict for this step
+
+A rejoining group calls ``load_state_dict(peer_state)`` with the state of a live peer (sent
+through the process group or the fault-tolerance library's state transfer) and continues at
+the current step: no checkpoint is read and the epoch is not restarted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from ..batching import PADDING_KEY
+from ..dataset import StepRef, StreamDataset
+from ..plan import Cursor, CursorMismatchError, EpochSegment, PlanError, RankBatch, TailPolicy
+from ..plan._util import check_int
+from .ledger import PAD_SLICE, Ledger, ReplicaPlan
+
+STATE_VERSION = 1
+KEY_VERSION = "version"
+KEY_DATASET = "dataset"
+KEY_PLAN = "plan"
+KEY_LEDGER = "ledger"
+_KEYS = frozenset({KEY_VERSION, KEY_DATASET, KEY_PLAN, KEY_LEDGER})
+_CURSOR_ONLY = ("version", "epoch", "samples_consumed")  # cursor keys the ledger replaces
+
+
+class ReplicaError(PlanError):
+    """The replica loader was driven out of order (a step read but never reported, or
+    reported twice)."""
+
+
+class ReplicaLoader:
+    """Batches of a :class:`StreamDataset` for one rank of one replica group.
+
+    Args:
+        dataset: the dataset (its order, reader, transform and per-rank batch are used; its
+            tail must be ``"drop"`` or ``"pad"``).
+        num_groups: replica groups ``G`` (the most that can ever be live at once).
+        group: this process's replica group, in ``[0, G)``.
+        group_rank, group_size: this rank within its group and the group's size ``R``
+            (default: the dataset's rank and world size, i.e. the group's process group).
+        global_batch: samples per step over all groups (default: the dataset's per-rank
+            batch times ``G * R``); each rank reads ``global_batch / (G * R)`` a step.
+
+    Every batch has ``__id__`` (sample ids) and ``__padding__`` (True for samples that only
+    pad a step at the end of an epoch: mask them out of the loss).
+
+    Thread safety: one training loop drives a loader.
+    """
+
+    # The state is global (JSON-able, the same on every live rank): saved once.
+    global_state = True
+
+    def __init__(self, dataset: StreamDataset, *, num_groups: int, group: int,
+                 group_rank: int | None = None, group_size: int | None = None,
+                 global_batch: int | None = None) -> None:
+        if not isinstance(dataset, StreamDataset):
+            raise TypeError("ReplicaLoader takes a StreamDataset")
+        group_size = dataset.world_size if group_size is None else group_size
+        group_rank = dataset.rank if group_rank is None else group_rank
+        per_rank = dataset.global_batch // dataset.world_size
+        if global_batch is None:
+            global_batch = per_rank * num_groups * group_size
+        self.dataset = dataset
+        self.plan = ReplicaPlan(dataset.index.num_samples, global_batch, num_groups,
+                                group_size, dataset.tail)
+        self.group = check_int("group", group, minimum=0, maximum=num_groups - 1)
+        self.group_rank = check_int("group_rank", group_rank, minimum=0,
+                                    maximum=group_size - 1)
+        cursor = dataset.cursor
+        if cursor.samples_consumed:
+            raise PlanError(f"the dataset's cursor is {cursor.samples_consumed} samples into "
+                            f"epoch {cursor.epoch}: a ReplicaLoader starts at an epoch "
+                            "boundary, or from a ReplicaLoader state (load_state_dict)")
+        self._ledger = Ledger(cursor.epoch)
+        self._read_at: Ledger | None = None  # the ledger whose step has been handed out
+
+    # ------------------------------------------------------------ stepping
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._ledger
+
+    @property
+    def epoch(self) -> int:
+        return self._ledger.epoch
+
+    def assignment(self) -> tuple[int, ...]:
+        """The slice every group takes at the current step (``PAD_SLICE``: padding)."""
+        return self._ledger.assignment(self.plan)
+
+    def current_slice(self) -> int:
+        """The slice this group takes at the current step."""
+        return self.assignment()[self.group]
+
+    def epoch_done(self) -> bool:
+        """Whether the epoch has no step left (only an epoch of no slice at its start)."""
+        return self._ledger.exhausted(self.plan)
+
+    def rank_batch(self) -> RankBatch:
+        """The plan of this rank's part of the current step (no I/O)."""
+        slice_index = self.current_slice()
+        positions, padding = self.plan.rank_positions(slice_index, self.group, self.group_rank)
+        ids, shards, rows = self.dataset.order(self.epoch).samples_at(positions)
+        return RankBatch(self._ledger.step, positions, ids, shards, rows, padding)
+
+    def next_batch(self) -> Any:
+        """This rank's batch of the current step (the same batch again until ``commit``),
+        or None when the epoch has no step left."""
+        if self.epoch_done():
+            return None
+        part = self.rank_batch()
+        ref = self._step_ref(self.current_slice())
+        arrays = self.dataset.read_step(ref, part)
+        arrays[PADDING_KEY] = part.is_padding
+        self._read_at = self._ledger
+        return self.dataset.finish_step(ref, arrays)
+
+    def _step_ref(self, slice_index: int) -> StepRef:
+        # Transforms are seeded from the first position of the "step": a one-group segment of
+        # slice-sized steps makes that the slice's first position, so a re-issued slice is
+        # transformed the same way whichever group reads it, whenever.
+        slices = EpochSegment(self.plan.num_samples, 0, self.plan.slice_size, 1, TailPolicy.PAD)
+        step = 0 if slice_index == PAD_SLICE else slice_index
+        return StepRef(self.epoch, slices, step, self._ledger.step)
+
+    def commit(self, groups: Iterable[int]) -> bool:
+        """Report the groups that committed the current step (empty: the step was discarded).
+
+        Every live rank must report the same set; a group that was down reports nothing and
+        copies a peer's state when it rejoins. Returns True when this step ended the epoch.
+
+        Raises:
+            ReplicaError: the current step's batch was not read by :meth:`next_batch` (a
+                step must be read before it is reported: call ``skip()`` to report a step
+                this rank did not take part in).
+        """
+        if self._read_at != self._ledger:
+            raise ReplicaError("commit() without next_batch() for this step: read the step "
+                               "first, or report steps this rank missed with skip()")
+        return self._advance(groups)
+
+    def skip(self, groups: Iterable[int]) -> bool:
+        """Advance past the current step without reading it (a rank that stayed up but sat
+        the step out, or a replay); the same ledger move as :meth:`commit`."""
+        return self._advance(groups)
+
+    def _advance(self, groups: Iterable[int]) -> bool:
+        epoch = self._ledger.epoch
+        self._ledger = self._ledger.committed(self.plan, groups)
+        self._read_at = None
+        self.dataset.set_epoch(self._ledger.epoch)
+        return self._ledger.epoch != epoch
+
+    def batches(self, committed: Any) -> Iterator[Any]:
+        """The rest of the epoch as an iterator; ``committed()`` is called after each batch
+        has been used and returns the committed groups of that step."""
+        while (batch := self.next_batch()) is not None:
+            yield batch
+            if self.commit(committed()):
+                return
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"version", "dataset", "plan", "ledger"}``: small, JSON-able, the same on every
+        live rank. What a rejoining group copies from a peer."""
+        cursor = self.dataset.cursor.to_dict()
+        dataset = {k: v for k, v in cursor.items() if k not in _CURSOR_ONLY}
+        return {KEY_VERSION: STATE_VERSION, KEY_DATASET: dataset,
+                KEY_PLAN: self.plan.to_dict(), KEY_LEDGER: self._ledger.to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (a peer's, or a checkpoint's) at its current step.
+
+        The group size may differ from the saver's; the number of groups, the global batch,
+        the tail, the dataset, seed and shuffle must not.
+
+        Raises:
+            CursorMismatchError: another version, dataset, order or plan, or malformed.
+        """
+        if not isinstance(state, dict) or set(state) != _KEYS:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise CursorMismatchError(f"a replica loader state has keys {sorted(_KEYS)}, got "
+                                      f"{got}; it was not written by a ReplicaLoader")
+        if state[KEY_VERSION] != STATE_VERSION:
+            raise CursorMismatchError(f"replica loader state version {state[KEY_VERSION]!r} "
+                                      f"is not supported (expected {STATE_VERSION})")
+        mine = self.plan.to_dict()
+        if state[KEY_PLAN] != mine:
+            raise CursorMismatchError(f"the state was saved for the replica plan "
+                                      f"{state[KEY_PLAN]}, this loader has {mine}: use the "
+                                      "same number of groups, global batch and tail")
+        ledger = Ledger.from_dict(state[KEY_LEDGER], self.plan)
+        dataset = state[KEY_DATASET]
+        if not isinstance(dataset, dict):
+            raise CursorMismatchError(f"malformed replica loader state: dataset {dataset!r}")
+        current = self.dataset.cursor
+        Cursor.load({**dataset, "version": current.to_dict()["version"],
+                     "epoch": ledger.epoch, "samples_consumed": 0},
+                    dataset_fingerprint=current.dataset_fingerprint,
+                    num_samples=current.num_samples, seed=current.seed,
+                    shuffle=current.shuffle)
+        self._ledger = ledger
+        self._read_at = None
+        self.dataset.set_epoch(ledger.epoch)
+
+    def close(self) -> None:
+        self.dataset.close()
+
+    def __enter__(self) -> ReplicaLoader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def positions_of(plan: ReplicaPlan, ledger: Ledger, group: int) -> np.ndarray:
+    """Every position group ``group`` reads at the ledger's step, over its ranks (for tests
+    and tools)."""
+    return np.concatenate([plan.rank_positions(ledger.assignment(plan)[group], group, r)[0]
+                           for r in range(plan.group_size)])
+
+
+__all__ = ["STATE_VERSION", "ReplicaError", "ReplicaLoader", "positions_of"]
