@@ -32,7 +32,9 @@ The table is printed and written as JSON to ``benchmarks/out/``.
 
 Last results (2026-11-29, ``python benchmarks/bench_checkpoint.py``: 1 GiB per rank, 2 ranks,
 3 repeats, medians; 2 cores, no GPU, torch 2.13.0; the machine was shared with other test runs,
-load average 7-10, so absolute times are inflated and loop costs vary by about 1 s):
+load average 6-10, so absolute times are inflated and loop costs vary by about 1 s; the
+Checkpointer's default was then writer_nice=0, so "sc-thread" is nice 0 and
+"sc-thread-nice19" is today's default):
 
     method                     blocked s  safe s  durable s  loop cost s  durable vs dcp-sync
     torch.save (rank 0)            1.334   1.334      1.449        0.938        0.36x
@@ -40,13 +42,15 @@ load average 7-10, so absolute times are inflated and loop costs vary by about 1
     dcp-async-default              0.536   0.536      4.411        3.759        1.09x
     dcp-async-reused-stager        0.121   0.474      3.016        2.708        0.74x
     sc-sync                        2.673   2.673      2.674        5.840        0.66x
-    sc-thread (defaults)           0.010   0.354      4.240        2.537        1.04x
+    sc-thread (nice 0)             0.010   0.354      4.240        2.537        1.04x
     sc-thread-nice0                0.008   0.321      3.545        1.603        0.87x
     sc-thread-nice19               0.023   0.618      4.275        1.375        1.05x
     sc-thread-blocking-staging     0.403   0.403      4.039        2.822        1.00x
     sc-process                     0.608   0.608      4.395        1.808        1.08x
     limits: memcpy 0.223 s/GiB, disk write+fsync 1.134 s/GiB per rank (both ranks at once)
 
+A second run of the main contenders gave dcp-sync loop cost 3.113 s, sc-thread (nice 0)
+3.396 s, sc-thread-nice19 1.062 s, blocked 0.011 s, durable 0.97x dcp-sync.
 Discussion and the defaults chosen from it: docs/checkpoint.md, "Measurements and defaults".
 """
 

@@ -102,8 +102,9 @@ class Checkpointer:
             the writer thread; ``optimizer.step()`` (and the forward of models with buffers)
             waits until the copy is done. See :meth:`wait_staged`.
         storage_options: fsspec options for ``root`` (credentials, endpoint).
-        writer_nice: (thread mode, Linux) scheduling niceness of the writer thread, so that
-            the background write takes CPU time the training loop leaves idle.
+        writer_nice: (thread mode, Linux) scheduling niceness of the writer thread (default
+            19, the lowest priority), so that the background write takes the CPU time the
+            training loop leaves idle; 0 writes at the training's priority.
 
     Thread safety: call from one thread (the training loop); the background work has its own
     thread and its own gloo process group.
@@ -121,7 +122,7 @@ class Checkpointer:
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         write_threads: int = 1,
         background_staging: bool = True,
-        writer_nice: int = 0,
+        writer_nice: int = 19,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         if keep_last < 1:

@@ -18,7 +18,6 @@ candidate, newest first; it never lists every checkpoint's files.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -189,10 +188,10 @@ def list_checkpoints(root: Location) -> list[CheckpointInfo]:
 
 
 def complete_newest_first(root: Location, step: int | None = None) -> list[CheckpointInfo]:
-    """Complete checkpoints, newest first (optionally only ``step``); checks lazily.
+    """Every complete checkpoint (optionally only of ``step``), newest first.
 
-    Checks candidates newest first and stops at the first complete one unless more are
-    needed, so the usual cost is one listing of ``root`` plus one or two directories.
+    Costs one listing of ``root`` plus a cheap check of each directory: used by ``load``
+    (which needs fallbacks) and retention; :func:`latest` stops at the first complete one.
     """
     result = []
     for found_step, name, _, _ in reversed(scan(root)):
@@ -220,7 +219,3 @@ def write_marker(location: Location, marker: Marker) -> None:
 
 def json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-
-
-def path_join(*parts: str) -> str:
-    return os.path.join(*parts)
