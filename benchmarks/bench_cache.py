@@ -1,6 +1,7 @@
 """Node cache and prefetcher: cold epoch, warm reads, reader wait, Belady vs LRU.
 
-Run:  python benchmarks/bench_cache.py [--repeats 3] [--mb 48] [--workers 8]
+Run:  python benchmarks/bench_cache.py [--repeats 5] [--mb 64] [--workers 4]
+          [--parts cold,warm,wait,evict]
 
 Four parts, each a ratio measured in the same run (cases interleaved per repetition; the
 median of the per-repetition ratios is reported):
@@ -45,6 +46,15 @@ run 2 with it):
   after the first step, on/off   1.53/21.91           14.4x       0.67/12.29            18.4x
   fetches Belady/LRU, simulated     158/216           1.59          158/216            1.59
   fetches Belady/LRU, real          158/216           1.59          158/216            1.59
+
+Later cold-only reruns (``--parts cold --repeats 7 --mb 64``), after the cache stopped
+probing compressed shards for the local layout (that probe decompressed each shard once
+more): 0.53 with --workers 8 (load average 6.5) and 0.65 with --workers 4 (load 5-6; raw
+130 MB/s, cache 67 MB/s, per-round ratios 0.46 to 1.28). Measured alongside, per 64 MB:
+the cache used 0.45-0.6 s of CPU against 0.3 s for raw reads, of which materializing
+(decode, write) and the checksum take about 0.1 s; the rest is the Fetcher's block-by-block
+streaming to a file and thread hand-offs. On this loaded 2-core machine the cold target of
+0.8 is therefore met in some runs and missed in others.
 
 cold: the cache installs at 0.74-0.83 of the raw network rate (target 0.8) while it also
 fsyncs, checksums, decodes and writes every shard; per round the ratio ranged from 0.50 to
@@ -332,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mb", type=float, default=48.0, help="size of the S3 dataset, MB")
-    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--warm-batches", type=int, default=60)
     parser.add_argument("--compute-ms", type=float, default=20.0)
     parser.add_argument("--parts", default="cold,warm,wait,evict")
