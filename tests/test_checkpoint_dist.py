@@ -236,10 +236,18 @@ def assert_tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         assert torch.equal(a[key], b[key]), key
 
 
+@pytest.fixture(scope="module")
+def saved_by_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    """One checkpoint saved by 2 ranks, shared by the reloads on other world sizes."""
+    root = tmp_path_factory.mktemp("elastic")
+    return root, [r.value for r in run_ranks(_save_sharded, 2, str(root))]
+
+
 @pytest.mark.parametrize("new_world", [1, 3])
-def test_elastic_reload_2_to_m(tmp_path: Path, new_world: int) -> None:
-    saved = [r.value for r in run_ranks(_save_sharded, 2, str(tmp_path))]
-    loaded = [r.value for r in run_ranks(_load_elastic, new_world, str(tmp_path))]
+def test_elastic_reload_2_to_m(saved_by_two_ranks: tuple[Path, list[Any]],
+                               new_world: int) -> None:
+    root, saved = saved_by_two_ranks
+    loaded = [r.value for r in run_ranks(_load_elastic, new_world, str(root))]
     for rank, value in enumerate(loaded):
         assert value["step"] == 2 and value["cursor"] == 4096
         for key in ("sharded", "sharded_optim", "replicated", "replicated_optim"):
