@@ -445,3 +445,26 @@ def test_background_staging_saves_the_state_of_the_save_call(
     for key, value in loaded.state_dict().items():
         assert torch.equal(value, expected[key]), key
     assert not torch.equal(model[0].weight, expected["0.weight"])  # the step did happen
+
+
+def test_newest_attempt_of_a_step_wins(tmp_path: Path) -> None:
+    import time
+
+    # a run resumed from step 1 saves step 2 again; the later run's attempt is the newest
+    _, state_a = big_state(1)
+    model_b, state_b = big_state(2)
+    with Checkpointer(tmp_path, async_mode="sync") as ckpt:
+        for _ in range(11):
+            ckpt.save(2, state_a)
+        first_run = ckpt.latest()
+    assert first_run is not None and first_run.name.endswith("-10")  # 10 sorts after 9
+    assert sorted(n.rsplit("-", 1)[1] for n in os.listdir(tmp_path)) == ["10", "8", "9"]
+    time.sleep(0.002)  # the next run's id (its start time in ms) is later
+    with Checkpointer(tmp_path, async_mode="sync", keep_last=20) as ckpt:
+        ckpt.save(2, state_b)
+        newest = ckpt.latest()
+        loaded, loaded_state = big_state(3)
+        assert ckpt.load(loaded_state) == 2
+    assert newest is not None and newest.name == sorted(
+        (p.name for p in tmp_path.iterdir()), key=lambda n: layout.parse_dir_name(n)[1])[-1]
+    assert_same(loaded, model_b)

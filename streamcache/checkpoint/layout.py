@@ -2,7 +2,8 @@
 
 Layout under ``root`` (any fsspec URL)::
 
-    step-0000000120-5f2c9a-3/        one save attempt of step 120 (run id, save sequence)
+    step-0000000120-018c1f2e5a7b-3/  one save attempt of step 120 (run id: the run's start
+                                     time in ms, hex; save sequence within the run)
         __0_0.distcp, __1_0.distcp   DCP data files, one per rank
         .metadata                    DCP metadata (written by DCP's coordinator)
         global.json                  global (rank-independent) states, e.g. the loader cursor
@@ -130,14 +131,18 @@ def new_marker(step: int, world_size: int, files: dict[str, FileEntry]) -> Marke
 
 
 def scan(root: Location) -> list[tuple[int, str, int, str]]:
-    """Checkpoint directories under ``root`` as (step, name, sequence, run id), oldest first."""
+    """Checkpoint directories under ``root`` as (step, name, sequence, run id), oldest first.
+
+    Attempts at the same step are ordered by run id (the run's start time) and sequence, so
+    the newest attempt comes last.
+    """
     found = []
     for name in root.list_names():
         parsed = parse_dir_name(name)
         if parsed is not None:
             step, run_id, sequence = parsed
             found.append((step, name, sequence, run_id))
-    return sorted(found)
+    return sorted(found, key=lambda entry: (entry[0], entry[3], entry[2]))
 
 
 def check_cheaply(root: Location, name: str) -> CheckpointInfo:

@@ -9,7 +9,7 @@ Without ``torch.distributed`` every collective degenerates to the local value.
 from __future__ import annotations
 
 import datetime
-import secrets
+import time
 from typing import Any
 
 import torch
@@ -24,7 +24,8 @@ class Ranks:
         self.rank, self.world_size = 0, 1
         self.control: Any = None
         self.writer: Any = None
-        run_id = secrets.token_hex(3)
+        # the run's start time (ms, fixed width): attempts at one step sort by age
+        run_id = f"{time.time_ns() // 1_000_000:012x}"
         if self.distributed:
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self.control = dist.new_group(backend="gloo", timeout=timeout)
