@@ -334,6 +334,7 @@ def check_manager_logs(logs: str, epochs: int, url: str, events: list[Any],
     """
     from streamcache.dataset import StreamDataset
     from streamcache.plan import EpochOrder, ShuffleOptions
+    from streamcache.replicas import Ledger, ReplicaPlan
 
     reads: dict[tuple[str, int], list[int]] = {}
     first_reads: dict[int, tuple[int, str, int]] = {}  # pid -> (group, before, slice)
@@ -357,8 +358,7 @@ def check_manager_logs(logs: str, epochs: int, url: str, events: list[Any],
     counts: dict[int, Counter[int]] = {e: Counter() for e in range(epochs)}
     steps = {e: 0 for e in range(epochs)}
     state, chain = finals[0] if finals else "", 0
-    start = json.dumps({"version": 1, "epoch": 0, "step": 0, "next_fresh": 0, "pending": [],
-                        "last_committed": []}, sort_keys=True)
+    start = json.dumps(Ledger().to_dict(), sort_keys=True)
     while state in after_to and state != start:
         before, committed, epoch, _ = after_to[state]
         for group in committed:
@@ -371,8 +371,6 @@ def check_manager_logs(logs: str, epochs: int, url: str, events: list[Any],
     while state in after_to and state != start:
         chain_states.add(after_to[state][0])
         state = after_to[state][0]
-    from streamcache.replicas import Ledger, ReplicaPlan
-
     plan = ReplicaPlan(NUM_SAMPLES, GROUPS * PER_RANK, GROUPS)
     rejoins = [{"group": g, "at": [json.loads(before)["epoch"], json.loads(before)["step"]],
                 "on_surviving_history": before in chain_states,

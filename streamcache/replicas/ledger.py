@@ -10,14 +10,17 @@ it, and the :class:`Ledger` moves on:
 - a slice handed to a group that committed is done;
 - a slice handed to a group that did not commit (down, failed, or the step was discarded)
   becomes *pending*, and pending slices are handed out first at the next step, to the groups
-  that committed the previous step before the others;
+  that committed the previous step before the others (a group that is down is still handed
+  a slice, so that it has a batch the moment it is back; served last, it mostly gets a
+  fresh one);
 - the epoch ends after the step at which no fresh slice is left and nothing is pending.
 
 So every slice, hence every sample, is committed exactly once per epoch; every group gets the
-same number of samples a step (collectives keep working); at most ``num_groups`` slices are
-ever pending (they are all re-issued at the next step), so the ledger's size is bounded by the
-number of groups, not by the number of failures. With no failures, step ``t`` hands group
-``g`` slice ``t * G + g``: the plain loader's global batch ``t``, split the same way.
+same number of samples a step (collectives keep working); at most one slice per group that
+did not commit is ever pending (they are all re-issued at the next step), so the ledger grows
+with the failures of the last step only, never with their history. With no failures, step
+``t`` hands group ``g`` slice ``t * G + g``: the plain loader's global batch ``t``, split the
+same way.
 
 The ledger is a function of the committed-groups history only, so every live rank computes
 the same one without talking; a rejoining group copies it from a live peer.
@@ -43,9 +46,9 @@ KEY_EPOCH = "epoch"
 KEY_STEP = "step"
 KEY_NEXT_FRESH = "next_fresh"
 KEY_PENDING = "pending"
-KEY_LAST_COMMITTED = "last_committed"
+KEY_BEHIND = "behind"
 _KEYS = frozenset({KEY_VERSION, KEY_EPOCH, KEY_STEP, KEY_NEXT_FRESH, KEY_PENDING,
-                   KEY_LAST_COMMITTED})
+                   KEY_BEHIND})
 
 
 @dataclass(frozen=True)
@@ -137,8 +140,10 @@ class Ledger:
         step: steps reported in this epoch (committed or not).
         next_fresh: slices ``[0, next_fresh)`` have been handed out at least once.
         pending: handed out but not committed, sorted; re-issued first at the next step.
-        last_committed: the groups that committed the last step, sorted; they are first in
-            line for pending slices (with none or all of them, groups are served in order).
+        behind: the groups that did not commit the last step although another group did,
+            sorted; they are served after the others (so pending slices go to groups that
+            just committed). Empty when every group, or no group, committed: the state
+            grows with failures only, by one group and at most one pending slice each.
 
     ``Ledger(epoch)`` is the start of ``epoch``: nothing handed out.
 
@@ -149,7 +154,7 @@ class Ledger:
     step: int = 0
     next_fresh: int = 0
     pending: tuple[int, ...] = ()
-    last_committed: tuple[int, ...] = ()
+    behind: tuple[int, ...] = ()
 
     def exhausted(self, plan: ReplicaPlan) -> bool:
         """Whether nothing is left of the epoch (only an epoch of no slice starts so:
@@ -160,10 +165,10 @@ class Ledger:
         """The slice each group takes at the current step (``PAD_SLICE``: padding).
 
         Pending slices come first, then fresh ones in order; groups that committed the last
-        step are served first, each set in group order.
+        step are served before those ``behind``, each set in group order.
         """
-        last = set(self.last_committed)
-        groups = sorted(range(plan.num_groups), key=lambda g: (g not in last, g))
+        behind = set(self.behind)
+        groups = sorted(range(plan.num_groups), key=lambda g: (g in behind, g))
         fresh_stop = min(plan.num_slices, self.next_fresh + plan.num_groups)
         queue = [*self.pending, *range(self.next_fresh, fresh_stop)]
         slices = [PAD_SLICE] * plan.num_groups
@@ -186,10 +191,10 @@ class Ledger:
         failed = {s for g, s in enumerate(slices) if s != PAD_SLICE and g not in done}
         pending = tuple(sorted({s for s in self.pending if s not in handed} | failed))
         next_fresh = max([self.next_fresh, *(s + 1 for s in handed)])
-        last = tuple(sorted(done))
+        behind = tuple(g for g in range(plan.num_groups) if g not in done) if done else ()
         if not pending and next_fresh >= plan.num_slices:
-            return Ledger(self.epoch + 1, 0, 0, (), last)
-        return Ledger(self.epoch, self.step + 1, next_fresh, pending, last)
+            return Ledger(self.epoch + 1, 0, 0, (), behind)
+        return Ledger(self.epoch, self.step + 1, next_fresh, pending, behind)
 
     def check(self, plan: ReplicaPlan) -> Ledger:
         """Raise :class:`CursorMismatchError` unless the ledger can belong to ``plan``."""
@@ -203,18 +208,20 @@ class Ledger:
         if len(self.pending) > plan.num_groups:
             raise CursorMismatchError(f"{len(self.pending)} pending slices for "
                                       f"{plan.num_groups} groups: at most one per group")
-        if any(not 0 <= g < plan.num_groups for g in self.last_committed) or \
-                list(self.last_committed) != sorted(set(self.last_committed)):
-            raise CursorMismatchError(f"ledger names groups {list(self.last_committed)}: "
+        if any(not 0 <= g < plan.num_groups for g in self.behind) or \
+                list(self.behind) != sorted(set(self.behind)) or \
+                len(self.behind) >= plan.num_groups:
+            raise CursorMismatchError(f"ledger names groups {list(self.behind)} as behind: "
                                       f"expected distinct, sorted groups in "
-                                      f"[0, {plan.num_groups})")
+                                      f"[0, {plan.num_groups}), not all of them")
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        """A small, JSON-able, versioned dict: O(groups) integers whatever the failures."""
+        """A small, JSON-able, versioned dict: five integers plus two per failed group at
+        most (its group in ``behind``, its slice in ``pending``)."""
         return {KEY_VERSION: LEDGER_VERSION, KEY_EPOCH: self.epoch, KEY_STEP: self.step,
                 KEY_NEXT_FRESH: self.next_fresh, KEY_PENDING: list(self.pending),
-                KEY_LAST_COMMITTED: list(self.last_committed)}
+                KEY_BEHIND: list(self.behind)}
 
     @classmethod
     def from_dict(cls, data: Any, plan: ReplicaPlan) -> Ledger:
@@ -230,7 +237,7 @@ class Ledger:
             epoch, step, next_fresh = (check_int(k, data[k], minimum=0)
                                        for k in (KEY_EPOCH, KEY_STEP, KEY_NEXT_FRESH))
             pending, last = (tuple(check_int(k, v) for v in _list(data[k], k))
-                             for k in (KEY_PENDING, KEY_LAST_COMMITTED))
+                             for k in (KEY_PENDING, KEY_BEHIND))
         except PlanError as exc:
             raise CursorMismatchError(f"malformed replica ledger: {exc}") from exc
         return cls(epoch, step, next_fresh, pending, last).check(plan)
