@@ -1,7 +1,8 @@
 """SIGKILL a checkpointing training job at random moments; every restart must be exact.
 
 A two-rank data-parallel training loop (dropout, so RNG states matter; AdamW, so optimizer
-state matters; a global cursor standing in for the StreamLoader) checkpoints every few steps
+state matters; a StreamLoader over a small local dataset, so the cursor matters) checkpoints
+every few steps
 through a local tier to a root. It is killed with SIGKILL (one rank dies, the other is killed
 right after, as torchrun does) during staging, during the DCP write, during the upload,
 just before and just after the commit marker, or at a random time chosen by the test; then
@@ -10,8 +11,6 @@ restarted. Every time:
 - every commit marker on disk is truthful (all its files present with their checksums);
 - the restart loads the newest checkpoint whose marker is truthful, never a partial one;
 - the final weights are bitwise equal to those of an uninterrupted run.
-
-The StreamLoader's own version of this test comes with the loader.
 """
 
 from __future__ import annotations
@@ -27,36 +26,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from dist import RankGroup, run_ranks
+from loader_helpers import make_dataset
 
 from streamcache.checkpoint import Checkpointer, ModelState, commit, layout
 from streamcache.checksum import checksum_file
+from streamcache.dataset import StreamDataset
+from streamcache.loader import StreamLoader
 
 STEPS = 60
 SAVE_EVERY = 3
 BATCH = 4
 
 
-class Cursor:
-    """Stand-in for the StreamLoader's global cursor."""
-
-    global_state = True
-
-    def __init__(self) -> None:
-        self.samples_consumed = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"samples_consumed": self.samples_consumed}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.samples_consumed = state_dict["samples_consumed"]
-
-    def next_batch(self, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of the next global batch, a pure function of the cursor."""
-        start = self.samples_consumed + rank * BATCH
-        ids = torch.arange(start, start + BATCH, dtype=torch.float32)
-        self.samples_consumed += BATCH * world
-        x = torch.stack([torch.sin(ids * (k + 1)) for k in range(8)], dim=1)
-        return x, torch.cos(ids).unsqueeze(1)
+def features(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets, a pure function of the sample ids in the batch."""
+    ids = batch["x"].to(torch.float32)
+    x = torch.stack([torch.sin(ids * (k + 1)) for k in range(8)], dim=1)
+    return x, torch.cos(ids).unsqueeze(1)
 
 
 def _die() -> None:
@@ -116,8 +102,8 @@ def _install_kill(phase: str, nth: int) -> None:
         layout.write_marker = write_marker
 
 
-def _train(rank: int, world: int, root: str, local: str, kill: list[Any] | None,
-           ready: str | None) -> dict[str, Any]:
+def _train(rank: int, world: int, data: list[str], root: str, local: str,
+           kill: list[Any] | None, ready: str | None) -> dict[str, Any]:
     if kill is not None and kill[1] == rank:
         _install_kill(kill[0], kill[2])
     torch.manual_seed(0)  # identical initial weights on every rank
@@ -125,14 +111,17 @@ def _train(rank: int, world: int, root: str, local: str, kill: list[Any] | None,
                                 torch.nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     torch.manual_seed(100 + rank)  # dropout differs per rank: RNG states must be per rank
-    cursor = Cursor()
-    state = {"train": ModelState(model, optimizer), "loader": cursor}
+    url, cache = data
+    loader = StreamLoader(StreamDataset(url, global_batch_size=BATCH * world, cache_dir=cache,
+                                        seed=3, infinite=True))
+    state = {"train": ModelState(model, optimizer), "loader": loader}
     with Checkpointer(root, local_dir=local, keep_last=2) as ckpt:
         start = ckpt.load(state) or 0
         if ready is not None:  # tell the test which step this restart found
             Path(f"{ready}-{rank}").write_text(str(start))
+        batches = iter(loader)
         for step in range(start, STEPS):
-            x, y = cursor.next_batch(rank, world)
+            x, y = features(next(batches))
             torch.nn.functional.mse_loss(model(x), y).backward()
             for p in model.parameters():
                 assert p.grad is not None
@@ -143,6 +132,7 @@ def _train(rank: int, world: int, root: str, local: str, kill: list[Any] | None,
             if (step + 1) % SAVE_EVERY == 0:
                 ckpt.save(step + 1, state)
             time.sleep(0.01)  # a little compute, so that a kill at a random time lands anywhere
+    loader.close()
     return {"start": start, "weights": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
@@ -163,7 +153,9 @@ def truthful_markers(root: Path) -> list[int]:
 
 
 def test_sigkill_at_random_moments_restarts_exactly(tmp_path: Path) -> None:
-    reference = run_ranks(_train, 2, str(tmp_path / "ref"), str(tmp_path / "ref-nvme"),
+    data = [make_dataset(str(tmp_path), [37, 50, 13, 60, 40], seq=False),
+            str(tmp_path / "cache")]  # 200 samples: a run crosses several epochs
+    reference = run_ranks(_train, 2, data, str(tmp_path / "ref"), str(tmp_path / "ref-nvme"),
                           None, None)
     expected = reference[0].value["weights"]
 
@@ -184,7 +176,7 @@ def test_sigkill_at_random_moments_restarts_exactly(tmp_path: Path) -> None:
         ready_files = [Path(f"{ready}-{rank}") for rank in range(2)]
         for path in ready_files:
             path.unlink(missing_ok=True)
-        group = RankGroup(_train, 2, args=(str(root), str(local), kill, str(ready)),
+        group = RankGroup(_train, 2, args=(data, str(root), str(local), kill, str(ready)),
                           timeout_s=90, grace_s=0.2)
         if phase == "time":
             deadline = time.monotonic() + 60
