@@ -64,6 +64,19 @@ class Loader(Protocol):
     def close(self) -> None: ...
 
 
+def use_streamcache_snapshot() -> str:
+    """Import streamcache from ``$PEERS_STREAMCACHE_SRC`` (an exported commit with the built
+    ``_core`` extension copied in) instead of the editable install, which follows a working
+    tree that other engineers edit while this runs. Returns what is measured."""
+    src = os.environ.get("PEERS_STREAMCACHE_SRC")
+    if not src:
+        return "editable install (working tree)"
+    sys.meta_path[:] = [finder for finder in sys.meta_path
+                        if not type(finder).__module__.startswith("_editable_skbc_streamcache")]
+    sys.path.insert(0, src)
+    return src
+
+
 def num_samples(data: str) -> int:
     with open(os.path.join(DATA, f"{data}.n")) as f:
         return int(f.read())

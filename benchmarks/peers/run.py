@@ -20,7 +20,7 @@ Cases, each in a fresh process, interleaved (system order rotated each repeat):
                       epoch (2 workers); duplicates/skips by sample id (first repeat)
   elastic             (once) 2 simulated ranks stop at 50%, 4 ranks resume from rank 0's
                       state with the global batch fixed; duplicates/skips by sample id
-Rates are steady state: from the first batch to the end of the epoch, or to 8 s after the
+Rates are steady state: from the first batch to the end of the epoch, or to 6 s after the
 first batch when that comes first (the slowest peers would take minutes per epoch); start-up
 is the first-batch time. Resume repeats after the first only time the first batch.
 Writes benchmarks/out/peers/results.json, the "Peer comparison" section of
@@ -54,14 +54,18 @@ from common import (  # noqa: E402
     native_dir,
     num_samples,
     s3_key,
+    use_streamcache_snapshot,
 )
+
+STREAMCACHE_SOURCE = use_streamcache_snapshot()  # before anything imports streamcache
+
 from jobs import ADAPTERS, adapter, run_job  # noqa: E402
 
 SYSTEMS = list(ADAPTERS)
 REMOTE_SYSTEMS = ["streamcache", "mosaic", "litdata", "webdataset"]
 CASES = ["warm-w0", "warm-w2", "cold-w2", "resume"]
-JOB_TIMEOUT_S = 300
-BUDGET_S = 8.0  # a throughput run stops this long after its first batch (steady state)
+JOB_TIMEOUT_S = 150
+BUDGET_S = 6.0  # a throughput run stops this long after its first batch (steady state)
 
 
 # ------------------------------------------------------------------------------ building
@@ -140,18 +144,21 @@ class LoopbackS3:
 
 
 def spawn(job: dict[str, Any], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """A job in its own process group, so that a hung job's DataLoader workers go with it."""
     return subprocess.Popen([sys.executable, __file__, "--job", json.dumps(job)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, start_new_session=True)
 
 
 def collect(process: subprocess.Popen[str]) -> dict[str, Any]:
     try:
         stdout, stderr = process.communicate(timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        process.kill()
+        import signal
+
+        os.killpg(process.pid, signal.SIGKILL)  # the job and the workers it started
         process.communicate()
-        return {"error": f"timed out after {JOB_TIMEOUT_S} s"}
+        return {"error": f"hung: no result after {JOB_TIMEOUT_S} s (killed)"}
     lines = stdout.strip().splitlines()
     if process.returncode != 0 or not lines:
         tail = [line for line in stderr.strip().splitlines() if line.strip()]
@@ -221,6 +228,35 @@ def elastic(system: str, data: str, before: int = 2, after: int = 4) -> dict[str
     return exactness(np.concatenate(ids).astype(np.int64), num_samples(data))
 
 
+def snapshot_head() -> str:
+    """Export streamcache/ of the HEAD commit with the installed native extension beside it
+    (other engineers edit the working tree while this runs; a commit can be named)."""
+    import glob
+    import importlib.util
+    import shutil
+
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    target = os.path.join(OUT, f"streamcache-{commit}")
+    if not os.path.exists(os.path.join(target, "COMMIT")):
+        shutil.rmtree(target, ignore_errors=True)
+        os.makedirs(target)
+        archive = subprocess.run(["git", "-C", REPO, "archive", "HEAD", "streamcache"],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", target], input=archive, check=True)
+        spec = importlib.util.find_spec("streamcache")
+        assert spec is not None and spec.submodule_search_locations is not None
+        for folder in [*spec.submodule_search_locations, *sys.path]:
+            found = glob.glob(os.path.join(folder, "streamcache", "_core*.so")) + \
+                glob.glob(os.path.join(folder, "_core*.so"))
+            if found:
+                shutil.copy(found[0], os.path.join(target, "streamcache"))
+                break
+        with open(os.path.join(target, "COMMIT"), "w") as f:
+            f.write(commit)
+    return target
+
+
 def _free_port() -> int:
     import socket
 
@@ -242,6 +278,17 @@ def versions() -> dict[str, str]:
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
     out["streamcache commit"] = commit
+    out["streamcache source"] = STREAMCACHE_SOURCE
+    if STREAMCACHE_SOURCE.startswith("/"):
+        marker = os.path.join(STREAMCACHE_SOURCE, "COMMIT")
+        if os.path.exists(marker):
+            with open(marker) as f:
+                out["streamcache commit"] = f.read().strip()
+    else:
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "streamcache",
+                                "csrc"], capture_output=True, text=True).stdout.strip()
+        if dirty:
+            out["streamcache commit"] += " + uncommitted changes in the working tree"
     return out
 
 
@@ -274,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0,
                         help="dataset size relative to ~200 MB per dataset")
     parser.add_argument("--systems", help="comma-separated subset (default: all)")
+    parser.add_argument("--live", action="store_true",
+                        help="measure the working tree through the editable install instead "
+                             "of a snapshot of the HEAD commit")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--build", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -287,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         SYSTEMS[:] = [s for s in SYSTEMS if s in args.systems.split(",")]
     from report import write_report
 
+    global STREAMCACHE_SOURCE
+    if not args.live and not os.environ.get("PEERS_STREAMCACHE_SRC"):
+        os.environ["PEERS_STREAMCACHE_SRC"] = STREAMCACHE_SOURCE = snapshot_head()
+    log(f"streamcache measured from: {STREAMCACHE_SOURCE}")
     started = time.time()
     build_all(args.scale)
     s3 = LoopbackS3()
