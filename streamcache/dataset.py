@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
+from .advice import ShardAdvice
 from .batching import (
     ID_KEY,
     PADDING_KEY,
@@ -29,7 +30,9 @@ from .batching import (
     step_seed,
     to_torch,
 )
-from .dataset_reader import DatasetReader, FolderStore, ShardStore
+from .cache import NodeCache, local_bytes_estimate
+from .dataset_reader import DatasetReader, ShardStore
+from .errors import CacheBudgetError
 from .index import DatasetIndex, load_index
 from .plan import (
     Cursor,
@@ -42,6 +45,7 @@ from .plan import (
 )
 from .plan import sample_seeds as plan_sample_seeds
 from .plan.order import DEFAULT_WINDOW
+from .prefetch import Prefetcher, PrefetchOptions
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ class StreamOptions:
     infinite: bool = False
     cache_dir: str | None = None
     cache_limit: int | None = None
+    prefetch_shards: int | None = None
+    prefetch_workers: int = 4
     storage_options: Mapping[str, Any] | None = None
     rank: int | None = None
     world_size: int | None = None
@@ -174,7 +180,14 @@ class StreamDataset(IterableDataset):
             Both kinds run with the global RNGs seeded from (seed, epoch, step) and restored.
         with_seeds: add ``__seed__`` to batches without a transform.
         infinite: iterate across epochs without end (LLM jobs count steps).
-        cache_dir, cache_limit: where local copies of remote shards live, and their budget.
+        cache_dir: the node-local cache folder shared by every process of the node
+            (default: $STREAMCACHE_CACHE_DIR, else ~/.cache/streamcache). Local shards in the
+            local layout are read in place and never copied.
+        cache_limit: bytes the cache may hold (None: no limit). Below the working set (the
+            shards one shuffle window keeps in use) it is refused at construction, with the
+            minimum in the message: lower ``shuffle_window`` to stream with less disk.
+        prefetch_shards: shards kept ahead of the reader (default: the working set + 16);
+            prefetch_workers: download threads per process.
         rank, world_size: default: torch.distributed, else RANK/WORLD_SIZE, else 0/1.
 
     Raises:
@@ -202,8 +215,12 @@ class StreamDataset(IterableDataset):
                              self.shuffle)
         self.schedule()  # validates the batch and world sizes now, not at the first step
         self._local = threading.local()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the reader property builds the store under it
         self._orders: dict[int, EpochOrder] = {}
+        self._advice: dict[int, ShardAdvice] = {}
+        self._advised: tuple[int, int] | None = None
+        if opts.cache_limit is not None:
+            self._check_budget(opts.cache_limit)
         self._reader: DatasetReader | None = None
         self._reader_pid = -1
 
@@ -232,6 +249,45 @@ class StreamDataset(IterableDataset):
                                                  if e == epoch - 1}}
         return order
 
+    def advice(self, epoch: int) -> ShardAdvice:
+        """Where each shard is read in ``epoch`` (for prefetching and eviction)."""
+        with self._lock:
+            advice = self._advice.get(epoch)
+        if advice is None:
+            advice = ShardAdvice(self.order(epoch))
+            with self._lock:
+                self._advice = {epoch: advice, **{e: a for e, a in self._advice.items()
+                                                  if e == epoch - 1}}
+        return advice
+
+    def working_set_bytes(self) -> int:
+        """Local bytes of the most shards the current epoch keeps in use at once."""
+        sizes = np.array([local_bytes_estimate(info) for info in self.index.shards])
+        return self.advice(self.cursor.epoch).working_set_bytes(sizes)
+
+    def _check_budget(self, cache_limit: int) -> None:
+        needed = self.working_set_bytes()
+        if cache_limit < needed:
+            raise CacheBudgetError(
+                f"cache_limit={cache_limit:,} bytes is below the working set of "
+                f"{needed:,} bytes (the shards one shuffle window of {self.shuffle.window} "
+                f"{self.shuffle.window_unit} keeps in use); give at least {needed:,} bytes, "
+                "or lower shuffle_window"
+            )
+
+    def _advise(self, epoch: int, position: int) -> None:
+        """Tell the prefetcher (and the cache's eviction) what the reader needs next."""
+        store = self.reader.store
+        if not isinstance(store, Prefetcher):
+            return
+        advice = self.advice(epoch)
+        count = self.options.prefetch_shards or advice.working_set_shards() + 16
+        shards, next_use = advice.upcoming(position, count)
+        key = (epoch, int(shards[0]) if len(shards) else -1)
+        if key != self._advised or position % max(1, advice.stride * 16) < self.global_batch:
+            self._advised = key
+            store.update(shards, next_use)
+
     # ------------------------------------------------------------ reading
 
     @property
@@ -246,9 +302,15 @@ class StreamDataset(IterableDataset):
             return self._reader
 
     def _make_store(self) -> ShardStore:
-        folder = self.options.cache_dir or os.environ.get("STREAMCACHE_CACHE_DIR") or \
+        opts = self.options
+        folder = opts.cache_dir or os.environ.get("STREAMCACHE_CACHE_DIR") or \
             os.path.join(os.path.expanduser("~"), ".cache", "streamcache")
-        return FolderStore(self.index, folder, storage_options=self.options.storage_options)
+        working_set = self.working_set_bytes() if opts.cache_limit is not None else None
+        cache = NodeCache(self.index, folder, cache_limit=opts.cache_limit,
+                          working_set_bytes=working_set, storage_options=opts.storage_options)
+        lookahead = opts.prefetch_shards or self.advice(self.cursor.epoch).working_set_shards() + 16
+        return Prefetcher(cache, PrefetchOptions(workers=opts.prefetch_workers,
+                                                 lookahead_shards=lookahead))
 
     @property
     def transformed(self) -> bool:
@@ -265,6 +327,7 @@ class StreamDataset(IterableDataset):
             if local_worker >= segment.num_steps:
                 continue
             for part in segment.worker_batches(order, self.rank, local_worker, num_workers):
+                self._advise(epoch, segment.step_span(part.step)[0])
                 yield StepRef(epoch, segment, part.step, first + part.step), part
 
     def read_step(self, ref: StepRef, part: RankBatch) -> dict[str, Any]:
@@ -323,12 +386,13 @@ class StreamDataset(IterableDataset):
         state.pop("_local", None)
         state.pop("_lock", None)
         state["_reader"], state["_reader_pid"], state["_orders"] = None, -1, {}
+        state["_advice"], state["_advised"] = {}, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._local = threading.local()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the reader property builds the store under it
 
     def close(self) -> None:
         with self._lock:

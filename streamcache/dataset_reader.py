@@ -13,6 +13,7 @@ prefetching; the node cache (cache.py) adds those for streaming.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import shutil
@@ -114,7 +115,8 @@ class DatasetReader:
 
     def __init__(self, source: str | DatasetIndex, *, fields: Sequence[str] | None = None,
                  local_dir: str | None = None, store: ShardStore | None = None,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None,
+                 max_open_shards: int = 256) -> None:
         self.index = source if isinstance(source, DatasetIndex) else load_index(
             source, storage_options
         )
@@ -124,7 +126,10 @@ class DatasetReader:
         rows = self.index.shard_rows
         self._starts = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(rows, out=self._starts[1:])
-        self._readers: dict[int, ShardReader] = {}
+        # Open shards, least recently used first. Dropping one does not unmap it while a
+        # gather still holds its buffers; it lets an evicted shard's disk space be freed.
+        self._readers: collections.OrderedDict[int, ShardReader] = collections.OrderedDict()
+        self._max_open = max(1, max_open_shards)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -144,13 +149,25 @@ class DatasetReader:
         return shards, ids - self._starts[shards]
 
     def shard_reader(self, shard: int) -> ShardReader:
-        reader = self._readers.get(shard)
-        if reader is None:
-            path = self.store.local_path(shard)
-            reader = ShardReader(path, self.schema, expected_rows=self.index.shards[shard].rows)
-            with self._lock:
-                reader = self._readers.setdefault(shard, reader)
+        with self._lock:
+            reader = self._readers.get(shard)
+            if reader is not None:
+                self._readers.move_to_end(shard)
+                return reader
+        reader = self._open(shard)
+        with self._lock:
+            reader = self._readers.setdefault(shard, reader)
+            while len(self._readers) > self._max_open:
+                self._readers.popitem(last=False)
         return reader
+
+    def _open(self, shard: int) -> ShardReader:
+        rows = self.index.shards[shard].rows
+        try:
+            return ShardReader(self.store.local_path(shard), self.schema, expected_rows=rows)
+        except FileNotFoundError:
+            pass  # evicted by another process between being handed out and being mapped
+        return ShardReader(self.store.local_path(shard), self.schema, expected_rows=rows)
 
     def read_batch(self, ids: Sequence[int] | np.ndarray) -> dict[str, np.ndarray | Ragged]:
         """The samples ``ids`` as batch arrays, in the order given."""
@@ -170,7 +187,7 @@ class DatasetReader:
 
     def close(self) -> None:
         with self._lock:
-            readers, self._readers = self._readers, {}
+            readers, self._readers = self._readers, collections.OrderedDict()
         for reader in readers.values():
             with contextlib.suppress(Exception):
                 reader.close()

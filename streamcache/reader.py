@@ -73,6 +73,10 @@ class ShardReader:
     """One shard in the local layout, memory-mapped (zero-copy column views).
 
     Unlinking the file while it is open is safe: the mapping stays valid until close.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ShardCorruptError: the file is not a readable shard in the local layout.
     Thread safety: read-only after construction; any thread may read.
     """
 
@@ -88,6 +92,8 @@ class ShardReader:
                     "layout has one: materialize the shard first"
                 )
             batch = reader.get_batch(0) if reader.num_record_batches else None
+        except FileNotFoundError:
+            raise  # gone (evicted, deleted): the caller may install it again
         except (pa.ArrowInvalid, OSError) as exc:
             raise ShardCorruptError(
                 f"{path} is not a readable local shard ({exc}); it is truncated or corrupt: "

@@ -1,0 +1,75 @@
+"""Prefetch and eviction advice from the plan: which shards are needed next, and when.
+
+The prefetcher wants the next few shards in first-use order from the cursor, and the cache
+wants, for eviction, when each resident shard is read next. Both follow from where each
+shard is first and last read in the epoch. Scanning every position of a billion-sample epoch
+costs about a minute, so :class:`ShardAdvice` samples the order with a stride well below the
+smallest shard's row count: a shard's rows are spread over its shuffle window, so every
+shard is still seen, and its first and last use are known to within a stride. Shards sorted
+by first use then answer "what comes next from position p" in O(log shards).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .plan import EpochOrder
+from .prefetch import ShardUsage
+
+_CHUNK = 1 << 20  # positions evaluated per pass
+
+
+class ShardAdvice:
+    """First/last read position of every shard of one epoch, and the upcoming shards.
+
+    Args:
+        order: the epoch's order.
+        stride: positions between samples of the order (default: 1/64 of the smallest
+            non-empty shard's rows, at least 1). Shards with fewer rows than the stride may
+            be missed: a missed shard is fetched on demand, never read wrongly.
+
+    Thread safety: read-only after construction.
+    """
+
+    def __init__(self, order: EpochOrder, *, stride: int | None = None) -> None:
+        rows = order.shard_rows[order.shard_rows > 0]
+        self.stride = stride or max(1, int(rows.min()) // 64)
+        self.num_samples = order.num_samples
+        first = np.full(order.num_shards, -1, dtype=np.int64)
+        last = np.full(order.num_shards, -1, dtype=np.int64)
+        step = _CHUNK * self.stride
+        for start in range(0, order.num_samples, step):
+            positions = np.arange(start, min(order.num_samples, start + step), self.stride,
+                                  dtype=np.int64)
+            shards, _ = order.shard_of_ids(order.sample_ids_at(positions))
+            unique, at = np.unique(shards, return_index=True)
+            fresh = first[unique] < 0
+            first[unique[fresh]] = positions[at[fresh]]
+            tail, at_end = np.unique(shards[::-1], return_index=True)
+            last[tail] = positions[len(positions) - 1 - at_end]
+        self.usage = ShardUsage(first, last)
+        read = np.flatnonzero(first >= 0)
+        self._by_first = read[np.argsort(first[read], kind="stable")]
+        self._firsts = first[self._by_first]
+
+    def upcoming(self, position: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Up to ``count`` shards read at ``position`` or later, in order of next use, with
+        that next use (shards already in use come first, with next use ``position``)."""
+        usage = self.usage
+        start = int(np.searchsorted(self._firsts, position, side="left"))
+        # shards begun before `position` and not finished are in use now
+        back = self._by_first[max(0, start - 4 * count):start]
+        in_use = back[usage.last[back] >= position - self.stride]
+        ahead = self._by_first[start:start + count]
+        shards = np.concatenate([in_use, ahead])[:count]
+        next_use = np.concatenate([np.full(len(in_use), position, dtype=np.int64),
+                                   self._firsts[start:start + count]])[:count]
+        return shards, next_use
+
+    def working_set_bytes(self, shard_bytes: np.ndarray) -> int:
+        """The most bytes of shards in use at once over the epoch."""
+        return self.usage.working_set_bytes(shard_bytes)
+
+    def working_set_shards(self) -> int:
+        """The most shards in use at once over the epoch."""
+        return self.usage.working_set_bytes(np.ones(len(self.usage.first), dtype=np.int64))

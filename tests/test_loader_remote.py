@@ -1,0 +1,86 @@
+"""StreamLoader over a real S3-compatible server on loopback, through the node cache.
+
+Requests are counted at a proxy in front of the server: every shard is downloaded once per
+node, however many loaders (ranks) read it and however many epochs run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from loader_helpers import ids_of
+
+from streamcache import ShardWriter, StreamDataset, StreamLoader
+from streamcache.errors import CacheBudgetError
+
+
+@pytest.fixture
+def remote_dataset(s3_bucket, request) -> str:
+    url = s3_bucket.url(f"loader-{request.node.name}")
+    with ShardWriter(url, shard_size=1500, storage_options=s3_bucket.storage_options()) as w:
+        for i in range(600):
+            w.write({"x": i, "t": np.arange(i % 7, dtype=np.int16)})
+    return url
+
+
+def test_two_ranks_two_epochs_one_download_per_shard(remote_dataset, s3_bucket,
+                                                     s3_fault_proxy, tmp_path) -> None:
+    options = s3_bucket.storage_options(via=s3_fault_proxy.url)
+    loaders = [StreamLoader(StreamDataset(remote_dataset, global_batch_size=40, rank=rank,
+                                          world_size=2, cache_dir=str(tmp_path / "cache"),
+                                          storage_options=options, shuffle_window=200))
+               for rank in range(2)]
+    s3_fault_proxy.requests.reset()
+    for epoch in range(2):
+        seen = np.concatenate([ids_of(b) for loader in loaders for b in loader])
+        assert np.array_equal(np.sort(seen), np.arange(600)), f"epoch {epoch}"
+    counts = {path: n for path, n in s3_fault_proxy.requests.counts().items()
+              if path.endswith(".arrow")}
+    shards = len(loaders[0].dataset.index.shards)
+    assert len(counts) == shards and set(counts.values()) == {1}, counts
+    stats = loaders[0].dataset.reader.store.stats
+    assert stats.hits > 0
+    for loader in loaders:
+        loader.close()
+
+
+def test_transient_faults_do_not_change_the_data(remote_dataset, s3_bucket, s3_fault_proxy,
+                                                 tmp_path) -> None:
+    s3_fault_proxy.faults.configure(rate=0.3, kinds=["error", "reset", "truncate"], seed=3)
+    dataset = StreamDataset(remote_dataset, global_batch_size=50, rank=0, world_size=1,
+                            cache_dir=str(tmp_path / "cache"), shuffle_window=200,
+                            storage_options=s3_bucket.storage_options(via=s3_fault_proxy.url))
+    with StreamLoader(dataset) as loader:
+        batches = list(loader)
+    assert sum(s3_fault_proxy.faults.injected.values()) > 0
+    for batch in batches:
+        assert np.array_equal(batch["x"].numpy(), ids_of(batch))
+        assert np.array_equal(batch["t_lengths"].numpy(), ids_of(batch) % 7)
+    assert sorted(np.concatenate([ids_of(b) for b in batches]).tolist()) == list(range(600))
+
+
+def test_cache_limit_below_the_working_set_is_refused_with_the_minimum(
+        remote_dataset, s3_bucket, tmp_path) -> None:
+    with pytest.raises(CacheBudgetError, match=r"give at least [\d,]+ bytes, or lower "
+                                                r"shuffle_window"):
+        StreamDataset(remote_dataset, global_batch_size=50, rank=0, world_size=1,
+                      cache_dir=str(tmp_path / "cache"), cache_limit=1000,
+                      storage_options=s3_bucket.storage_options())
+
+
+def test_cache_limit_at_a_third_of_the_dataset(remote_dataset, s3_bucket, tmp_path) -> None:
+    options = s3_bucket.storage_options()
+    probe = StreamDataset(remote_dataset, global_batch_size=50, rank=0, world_size=1,
+                          cache_dir=str(tmp_path / "cache"), shuffle_window=100,
+                          storage_options=options)
+    total = sum(s.raw_bytes or 0 for s in probe.index.shards)
+    limit = max(probe.working_set_bytes(), total // 3)
+    dataset = StreamDataset(remote_dataset, global_batch_size=50, rank=0, world_size=1,
+                            cache_dir=str(tmp_path / "cache"), shuffle_window=100,
+                            cache_limit=limit, storage_options=options)
+    with StreamLoader(dataset) as loader:
+        seen = []
+        for batch in loader:
+            seen.append(ids_of(batch))
+            assert dataset.reader.store.cache.usage().bytes <= limit
+    assert sorted(np.concatenate(seen).tolist()) == list(range(600))
