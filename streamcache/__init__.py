@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .convert import convert
-from .dataset import StreamDataset, StreamOptions
 from .dataset_reader import DatasetReader
 from .errors import (
     ChecksumMismatchError,
@@ -18,14 +19,39 @@ from .errors import (
     StreamcacheError,
 )
 from .index import DatasetIndex, build_index, load_index
-from .loader import StreamLoader
 from .reader import Ragged
 from .schema import Field, Schema
 from .writer import ShardWriter, write_dataset
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time these load lazily
+    from .checkpoint import Checkpointer
+    from .dataset import StreamDataset, StreamOptions
+    from .loader import StreamLoader
+
+# The torch-facing parts are imported on first use, so that `import streamcache` (the CLI's
+# convert/index/inspect, writers in data pipelines) does not pay for importing torch.
+_LAZY = {
+    "StreamDataset": "streamcache.dataset",
+    "StreamOptions": "streamcache.dataset",
+    "StreamLoader": "streamcache.loader",
+    "Checkpointer": "streamcache.checkpoint",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'streamcache' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 __all__ = [
+    "Checkpointer",
     "ChecksumMismatchError",
     "CorruptDataError",
     "DatasetIndex",
