@@ -30,27 +30,24 @@ DCP ``async_save`` with defaults (a fresh stager per call), DCP ``async_save`` w
 (background staging, the default), ``thread`` with blocking staging, and ``process`` modes.
 The table is printed and written as JSON to ``benchmarks/out/``.
 
-Last results (2026-11-29, ``python benchmarks/bench_checkpoint.py``: 1 GiB per rank, 2 ranks,
-3 repeats, medians; 2 cores, no GPU, torch 2.13.0; the machine was shared with other test runs,
-load average 6-10, so absolute times are inflated and loop costs vary by about 1 s; the
-Checkpointer's default was then writer_nice=0, so "sc-thread" is nice 0 and
-"sc-thread-nice19" is today's default):
+Last results (2026-11-29 10:32 UTC, ``python benchmarks/bench_checkpoint.py``: 1 GiB per rank,
+2 ranks, 3 repeats, medians; 2 cores, no GPU, torch 2.13.0; other jobs on the machine, load
+average 2-4; "sc-thread" is the Checkpointer's defaults):
 
     method                     blocked s  safe s  durable s  loop cost s  durable vs dcp-sync
-    torch.save (rank 0)            1.334   1.334      1.449        0.938        0.36x
-    dcp-sync                       3.612   3.612      4.059        3.419        1.00x
-    dcp-async-default              0.536   0.536      4.411        3.759        1.09x
-    dcp-async-reused-stager        0.121   0.474      3.016        2.708        0.74x
-    sc-sync                        2.673   2.673      2.674        5.840        0.66x
-    sc-thread (nice 0)             0.010   0.354      4.240        2.537        1.04x
-    sc-thread-nice0                0.008   0.321      3.545        1.603        0.87x
-    sc-thread-nice19               0.023   0.618      4.275        1.375        1.05x
-    sc-thread-blocking-staging     0.403   0.403      4.039        2.822        1.00x
-    sc-process                     0.608   0.608      4.395        1.808        1.08x
-    limits: memcpy 0.223 s/GiB, disk write+fsync 1.134 s/GiB per rank (both ranks at once)
+    torch.save (rank 0)            0.989   0.989      1.180        0.907        0.44x
+    dcp-sync                       2.055   2.055      2.654        2.204        1.00x
+    dcp-async-default              0.596   0.596      4.160        2.314        1.57x
+    dcp-async-reused-stager        0.018   0.317      2.767        1.812        1.04x
+    sc-sync                        2.587   2.587      2.589        3.190        0.98x
+    sc-thread (defaults)           0.006   0.298      3.387        0.091        1.28x
+    sc-thread-nice0                0.009   0.331      3.253        2.073        1.23x
+    sc-thread-nice19               0.009   0.282      3.320        0.295        1.25x
+    sc-thread-blocking-staging     0.322   0.322      2.966        0.236        1.12x
+    sc-process                     0.547   0.547      4.120        2.140        1.55x
+    limits: memcpy 0.201 s/GiB, disk write+fsync 1.037 s/GiB per rank (both ranks at once)
 
-A second run of the main contenders gave dcp-sync loop cost 3.113 s, sc-thread (nice 0)
-3.396 s, sc-thread-nice19 1.062 s, blocked 0.011 s, durable 0.97x dcp-sync.
+Two earlier runs under heavier load (load average 6-10) are in docs/checkpoint.md.
 Discussion and the defaults chosen from it: docs/checkpoint.md, "Measurements and defaults".
 """
 
