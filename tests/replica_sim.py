@@ -164,3 +164,166 @@ def group_main(rank: int, world_size: int, url: str, cache: str, plan_args: dict
     loader.close()
     dist.barrier()
     return {"steps": records, "transfers": transfers}
+
+
+# ---------------------------------------------------------------- SIGKILL and restart
+
+def incarnations(trace: list[TraceStep], group: int) -> list[int]:
+    """The steps at which a process of ``group`` starts: the first step it is up, and every
+    step at which it is up after not finishing the step before."""
+    starts = []
+    for t, step in enumerate(trace):
+        previous = trace[t - 1].survivors if t else frozenset()
+        if group in step.up and group not in previous:
+            starts.append(t)
+    return starts
+
+
+def killed_main(group: int, start: int, port: int, url: str, cache: str,
+                plan_args: dict[str, Any], trace: list[TraceStep], log_path: str) -> None:
+    """One process of one replica group, from step ``start`` until the trace takes it down,
+    when it SIGKILLs itself (after reading its batch if it fails during the step, after
+    committing if it drops before the next one). Process groups are built per membership
+    directly on the parent's TCPStore, as a fault-tolerance library reconfigures them per
+    quorum; a process started late joins the transfer group of its first step and gets the
+    loader state from a live peer. Records go to ``log_path`` as JSON lines, flushed, so a
+    killed process's reads survive it."""
+    import datetime
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from streamcache.dataset import StreamDataset
+    from streamcache.replicas import ProcessGroupQuorum, ReplicaLoader, broadcast_state
+
+    num_groups = plan_args["groups"]
+    store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                          timeout=datetime.timedelta(seconds=60))
+
+    def process_group(name: str, members: frozenset[int]) -> Any:
+        ranks = sorted(members)
+        return dist.ProcessGroupGloo(dist.PrefixStore(name, store), ranks.index(group),
+                                     len(ranks), datetime.timedelta(seconds=60))
+
+    dataset = StreamDataset(url, batch_size=plan_args["per_rank"], rank=0, world_size=1,
+                            cache_dir=cache, seed=plan_args["seed"])
+    loader = ReplicaLoader(dataset, num_groups=num_groups, group=group)
+    commit_pg: Any = None
+    with open(log_path, "a", buffering=1) as log:
+        for t in range(start, len(trace)):
+            step = trace[t]
+            previous = trace[t - 1].survivors if t else frozenset(range(num_groups))
+            if step.up - previous:  # someone rejoins: a group for the transfer
+                source = min(step.up & previous)
+                pg = process_group(f"xfer/{t}", step.up)
+                size = broadcast_state(loader, sorted(step.up).index(source), pg)
+                if t == start and t:
+                    log.write(json.dumps({"kind": "transfer", "t": t, "bytes": size}) + "\n")
+            batch = loader.next_batch()
+            log.write(json.dumps({"kind": "read", "t": t, "epoch": loader.epoch,
+                                  "slice": loader.current_slice(),
+                                  "ids": batch["__id__"].tolist(),
+                                  "padding": batch["__padding__"].tolist(),
+                                  "first": t == start}) + "\n")
+            if group not in step.survivors:
+                os.kill(os.getpid(), signal.SIGKILL)  # fails during the step
+            if commit_pg is None or step.survivors != previous:
+                commit_pg = process_group(f"commit/{t}", step.survivors)
+            committed = ProcessGroupQuorum(group, num_groups, commit_pg).participants()
+            if step.discard:
+                committed = frozenset()
+            loader.commit(committed)
+            log.write(json.dumps({"kind": "commit", "t": t, "committed": sorted(committed),
+                                  "state": state_digest(loader.state_dict())}) + "\n")
+            if t + 1 < len(trace) and group not in trace[t + 1].up:
+                os.kill(os.getpid(), signal.SIGKILL)  # down before the next step
+    loader.close()
+
+
+def run_killed(trace: list[TraceStep], url: str, cache: str, plan_args: dict[str, Any],
+               logs: str, timeout_s: float = 120) -> dict[str, int]:
+    """Replay ``trace`` with one process per group, SIGKILLed where the trace takes a group
+    down and started again where it comes back; returns each group's exit codes count.
+
+    Raises:
+        AssertionError: a process exited other than by its planned SIGKILL or normally, or
+            the run outlived ``timeout_s``.
+    """
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    ctx = mp.get_context("spawn")
+    # The store lives in a process of its own, so that nothing of it (its server thread, its
+    # connections to SIGKILLed clients) can outlive or block the caller.
+    receive, send = ctx.Pipe(duplex=False)
+    store_process = ctx.Process(target=serve_store, args=(send,), name="store", daemon=True)
+    store_process.start()
+    assert receive.poll(60), "the store process did not start"
+    port = receive.recv()
+    plan = {g: incarnations(trace, g) for g in range(plan_args["groups"])}
+    running: dict[int, Any] = {}
+    started = {g: 0 for g in plan}
+    kills = {g: 0 for g in plan}
+
+    def spawn(g: int) -> None:
+        start = plan[g][started[g]]
+        started[g] += 1
+        running[g] = ctx.Process(target=killed_main, name=f"group-{g}", args=(
+            g, start, port, url, cache, plan_args, trace,
+            os.path.join(logs, f"g{g}-{start}.jsonl")))
+        running[g].start()
+
+    for g in plan:
+        if plan[g]:
+            spawn(g)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while running:
+            assert time.monotonic() < deadline, f"timed out; still running: {sorted(running)}"
+            for g, proc in list(running.items()):
+                if proc.exitcode is None:
+                    continue
+                del running[g]
+                if proc.exitcode == -signal.SIGKILL:
+                    kills[g] += 1
+                    if started[g] < len(plan[g]):
+                        spawn(g)  # started at once: it waits for its step in the store
+                else:
+                    assert proc.exitcode == 0, f"group {g} exited with {proc.exitcode}"
+            time.sleep(0.02)
+    finally:
+        for proc in [*running.values(), store_process]:
+            proc.kill()
+            proc.join()
+    return kills
+
+
+def serve_store(send: Any) -> None:
+    """Host the TCPStore of :func:`run_killed` until killed; sends its port."""
+    import time
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    send.send(store.port)
+    while True:
+        time.sleep(1)
+
+
+def read_logs(logs: str) -> list[tuple[int, dict[str, Any]]]:
+    """(group, record) of every complete JSON line the processes wrote."""
+    import os
+
+    out = []
+    for name in sorted(os.listdir(logs)):
+        group = int(name[1:].split("-")[0])
+        with open(os.path.join(logs, name)) as f:
+            for line in f:
+                try:
+                    out.append((group, json.loads(line)))
+                except json.JSONDecodeError:  # cut by a SIGKILL
+                    continue
+    return out

@@ -18,7 +18,15 @@ import numpy as np
 import pytest
 from dist import run_ranks
 from loader_helpers import make_dataset
-from replica_sim import TraceStep, expected, group_main, make_trace
+from replica_sim import (
+    TraceStep,
+    expected,
+    group_main,
+    incarnations,
+    make_trace,
+    read_logs,
+    run_killed,
+)
 
 from streamcache.checkpoint import Checkpointer
 from streamcache.dataset import StreamDataset
@@ -54,58 +62,105 @@ def epoch_ids(url: str, epoch: int, plan: ReplicaPlan) -> np.ndarray:
     return order.sample_ids(0, plan.num_samples // plan.global_batch * plan.global_batch)
 
 
-def test_four_groups_drop_and_rejoin_exactly_once(data: tuple[str, str]) -> None:
-    url, cache = data
-    plan = ReplicaPlan(200, GROUPS * PER_RANK, GROUPS)
-    everyone = frozenset(range(GROUPS))
-    scripted = {  # the cases the issue names, at fixed steps; the rest is random
-        3: TraceStep(everyone, everyone - {1}),                      # 1 fails during a step
-        6: TraceStep(frozenset({0, 3}), frozenset({0, 3})),          # 2 and (still) 1 down
-        7: TraceStep(everyone, everyone),                            # 1 and 2 rejoin at once
-        9: TraceStep(everyone, frozenset(), discard=True),
-    }
-    trace = make_trace(plan, epochs=2, seed=5, scripted=scripted)
+SCRIPTED = {  # the cases the issue names, at fixed steps; the rest of a trace is random
+    3: TraceStep(frozenset({0, 1, 2, 3}), frozenset({0, 2, 3})),    # 1 fails during a step
+    6: TraceStep(frozenset({0, 3}), frozenset({0, 3})),             # 2 and (still) 1 down
+    7: TraceStep(frozenset({0, 1, 2, 3}), frozenset({0, 1, 2, 3})), # 1 and 2 rejoin at once
+    9: TraceStep(frozenset({0, 1, 2, 3}), frozenset(), discard=True),
+}
+
+
+def check_replay(url: str, plan: ReplicaPlan, trace: list[TraceStep],
+                 reads: list[tuple[int, dict]], commits: list[tuple[int, dict]],
+                 epochs: int) -> None:
+    """Every batch read is the plan's for that group and step; every live rank reports the
+    trace's committed set and holds the same state; every sample of every epoch is committed
+    exactly once."""
     ledgers = expected(plan, trace)
-    last_steps = [t for t in range(len(trace)) if ledgers[t + 1].epoch > ledgers[t].epoch]
-    assert any(trace[t].committed != trace[t].up for t in last_steps), \
-        "the trace must fail a group during the last step of an epoch"
-
-    results = run_ranks(group_main, GROUPS, url, cache, {"per_rank": PER_RANK, "seed": SEED},
-                        trace, timeout_s=120)
-
-    orders = {e: EpochOrder(StreamDataset(url, batch_size=PER_RANK, rank=0, world_size=1)
-                            .index.shard_rows, SEED, e, ShuffleOptions()) for e in (0, 1)}
-    committed: dict[int, list[int]] = {0: [], 1: []}
-    rejoins = 0
-    for group, result in enumerate(results):
-        for record in result.value["steps"]:
-            t = record["t"]
-            ledger = ledgers[t]
-            assert record["epoch"] == ledger.epoch
-            assert record["slice"] == ledger.assignment(plan)[group]
-            want = orders[ledger.epoch].samples_at(positions_of(plan, ledger, group))[0]
-            assert record["ids"] == want.tolist(), f"group {group} read the wrong batch at {t}"
-            assert record["padding"] == [record["slice"] == PAD_SLICE] * PER_RANK
-            rejoins += record["rejoined"]
-            if "committed" in record:
-                assert record["committed_set"] == sorted(trace[t].committed)
-                if record["committed"] and record["slice"] != PAD_SLICE:
-                    committed[ledger.epoch].extend(record["ids"])
-    assert rejoins >= 4
-    for epoch in (0, 1):
+    shard_rows = StreamDataset(url, batch_size=PER_RANK, rank=0, world_size=1).index.shard_rows
+    orders = {e: EpochOrder(shard_rows, SEED, e, ShuffleOptions()) for e in range(epochs)}
+    read_at = {(group, r["t"]): r for group, r in reads}
+    committed: dict[int, list[int]] = {e: [] for e in range(epochs)}
+    for (group, t), record in read_at.items():
+        ledger = ledgers[t]
+        assert record["epoch"] == ledger.epoch
+        assert record["slice"] == ledger.assignment(plan)[group]
+        want = orders[ledger.epoch].samples_at(positions_of(plan, ledger, group))[0]
+        assert record["ids"] == want.tolist(), f"group {group} read the wrong batch at {t}"
+        assert record["padding"] == [record["slice"] == PAD_SLICE] * PER_RANK
+    digests: dict[int, set[str]] = {}
+    for group, record in commits:
+        t = record["t"]
+        assert record["committed"] == sorted(trace[t].committed)
+        digests.setdefault(t, set()).add(record["state"])
+        if group in trace[t].committed and read_at[(group, t)]["slice"] != PAD_SLICE:
+            committed[ledgers[t].epoch].extend(read_at[(group, t)]["ids"])
+    assert all(len(d) == 1 for d in digests.values()), "live ranks disagree on the state"
+    for t, step in enumerate(trace):  # every read and commit the trace asks for happened
+        assert all((g, t) in read_at for g in step.up)
+        assert len(digests[t]) == 1
+    for epoch in range(epochs):
         counts = Counter(committed[epoch])
         assert max(counts.values()) == 1, f"epoch {epoch}: a sample was committed twice"
         assert sorted(counts) == sorted(epoch_ids(url, epoch, plan).tolist()), \
             f"epoch {epoch}: samples were lost"
-    # every live rank holds the same state after every step
-    digests: dict[int, set[str]] = {}
-    for result in results:
-        for record in result.value["steps"]:
-            if "state" in record:
-                digests.setdefault(record["t"], set()).add(record["state"])
-    assert all(len(d) == 1 for d in digests.values())
+
+
+def check_trace_covers_the_issue(plan: ReplicaPlan, trace: list[TraceStep]) -> None:
+    ledgers = expected(plan, trace)
+    last_steps = [t for t in range(len(trace)) if ledgers[t + 1].epoch > ledgers[t].epoch]
+    assert all(any(trace[u].committed != trace[u].up for u in range(t - 2, t + 1))
+               for t in last_steps), "the trace must fail a group in the last steps of an epoch"
+    rejoins = [t for t in range(1, len(trace)) if trace[t].up - trace[t - 1].survivors]
+    assert any(len(trace[t].up - trace[t - 1].survivors) >= 2 for t in rejoins)
+    assert any(len(trace[t - 1].survivors - trace[t].up) >= 2 for t in range(1, len(trace)))
+
+
+def test_four_groups_drop_and_rejoin_exactly_once(data: tuple[str, str]) -> None:
+    """Groups that are down skip steps; a rejoining group throws its loader away and gets
+    the state from a live peer through a gloo group of the step's live ranks."""
+    url, cache = data
+    plan = ReplicaPlan(200, GROUPS * PER_RANK, GROUPS)
+    trace = make_trace(plan, epochs=2, seed=0, scripted=SCRIPTED)
+    check_trace_covers_the_issue(plan, trace)
+
+    results = run_ranks(group_main, GROUPS, url, cache, {"per_rank": PER_RANK, "seed": SEED},
+                        trace, timeout_s=120)
+
+    reads = [(g, r) for g, res in enumerate(results) for r in res.value["steps"]]
+    commits = [(g, {"t": r["t"], "committed": r["committed_set"], "state": r["state"]})
+               for g, r in reads if "state" in r]
+    check_replay(url, plan, trace, reads, commits, epochs=2)
+    assert sum(r["rejoined"] for _, r in reads) >= 4
     sizes = [tr["bytes"] for r in results for tr in r.value["transfers"]]
     assert sizes and max(sizes) < 600, sizes
+
+
+def test_groups_sigkilled_and_restarted_exactly_once(data: tuple[str, str],
+                                                     tmp_path: Path) -> None:
+    """The same with real deaths: a group's process SIGKILLs itself where the trace takes the
+    group down (during a step, or after it), a new process is started at once and joins at
+    the step the trace brings the group back, with nothing but a peer's state."""
+    url, cache = data
+    plan = ReplicaPlan(200, GROUPS * PER_RANK, GROUPS)
+    trace = make_trace(plan, epochs=1, seed=6, scripted=SCRIPTED)
+    check_trace_covers_the_issue(plan, trace)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    kills = run_killed(trace, url, cache, {"per_rank": PER_RANK, "seed": SEED,
+                                           "groups": GROUPS}, str(logs), timeout_s=150)
+
+    assert sum(kills.values()) == sum(len(incarnations(trace, g)) for g in range(GROUPS)) \
+        - sum(1 for g in range(GROUPS) if g in trace[-1].survivors)
+    records = read_logs(str(logs))
+    reads = [(g, r) for g, r in records if r["kind"] == "read"]
+    commits = [(g, r) for g, r in records if r["kind"] == "commit"]
+    check_replay(url, plan, trace, reads, commits, epochs=1)
+    firsts = [r for _, r in reads if r["first"] and r["t"] > 0]
+    assert len(firsts) >= 3  # restarted processes, each read the plan's batch (checked above)
+    sizes = [r["bytes"] for _, r in records if r["kind"] == "transfer"]
+    assert sizes and max(sizes) < 600
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process

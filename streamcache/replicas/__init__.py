@@ -19,6 +19,7 @@ from .adapters import (
     ProcessGroupQuorum,
     QuorumAdapter,
     TorchftQuorum,
+    broadcast_state,
     groups_of,
     send_state,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "ReplicaLoader",
     "ReplicaPlan",
     "TorchftQuorum",
+    "broadcast_state",
     "groups_of",
     "positions_of",
     "replay",

@@ -74,7 +74,10 @@ class ProcessGroupQuorum:
     def participants(self) -> frozenset[int]:
         mask = torch.zeros(self.num_groups)
         mask[self.group] = 1.0
-        torch.distributed.all_reduce(mask, group=self.process_group)
+        if self.process_group is None:
+            torch.distributed.all_reduce(mask)
+        else:  # also a ProcessGroup built directly on a store, outside the default group
+            self.process_group.allreduce([mask]).wait()
         return _mask_to_groups(mask)
 
     def catch_up(self, loader: ReplicaLoader) -> None:
@@ -142,10 +145,30 @@ class TorchftQuorum:
         del loader
 
 
+def broadcast_state(loader: ReplicaLoader, root: int, process_group: Any) -> int:
+    """Like :func:`send_state`, for any ``ProcessGroup`` object (one built directly on a
+    store too, as a fault-tolerance library reconfiguring per quorum does): ``root`` is the
+    sender's rank *within* ``process_group``. Returns the state's size in bytes.
+    """
+    import json
+
+    mine = process_group.rank() == root
+    data = json.dumps(loader.state_dict()).encode() if mine else b""
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank = root
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    process_group.broadcast([size], options).wait()
+    payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine
+               else torch.empty(int(size.item()), dtype=torch.uint8))
+    process_group.broadcast([payload], options).wait()
+    loader.load_state_dict(json.loads(payload.numpy().tobytes()))
+    return int(size.item())
+
+
 def groups_of(ranks: Sequence[int], group_size: int) -> frozenset[int]:
     """The replica groups of global ranks laid out group by group (rank // group_size)."""
     return frozenset(rank // group_size for rank in ranks)
 
 
 __all__ = ["LOADER_STATE_KEY", "ProcessGroupQuorum", "QuorumAdapter", "TorchftQuorum",
-           "groups_of", "send_state"]
+           "broadcast_state", "groups_of", "send_state"]
