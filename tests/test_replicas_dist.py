@@ -229,3 +229,17 @@ def test_loading_is_strict_and_steps_are_read_before_they_are_reported(
     with pytest.raises(CursorMismatchError):
         loader.load_state_dict({**state, "ledger": {**state["ledger"], "pending": [3]}})
     loader.close()
+
+
+def test_batches_iterates_an_epoch_and_an_empty_epoch_moves_on(data: tuple[str, str],
+                                                               tmp_path: Path) -> None:
+    url, cache = data
+    loader = make_loader(url, cache, group=3)
+    verdicts = iter([{0, 1, 2}] + [{0, 1, 2, 3}] * 100)
+    steps = sum(1 for _ in loader.batches(lambda: next(verdicts)))
+    assert steps == loader.plan.num_slices // GROUPS + 1 and loader.epoch == 1
+    small = make_dataset(str(tmp_path), [3], seq=False)  # fewer samples than a global batch
+    empty = make_loader(small, cache)
+    assert empty.next_batch() is None and empty.epoch == 1
+    loader.close()
+    empty.close()

@@ -18,7 +18,7 @@ the current step: no checkpoint is read and the epoch is not restarted.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -120,8 +120,11 @@ class ReplicaLoader:
 
     def next_batch(self) -> Any:
         """This rank's batch of the current step (the same batch again until ``commit``),
-        or None when the epoch has no step left."""
+        or None when the epoch has no step at all (an epoch of fewer samples than a global
+        batch with tail "drop"; the loader then moves on to the next epoch)."""
         if self.epoch_done():
+            self._ledger = Ledger(self._ledger.epoch + 1)
+            self.dataset.set_epoch(self._ledger.epoch)
             return None
         part = self.rank_batch()
         ref = self._step_ref(self.current_slice())
@@ -166,9 +169,10 @@ class ReplicaLoader:
         self.dataset.set_epoch(self._ledger.epoch)
         return self._ledger.epoch != epoch
 
-    def batches(self, committed: Any) -> Iterator[Any]:
-        """The rest of the epoch as an iterator; ``committed()`` is called after each batch
-        has been used and returns the committed groups of that step."""
+    def batches(self, committed: Callable[[], Iterable[int]]) -> Iterator[Any]:
+        """The rest of the epoch as an iterator: ``committed()`` is called when the loop asks
+        for the next batch (the previous one has been used) and returns the groups that
+        committed that step."""
         while (batch := self.next_batch()) is not None:
             yield batch
             if self.commit(committed()):
