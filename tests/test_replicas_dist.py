@@ -243,3 +243,39 @@ def test_batches_iterates_an_epoch_and_an_empty_epoch_moves_on(data: tuple[str, 
     assert empty.next_batch() is None and empty.epoch == 1
     loader.close()
     empty.close()
+
+
+def _noisy(batch: dict) -> dict:
+    batch["noise"] = np.random.random(len(batch["x"]))  # global RNG, seeded per slice
+    return batch
+
+
+def test_prefetch_gives_the_same_batches_and_a_reissued_slice_the_same_transform(
+        data: tuple[str, str]) -> None:
+    url, cache = data
+    ahead = [make_loader(url, cache, group=g, batch_transform=_noisy) for g in range(GROUPS)]
+    plain = [ReplicaLoader(StreamDataset(url, batch_size=PER_RANK, rank=0, world_size=1,
+                                         cache_dir=cache, seed=SEED, batch_transform=_noisy),
+                           num_groups=GROUPS, group=g, prefetch=False) for g in range(GROUPS)]
+    history = [{0, 1, 2, 3}, {0, 2, 3}, {0, 2, 3}, {0, 1, 2, 3}, set(), {0, 1, 2, 3}] * 3
+    noise_of: dict[tuple[int, int], list[float]] = {}
+    for groups in history:
+        for a, b in zip(plain, ahead, strict=True):
+            x, y = a.next_batch(), b.next_batch()
+            assert x["__id__"].tolist() == y["__id__"].tolist()
+            assert np.array_equal(x["noise"], y["noise"])
+            key = (a.epoch, a.current_slice())
+            noise_of.setdefault(key, x["noise"].tolist())
+            assert noise_of[key] == x["noise"].tolist(), "a re-issued slice is transformed alike"
+        for ld in plain + ahead:
+            ld.commit(groups)
+    hits = sum(ld.prefetch_hits for ld in ahead)
+    assert hits > 0
+    for _ in range(5):  # healthy steps: the guess is always right
+        for ld in ahead:
+            ld.next_batch()
+        for ld in ahead:
+            ld.commit(range(GROUPS))
+    assert sum(ld.prefetch_hits for ld in ahead) == hits + 5 * GROUPS
+    for ld in plain + ahead:
+        ld.close()

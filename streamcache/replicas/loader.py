@@ -19,6 +19,7 @@ the current step: no checkpoint is read and the epoch is not restarted.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -55,11 +56,14 @@ class ReplicaLoader:
             (default: the dataset's rank and world size, i.e. the group's process group).
         global_batch: samples per step over all groups (default: the dataset's per-rank
             batch times ``G * R``); each rank reads ``global_batch / (G * R)`` a step.
+        prefetch: read the next step's batch on a background thread while the loop works,
+            on the guess that the groups that committed this step commit the next one too
+            (the next slice depends on who commits; a wrong guess is read again).
 
     Every batch has ``__id__`` (sample ids) and ``__padding__`` (True for samples that only
     pad a step at the end of an epoch: mask them out of the loss).
 
-    Thread safety: one training loop drives a loader.
+    Thread safety: one training loop drives a loader (the prefetch thread only reads).
     """
 
     # The state is global (JSON-able, the same on every live rank): saved once.
@@ -67,7 +71,7 @@ class ReplicaLoader:
 
     def __init__(self, dataset: StreamDataset, *, num_groups: int, group: int,
                  group_rank: int | None = None, group_size: int | None = None,
-                 global_batch: int | None = None) -> None:
+                 global_batch: int | None = None, prefetch: bool = True) -> None:
         if not isinstance(dataset, StreamDataset):
             raise TypeError("ReplicaLoader takes a StreamDataset")
         group_size = dataset.world_size if group_size is None else group_size
@@ -88,6 +92,11 @@ class ReplicaLoader:
                             "boundary, or from a ReplicaLoader state (load_state_dict)")
         self._ledger = Ledger(cursor.epoch)
         self._read_at: Ledger | None = None  # the ledger whose step has been handed out
+        # One step read ahead, on a guess of the next step's slice (see _prefetch_next).
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="streamcache-replica") \
+            if prefetch else None
+        self._ahead: tuple[tuple[int, int], Future[Any]] | None = None
+        self.prefetch_hits = 0
 
     # ------------------------------------------------------------ stepping
 
@@ -113,10 +122,13 @@ class ReplicaLoader:
 
     def rank_batch(self) -> RankBatch:
         """The plan of this rank's part of the current step (no I/O)."""
-        slice_index = self.current_slice()
+        return self._part(self._ledger)
+
+    def _part(self, ledger: Ledger) -> RankBatch:
+        slice_index = ledger.assignment(self.plan)[self.group]
         positions, padding = self.plan.rank_positions(slice_index, self.group, self.group_rank)
-        ids, shards, rows = self.dataset.order(self.epoch).samples_at(positions)
-        return RankBatch(self._ledger.step, positions, ids, shards, rows, padding)
+        ids, shards, rows = self.dataset.order(ledger.epoch).samples_at(positions)
+        return RankBatch(ledger.step, positions, ids, shards, rows, padding)
 
     def next_batch(self) -> Any:
         """This rank's batch of the current step (the same batch again until ``commit``),
@@ -126,12 +138,39 @@ class ReplicaLoader:
             self._ledger = Ledger(self._ledger.epoch + 1)
             self.dataset.set_epoch(self._ledger.epoch)
             return None
-        part = self.rank_batch()
-        ref = self._step_ref(self.current_slice())
+        key = (self.epoch, self.current_slice())
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == key:
+            arrays = ahead[1].result()
+            self.prefetch_hits += 1
+        else:
+            if ahead is not None:
+                ahead[1].cancel()
+            arrays = self._read(self._ledger)
+        self._read_at = self._ledger
+        self._prefetch_next()
+        return self.dataset.finish_step(self._step_ref(key[1]), arrays)
+
+    def _read(self, ledger: Ledger) -> dict[str, Any]:
+        """This rank's raw arrays at ``ledger``'s step (any thread: reads only)."""
+        part = self._part(ledger)
+        ref = StepRef(ledger.epoch, self._step_ref(0).segment, 0, ledger.step)  # epoch only
         arrays = self.dataset.read_step(ref, part)
         arrays[PADDING_KEY] = part.is_padding
-        self._read_at = self._ledger
-        return self.dataset.finish_step(ref, arrays)
+        return arrays
+
+    def _prefetch_next(self) -> None:
+        """Start reading the slice this group gets next if the groups that committed the
+        last step commit this one too (the common case); a wrong guess is dropped."""
+        if self._pool is None:
+            return
+        everyone = range(self.plan.num_groups)
+        guess = self._ledger.committed(self.plan, [g for g in everyone
+                                                   if g not in self._ledger.behind])
+        if guess.exhausted(self.plan):
+            return
+        key = (guess.epoch, guess.assignment(self.plan)[self.group])
+        self._ahead = (key, self._pool.submit(self._read, guess))
 
     def _step_ref(self, slice_index: int) -> StepRef:
         # Transforms are seeded from the first position of the "step": a one-group segment of
@@ -224,6 +263,11 @@ class ReplicaLoader:
         self.dataset.set_epoch(ledger.epoch)
 
     def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead[1].cancel()
+            self._ahead = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self.dataset.close()
 
     def __enter__(self) -> ReplicaLoader:
