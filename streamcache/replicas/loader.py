@@ -53,7 +53,9 @@ class ReplicaLoader:
         num_groups: replica groups ``G`` (the most that can ever be live at once).
         group: this process's replica group, in ``[0, G)``.
         group_rank, group_size: this rank within its group and the group's size ``R``
-            (default: the dataset's rank and world size, i.e. the group's process group).
+            (default: the dataset's rank and world size, which is right when every group has
+            its own default process group, as with torchft; pass both when one
+            torch.distributed world holds every group).
         global_batch: samples per step over all groups (default: the dataset's per-rank
             batch times ``G * R``); each rank reads ``global_batch / (G * R)`` a step.
         prefetch: read the next step's batch on a background thread while the loop works,
