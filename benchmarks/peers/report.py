@@ -53,6 +53,8 @@ def _exact(result: dict[str, Any] | None) -> str:
     if "error" in result:
         return "error"
     text = f"{result['duplicates']} / {result['skipped']}"
+    if result.get("note"):
+        text += " (not supported, see below)"
     if result.get("uninterrupted_duplicates") or result.get("uninterrupted_skipped"):
         text += (f" (uninterrupted {result['uninterrupted_duplicates']} / "
                  f"{result['uninterrupted_skipped']})")
@@ -105,7 +107,7 @@ def reasons(results: dict[str, Any]) -> str:
             if key in run:
                 out.setdefault(run["system"], set()).add(f"{run['case']}: {key}: {run[key]}")
     for name, run in results["elastic"].items():
-        for key in ("cannot", "error"):
+        for key in ("cannot", "error", "note"):
             if key in run:
                 out.setdefault(name.split("/")[0], set()).add(f"elastic: {key}: {run[key]}")
     return "\n".join(f"- {SYSTEM_LABELS.get(s, s)}: " + "; ".join(sorted(r))
@@ -142,7 +144,7 @@ def section(results: dict[str, Any]) -> str:
         "global batch fixed, 0 workers). WebDataset shuffles shards plus a 1,000-sample "
         "buffer; the others shuffle globally.",
         "",
-        "Why a case did not run:",
+        "Why a case did not run (or what a peer lacks):",
         "",
         reasons(results) or "- every case ran",
         "",

@@ -225,17 +225,22 @@ def elastic(system: str, data: str, before: int = 2, after: int = 4) -> dict[str
                 return {"error": f"phase {phase}: {result['error']}"}
     ids = [np.load(os.path.join(work, name)) for name in sorted(os.listdir(work))
            if name.endswith(".ids.npy")]
-    return exactness(np.concatenate(ids).astype(np.int64), num_samples(data))
+    result = exactness(np.concatenate(ids).astype(np.int64), num_samples(data))
+    if getattr(peer, "ELASTIC_NOTE", ""):
+        result["note"] = peer.ELASTIC_NOTE
+    return result
 
 
 def snapshot_head() -> str:
     """Export streamcache/ of the HEAD commit with the installed native extension beside it
-    (other engineers edit the working tree while this runs; a commit can be named)."""
+    (other engineers edit the working tree while this runs; a commit can be named). Named by
+    the last commit that changed streamcache/ or csrc/."""
     import glob
     import importlib.util
     import shutil
 
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+    commit = subprocess.run(["git", "-C", REPO, "log", "-1", "--format=%h", "HEAD", "--",
+                             "streamcache", "csrc"],
                             capture_output=True, text=True, check=True).stdout.strip()
     target = os.path.join(OUT, f"streamcache-{commit}")
     if not os.path.exists(os.path.join(target, "COMMIT")):

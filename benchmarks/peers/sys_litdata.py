@@ -26,6 +26,10 @@ def _samples(job: tuple[str, int, int]) -> Iterator[dict[str, Any]]:
         yield {"id": i, "data": np.asarray(array[i])}
 
 
+def import_library() -> None:
+    import litdata  # noqa: F401
+
+
 def build(data: str, array: np.ndarray, out: str) -> None:
     from litdata import optimize
 

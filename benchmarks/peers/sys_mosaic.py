@@ -46,6 +46,10 @@ def _import_streaming() -> Any:
     return streaming
 
 
+def import_library() -> None:
+    _import_streaming()
+
+
 def build(data: str, array: np.ndarray, out: str) -> None:
     streaming = _import_streaming()
     shape, dtype, _, _ = DATASETS[data]

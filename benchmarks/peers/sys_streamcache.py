@@ -13,6 +13,10 @@ NAME = "streamcache"
 CANNOT: dict[str, str] = {}  # every case runs
 
 
+def import_library() -> None:
+    import streamcache  # noqa: F401
+
+
 def build(data: str, array: np.ndarray, out: str) -> None:
     import pyarrow as pa
 

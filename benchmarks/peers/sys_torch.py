@@ -72,7 +72,13 @@ class _TorchLoader:
 class TorchData:
     NAME = "torchdata"
     CANNOT = {"cold": _NO_REMOTE}
+    ELASTIC_NOTE = ("no elastic resume: the state is per rank (samples its sampler yielded) "
+                    "and is not resharded; rank 0's state loaded on each of 4 ranks")
     build = staticmethod(build)
+
+    @staticmethod
+    def import_library() -> None:
+        import torchdata.stateful_dataloader  # noqa: F401
 
     @staticmethod
     def open_loader(spec: Spec, state: Any = None, global_batch: int | None = None) -> Any:

@@ -20,6 +20,10 @@ CANNOT = {
 SHUFFLE_BUFFER = 1000
 
 
+def import_library() -> None:
+    import webdataset  # noqa: F401
+
+
 def build(data: str, array: np.ndarray, out: str) -> None:
     import webdataset as wds
 
