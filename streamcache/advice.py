@@ -51,6 +51,7 @@ class ShardAdvice:
         read = np.flatnonzero(first >= 0)
         self._by_first = read[np.argsort(first[read], kind="stable")]
         self._firsts = first[self._by_first]
+        self._working_set_shards: int | None = None
 
     def upcoming(self, position: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Up to ``count`` shards read at ``position`` or later, in order of next use, with
@@ -72,4 +73,7 @@ class ShardAdvice:
 
     def working_set_shards(self) -> int:
         """The most shards in use at once over the epoch."""
-        return self.usage.working_set_bytes(np.ones(len(self.usage.first), dtype=np.int64))
+        if self._working_set_shards is None:
+            ones = np.ones(len(self.usage.first), dtype=np.int64)
+            self._working_set_shards = self.usage.working_set_bytes(ones)
+        return self._working_set_shards

@@ -32,6 +32,7 @@ from .dataset import Schedule, StepRef, StreamDataset
 from .plan import Cursor, CursorMismatchError, RankBatch
 
 STATE_VERSION = 1
+WORKER_MODES = ("auto", "process", "thread")
 KEY_VERSION = "version"
 KEY_CURSOR = "cursor"
 
@@ -107,7 +108,7 @@ class _LoaderIterator:
         self._schedule = dataset.schedule()
         self._steps = 0
         self._source: Any
-        if loader.num_workers == 0:
+        if not loader.uses_processes:
             self._source = _NativeBatches(dataset, self._schedule, loader.prefetch,
                                           loader.threads, loader.pin_memory)
         else:
@@ -176,6 +177,10 @@ class StreamLoader:
     Args:
         dataset: the :class:`StreamDataset` (it decides batch size, order, rank).
         num_workers: 0 for native threads, >0 for worker processes (heavy transforms).
+        worker_mode: ``"auto"`` (default): worker processes only when the dataset has a
+            transform; without one, processes add only the cost of moving every batch
+            between processes, so ``num_workers`` native threads read instead.
+            ``"process"`` or ``"thread"`` force one or the other.
         pin_memory: pin batches in page-locked memory (needs CUDA; a warning otherwise).
         prefetch: steps prepared ahead (per worker with worker processes).
         threads: reader threads with ``num_workers=0``.
@@ -193,13 +198,21 @@ class StreamLoader:
 
     def __init__(self, dataset: StreamDataset, *, num_workers: int = 0,
                  pin_memory: bool = False, prefetch: int = 2, threads: int = 2,
-                 timeout: float = 0, multiprocessing_context: Any = None) -> None:
+                 worker_mode: str = "auto", timeout: float = 0,
+                 multiprocessing_context: Any = None) -> None:
         if not isinstance(dataset, StreamDataset):
             raise TypeError("StreamLoader takes a StreamDataset")
         if num_workers < 0 or prefetch < 1 or threads < 1:
             raise ValueError("num_workers must be >= 0, prefetch and threads >= 1")
+        if worker_mode not in WORKER_MODES:
+            raise ValueError(f"worker_mode must be one of {WORKER_MODES}, not {worker_mode!r}")
         self.dataset = dataset
         self.num_workers = num_workers
+        self.worker_mode = worker_mode
+        self.uses_processes = num_workers > 0 and (
+            worker_mode == "process" or (worker_mode == "auto" and dataset.transformed))
+        if num_workers > 0 and not self.uses_processes:
+            threads = max(threads, num_workers)
         self.prefetch = prefetch
         self.threads = threads
         self.timeout = timeout

@@ -44,7 +44,8 @@ def loader(url: str, cache: str, *, rank: int = 0, world: int = 1, workers: int 
            **options: Any) -> StreamLoader:
     options.setdefault("global_batch_size", 8)
     dataset = StreamDataset(url, rank=rank, world_size=world, cache_dir=cache, **options)
-    return StreamLoader(dataset, num_workers=workers)
+    # workers > 0 here means worker processes, even without a transform
+    return StreamLoader(dataset, num_workers=workers, worker_mode="process")
 
 
 def ids_of(batch: dict[str, Any]) -> np.ndarray:

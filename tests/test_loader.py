@@ -346,3 +346,20 @@ def test_errors_in_reader_threads_reach_the_loop(tmp_path) -> None:
 
         with warnings.catch_warnings(), pytest.raises(FetchError, match="the index records"):
             list(it)
+
+
+def test_worker_processes_only_where_a_transform_needs_them(data: tuple[str, str]) -> None:
+    url, cache = data
+    plain = StreamDataset(url, global_batch_size=8, rank=0, world_size=1, cache_dir=cache)
+    assert not StreamLoader(plain, num_workers=2).uses_processes
+    assert StreamLoader(plain, num_workers=2, worker_mode="process").uses_processes
+    transformed = StreamDataset(url, global_batch_size=8, rank=0, world_size=1,
+                                cache_dir=cache, transform=_augment)
+    assert StreamLoader(transformed, num_workers=2).uses_processes
+    assert not StreamLoader(transformed, num_workers=2, worker_mode="thread").uses_processes
+    assert not StreamLoader(transformed, num_workers=0).uses_processes
+    with pytest.raises(ValueError, match="worker_mode"):
+        StreamLoader(plain, worker_mode="fork")
+    with StreamLoader(plain, num_workers=3) as threaded:
+        ids = np.concatenate([ids_of(b) for b in threaded])
+    assert sorted(ids.tolist()) == list(range(200))

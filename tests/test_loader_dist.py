@@ -36,7 +36,7 @@ def _phase(rank: int, world: int, url: str, cache: str, state: dict | None, step
     next) from ``state``; rank and world size come from the process group."""
     dataset = StreamDataset(url, global_batch_size=GLOBAL_BATCH, cache_dir=cache, seed=7)
     assert (dataset.rank, dataset.world_size) == (rank, world)
-    loader = StreamLoader(dataset, num_workers=workers)
+    loader = StreamLoader(dataset, num_workers=workers, worker_mode="process")
     if state is not None:
         loader.load_state_dict(state)
     batches: list[list[int]] = []
