@@ -19,6 +19,8 @@ SYSTEM_LABELS = {"streamcache": "streamcache", "mosaic": "Mosaic Streaming",
                  "litdata": "LitData", "webdataset": "WebDataset",
                  "torchdata": "torchdata StatefulDataLoader", "dataloader": "torch DataLoader",
                  "raw-gather": "raw page-cache gather"}
+PLOT_LABELS = {"mosaic": "Mosaic", "torchdata": "torchdata\nStateful", "dataloader": "torch\nDataLoader",
+               "raw-gather": "raw\ngather"}
 
 
 def _runs(results: dict[str, Any], data: str, case: str, system: str) -> list[dict[str, Any]]:
@@ -175,7 +177,7 @@ def plots(results: dict[str, Any]) -> None:
     import matplotlib.pyplot as plt
 
     names = systems(results)
-    labels = [SYSTEM_LABELS.get(s, s).replace(" ", "\n", 1) for s in names]
+    labels = [PLOT_LABELS.get(s, s) for s in names]
     datas = list(results["datasets"])
     plot_groups(plt, results, names, labels, datas,
                 [("warm-w0", "samples_per_s", "warm w0"), ("warm-w2", "samples_per_s", "warm w2"),
@@ -192,7 +194,7 @@ def plots(results: dict[str, Any]) -> None:
 def plot_groups(plt: Any, results: dict[str, Any], names: list[str], labels: list[str],
                 datas: list[str], series: list[tuple[str, str, str]], ylabel: str, title: str,
                 path: str) -> None:
-    fig, axes = plt.subplots(1, len(datas), figsize=(6 * len(datas), 3.8), dpi=80)
+    fig, axes = plt.subplots(1, len(datas), figsize=(6 * len(datas), 4), dpi=80)
     width = 0.8 / len(series)
     for ax, data in zip(axes, datas):
         for k, (case, key, label) in enumerate(series):
@@ -208,7 +210,8 @@ def plot_groups(plt: Any, results: dict[str, Any], names: list[str], labels: lis
         ax.set_xticks(range(len(names)), labels, fontsize=7)
         ax.set_title(f"{data}", fontsize=9)
         ax.set_ylabel(ylabel, fontsize=8)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(series),
+                  frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
