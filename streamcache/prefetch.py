@@ -121,23 +121,9 @@ class ShardUsage:
         return int(np.cumsum(deltas[order]).max(initial=0))
 
 
-@dataclass(frozen=True)
-class PrefetchStats:
-    """The prefetcher's counters (hits and misses count ``local_path`` calls)."""
-
-    hits: int
-    misses: int
-    bytes_fetched: int
-    bytes_evicted: int
-    wait_s: float
-    tasks_done: int
-    tasks_failed: int
-
-    @classmethod
-    def of(cls, counters: SchedulerCounters) -> PrefetchStats:
-        return cls(counters.hits, counters.misses, counters.bytes_fetched,
-                   counters.bytes_evicted, counters.wait_s, counters.tasks_done,
-                   counters.tasks_failed)
+#: The prefetcher's counters (hits and misses count ``local_path`` calls): the native
+#: scheduler's snapshot, unchanged.
+PrefetchStats = SchedulerCounters
 
 
 class Prefetcher:
@@ -251,7 +237,7 @@ class Prefetcher:
 
     @property
     def stats(self) -> PrefetchStats:
-        return PrefetchStats.of(self._scheduler.counters())
+        return self._scheduler.counters()
 
     @property
     def scheduler(self) -> Scheduler:
