@@ -326,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0,
                         help="dataset size relative to ~200 MB per dataset")
     parser.add_argument("--systems", help="comma-separated subset (default: all)")
+    parser.add_argument("--cases", help="comma-separated subset of " + ",".join(CASES) +
+                        "; with --merge, replaces those cases in the last results.json")
+    parser.add_argument("--merge", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--live", action="store_true",
                         help="measure the working tree through the editable install instead "
                              "of a snapshot of the HEAD commit")
@@ -340,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.systems:
         SYSTEMS[:] = [s for s in SYSTEMS if s in args.systems.split(",")]
+    if args.cases:
+        CASES[:] = [c for c in CASES if c in args.cases.split(",")]
     from report import write_report
 
     global STREAMCACHE_SOURCE
@@ -354,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         s3.upload()
         load_before = os.getloadavg()
         runs = measure(args.repeats, s3.endpoint)
-        elastic_runs = {f"{system}/tokens": elastic(system, "tokens") for system in SYSTEMS}
+        elastic_runs = {} if args.merge else {
+            f"{system}/tokens": elastic(system, "tokens") for system in SYSTEMS}
         load_after = os.getloadavg()
     finally:
         s3.close()
@@ -365,11 +371,27 @@ def main(argv: list[str] | None = None) -> int:
                "datasets": {d: {"samples": num_samples(d), "batch": DATASETS[d][2],
                                 "sample_bytes": _sample_bytes(d)} for d in DATASETS},
                "runs": runs, "elastic": elastic_runs, "cpus": os.cpu_count()}
+    if args.merge:
+        results = merged(results)
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(write_report(results))
     return 0
+
+
+def merged(new: dict[str, Any]) -> dict[str, Any]:
+    """The last results.json with the runs of the cases just measured replaced by the new
+    ones (same streamcache commit only); notes the rerun in the command."""
+    with open(os.path.join(OUT, "results.json")) as f:
+        old = json.load(f)
+    if old["versions"]["streamcache commit"] != new["versions"]["streamcache commit"]:
+        raise SystemExit("--merge: the last results are of another streamcache commit")
+    old["runs"] = [r for r in old["runs"] if r["case"] not in CASES] + new["runs"]
+    old["command"] += f"; then {new['command']}"
+    old["wall_s"] += new["wall_s"]
+    old["load_after"] = new["load_after"]
+    return old
 
 
 def _sample_bytes(data: str) -> int:

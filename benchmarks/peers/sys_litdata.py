@@ -27,7 +27,7 @@ def _samples(job: tuple[str, int, int]) -> Iterator[dict[str, Any]]:
 
 
 def import_library() -> None:
-    import litdata  # noqa: F401
+    from litdata import StreamingDataLoader, StreamingDataset  # noqa: F401
 
 
 def build(data: str, array: np.ndarray, out: str) -> None:
