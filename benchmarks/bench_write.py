@@ -12,9 +12,22 @@ and for each:
   writer-batch    ShardWriter.write_batch(table) (the columnar path convert uses)
   convert-parquet streamcache convert of a Parquet copy vs pyarrow read+IPC write of it
 
-Last result (2026-11-29, this 2-core machine, --repeats 3 --mb 64; median MB/s of raw data,
-ratio = streamcache / pyarrow baseline in the same repetition):
-  see the table printed by the run recorded in benchmarks/RESULTS-write.md
+Last result (2026-11-29 11:16 UTC, this 2-core machine, load average 1.6-2.2 from other jobs,
+`python benchmarks/bench_write.py --repeats 3`, 256 MB of raw data per dataset; median MB/s of
+raw data; ratio = streamcache / the pyarrow baseline of the same repetition). streamcache's
+writer also checksums every shard (XXH64) and fsyncs it; the pyarrow baseline does neither:
+
+  data    case                  MB/s   ratio
+  tokens  pyarrow-ipc            656    1.00
+  tokens  writer-rows            135    0.21   (per-sample dicts: Python validation per row)
+  tokens  writer-batch           479    0.73
+  tokens  pyarrow-parquet->ipc   105    1.00
+  tokens  convert-parquet        242    2.30   (decode and encode overlap on two threads)
+  blobs   pyarrow-ipc           1562    1.00
+  blobs   writer-rows            486    0.31
+  blobs   writer-batch           789    0.51
+  blobs   pyarrow-parquet->ipc   158    1.00
+  blobs   convert-parquet        195    1.24
 """
 
 from __future__ import annotations
