@@ -17,7 +17,28 @@ Rates are steady state (from the first batch to the end of the epoch); start-up 
 load_state_dict()s a state at 90% of the epoch, and each case's peak RSS (VmHWM of its
 process plus its largest worker's).
 
-Last result: see benchmarks/RESULTS.md (section "Loader"), written from this script's output.
+Last result (2026-11-29 11:21 UTC, 2-core machine, load average 2.5-3.1 while a peer
+benchmark ran beside it; `python benchmarks/bench_loader.py --repeats 3 --mb 256`; medians;
+"vs DL-w0" is the ratio to the plain DataLoader with num_workers=0 of the same data):
+
+  data    case             samples/s   MB/s  vs DL-w0  1st batch s  peak RSS MB
+  tokens  gather-limit     2,457,063  2,516    10.58       0.031       469
+  tokens  dataloader-w0      232,165    238     1.00       0.027       480
+  tokens  streamcache-w0     999,937  1,024     4.31       0.448       530
+  tokens  dataloader-w2      114,034    117     0.49       0.135       646
+  tokens  streamcache-w2     892,595    914     3.84       0.542       530
+  tokens  resume-0 / -90   first batch 0.0275 s / 0.0284 s (1.03x)
+  blobs   gather-limit        33,300  3,330     1.60       0.016       472
+  blobs   dataloader-w0       20,842  2,084     1.00       0.021       480
+  blobs   streamcache-w0      23,627  2,363     1.13       0.437       541
+  blobs   dataloader-w2        6,093    609     0.29       0.145       631
+  blobs   streamcache-w2      25,857  2,586     1.24       0.571       546
+  blobs   resume-0 / -90   first batch 0.0315 s / 0.0355 s (1.13x)
+
+streamcache-w2 has no transform, so worker_mode="auto" reads with 2 native threads (see
+StreamLoader); with worker processes forced it measured 0.16M tokens/s in the peer run.
+The 1st-batch column of the streamcache rows includes opening the dataset (index, plan,
+cache, prefetcher); resume-N time only the first batch of an opened loader.
 """
 
 from __future__ import annotations
@@ -93,6 +114,11 @@ class MemmapDataset:
 
 def run_case(case: str, data: str) -> dict[str, Any]:
     import torch
+
+    # One intra-op thread, as in DataLoader workers: on a busy 2-core machine torch's
+    # OpenMP threads made default_collate's torch.stack of 32 x 100 KB rows take 10-200 ms,
+    # which would flatter streamcache against the num_workers=0 baseline.
+    torch.set_num_threads(1)
 
     shape, dtype, batch = SHAPES[data]
     started = time.perf_counter()
