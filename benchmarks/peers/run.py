@@ -222,9 +222,15 @@ def elastic(system: str, data: str, before: int = 2, after: int = 4) -> dict[str
         for process in processes:
             result = collect(process)
             if "error" in result:
+                import shutil
+
+                shutil.rmtree(work, ignore_errors=True)
                 return {"error": f"phase {phase}: {result['error']}"}
     ids = [np.load(os.path.join(work, name)) for name in sorted(os.listdir(work))
            if name.endswith(".ids.npy")]
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
     result = exactness(np.concatenate(ids).astype(np.int64), num_samples(data))
     if getattr(peer, "ELASTIC_NOTE", ""):
         result["note"] = peer.ELASTIC_NOTE
