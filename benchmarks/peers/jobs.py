@@ -10,7 +10,6 @@ import time
 from typing import Any
 
 import numpy as np
-
 from common import DATA, Spec, fresh_dir, native_dir, warm_page_cache
 
 ADAPTERS = {
@@ -82,7 +81,7 @@ def exactness(ids: np.ndarray, num_samples: int, reference: np.ndarray | None = 
     """Duplicates and skips by sample id: against every id once, and (when given) against
     the multiset of an uninterrupted epoch of the same system and configuration."""
     unique = np.unique(ids)
-    out = {"delivered": int(len(ids)), "duplicates": int(len(ids) - len(unique)),
+    out = {"delivered": len(ids), "duplicates": int(len(ids) - len(unique)),
            "skipped": int(num_samples - len(unique))}
     if reference is not None:
         mine = np.bincount(ids, minlength=num_samples)
@@ -110,7 +109,8 @@ def throughput(job: dict[str, Any]) -> dict[str, Any]:
     steady = (delivered - len(ids[0])) / max(1e-9, elapsed - first) if len(ids) > 1 else 0.0
     unique = len(np.unique(np.concatenate(ids))) if ids else 0
     return {"samples_per_s": steady, "first_batch_s": first, "seconds": elapsed,
-            "delivered": delivered, "unique": unique, "epoch_fraction": delivered / spec.num_samples}
+            "delivered": delivered, "unique": unique,
+            "epoch_fraction": delivered / spec.num_samples}
 
 
 def resume(job: dict[str, Any]) -> dict[str, Any]:

@@ -19,8 +19,8 @@ SYSTEM_LABELS = {"streamcache": "streamcache", "mosaic": "Mosaic Streaming",
                  "litdata": "LitData", "webdataset": "WebDataset",
                  "torchdata": "torchdata StatefulDataLoader", "dataloader": "torch DataLoader",
                  "raw-gather": "raw page-cache gather"}
-PLOT_LABELS = {"mosaic": "Mosaic", "torchdata": "torchdata\nStateful", "dataloader": "torch\nDataLoader",
-               "raw-gather": "raw\ngather"}
+PLOT_LABELS = {"mosaic": "Mosaic", "torchdata": "torchdata\nStateful",
+               "dataloader": "torch\nDataLoader", "raw-gather": "raw\ngather"}
 
 
 def _runs(results: dict[str, Any], data: str, case: str, system: str) -> list[dict[str, Any]]:
@@ -165,7 +165,8 @@ def write_results_md(results: dict[str, Any]) -> None:
         before, rest = text.split(BEGIN, 1)
         text = before + block + rest.split(END, 1)[1]
     else:
-        text = (text.rstrip() + "\n\n" if text.strip() else "# Benchmark results\n\n") + block + "\n"
+        head = text.rstrip() + "\n\n" if text.strip() else "# Benchmark results\n\n"
+        text = head + block + "\n"
     with open(RESULTS_MD, "w") as f:
         f.write(text)
 
@@ -196,13 +197,13 @@ def plot_groups(plt: Any, results: dict[str, Any], names: list[str], labels: lis
                 path: str) -> None:
     fig, axes = plt.subplots(1, len(datas), figsize=(6 * len(datas), 4), dpi=80)
     width = 0.8 / len(series)
-    for ax, data in zip(axes, datas):
+    for ax, data in zip(axes, datas, strict=True):
         for k, (case, key, label) in enumerate(series):
             values = [median_of(results, data, case, s, key) for s in names]
             xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(names))]
             heights = [v if isinstance(v, float) and v > 0 else 0 for v in values]
             ax.bar(xs, heights, width, label=label)
-            for x, v in zip(xs, values):
+            for x, v in zip(xs, values, strict=True):
                 if isinstance(v, str):
                     ax.text(x, 0.02, "n/a", rotation=90, ha="center", va="bottom", fontsize=6,
                             transform=ax.get_xaxis_transform())

@@ -197,9 +197,8 @@ def elastic(system: str, data: str, before: int = 2, after: int = 4) -> dict[str
     reason = cannot(system, "elastic")
     if reason:
         return {"cannot": reason}
-    from jobs import exactness
-
     import numpy as np
+    from jobs import exactness
 
     global_batch = DATASETS[data][2]
     steps = num_samples(data) // global_batch

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-
 from common import BUCKET, SHARD_BYTES, Spec, native_dir, s3_key, source_array
 
 NAME = "litdata"

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-
 from common import BUCKET, DATASETS, SHARD_BYTES, Spec, native_dir, s3_key
 
 NAME = "mosaic"
@@ -27,7 +26,7 @@ def _import_streaming() -> Any:
     for the two names streaming imports."""
     try:
         import torchvision  # noqa: F401
-    except Exception:  # noqa: BLE001  (RuntimeError/OSError from the CUDA-only extension)
+    except Exception:
         for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
             del sys.modules[name]
         stub = types.ModuleType("torchvision")

@@ -6,7 +6,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-
 from common import BUCKET, DATASETS, SHARD_BYTES, Spec, native_dir, s3_key, s3_storage_options
 
 NAME = "streamcache"

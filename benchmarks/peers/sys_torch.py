@@ -5,10 +5,9 @@ numpy fancy-index gather of sorted shuffled batches in one process)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
-
 from common import Spec, source_array
 
 _NO_REMOTE = "map-style dataset over a local memmap: no remote store of its own"
@@ -71,7 +70,7 @@ class _TorchLoader:
 
 class TorchData:
     NAME = "torchdata"
-    CANNOT = {"cold": _NO_REMOTE}
+    CANNOT: ClassVar[dict[str, str]] = {"cold": _NO_REMOTE}
     ELASTIC_NOTE = ("no elastic resume: the state is per rank (samples its sampler yielded) "
                     "and is not resharded; rank 0's state loaded on each of 4 ranks")
     build = staticmethod(build)
@@ -92,7 +91,7 @@ class TorchData:
 
 class DataLoader:
     NAME = "dataloader"
-    CANNOT = {"cold": _NO_REMOTE,
+    CANNOT: ClassVar[dict[str, str]] = {"cold": _NO_REMOTE,
               "resume": "no state_dict: a restart starts the epoch again",
               "elastic": "no state_dict"}
     build = staticmethod(build)
@@ -112,7 +111,7 @@ class _Gather:
         for start in range(0, len(self.order) - self.batch + 1, self.batch):
             ids = np.sort(self.order[start:start + self.batch])
             rows = self.array[ids]  # the copy out of the page cache is what is measured
-            yield ids if rows.size else ids
+            yield ids if rows.size else ids  # noqa: RUF034 - rows is read so the copy happens
 
     def state(self) -> Any:
         raise NotImplementedError
@@ -123,8 +122,9 @@ class _Gather:
 
 class RawLimit:
     NAME = "raw-gather"
-    CANNOT = {"w2": "one process by definition", "cold": "page-cache limit: local only",
-              "resume": "not a loader", "elastic": "not a loader"}
+    CANNOT: ClassVar[dict[str, str]] = {
+        "w2": "one process by definition", "cold": "page-cache limit: local only",
+        "resume": "not a loader", "elastic": "not a loader"}
     build = staticmethod(build)
 
     @staticmethod

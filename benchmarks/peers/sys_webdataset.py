@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-
 from common import BUCKET, DATASETS, SHARD_BYTES, Spec, native_dir, s3_key
 
 NAME = "webdataset"
