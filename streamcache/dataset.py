@@ -143,11 +143,6 @@ class Schedule:
             number += segment.num_steps
             epoch, segment = epoch + 1, self.full
 
-    def __iter__(self) -> Iterator[StepRef]:
-        for epoch, segment, first in self.segments():
-            for step in range(segment.num_steps):
-                yield StepRef(epoch, segment, step, first + step)
-
     def cursor_after(self, steps_done: int) -> Cursor:
         """The cursor once ``steps_done`` global steps of this schedule are consumed."""
         cursor, segment = self.cursor, self.first
@@ -214,7 +209,6 @@ class StreamDataset(IterableDataset):
         self.cursor = Cursor(self.index.fingerprint, self.index.num_samples, opts.seed,
                              self.shuffle)
         self.schedule()  # validates the batch and world sizes now, not at the first step
-        self._local = threading.local()
         self._lock = threading.RLock()  # the reader property builds the store under it
         self._orders: dict[int, EpochOrder] = {}
         self._advice: dict[int, ShardAdvice] = {}
@@ -316,12 +310,12 @@ class StreamDataset(IterableDataset):
     def transformed(self) -> bool:
         return self.options.transform is not None or self.options.batch_transform is not None
 
-    def planned(self, worker: int = 0, num_workers: int = 1,
+    def planned(self, worker: int = 0, num_workers: int = 1, schedule: Schedule | None = None,
                 ) -> Iterator[tuple[StepRef, RankBatch]]:
         """This rank's steps for worker ``worker`` of ``num_workers`` (global step numbers
         ``% num_workers == worker``), each with its part of the global batch. The plan is
-        computed many steps per pass."""
-        for epoch, segment, first in self.schedule().segments():
+        computed many steps per pass. ``schedule`` defaults to one from the current cursor."""
+        for epoch, segment, first in (schedule or self.schedule()).segments():
             order = self.order(epoch)
             local_worker = (worker - first) % num_workers
             if local_worker >= segment.num_steps:
@@ -383,7 +377,6 @@ class StreamDataset(IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.pop("_local", None)
         state.pop("_lock", None)
         state["_reader"], state["_reader_pid"], state["_orders"] = None, -1, {}
         state["_advice"], state["_advised"] = {}, None
@@ -391,7 +384,6 @@ class StreamDataset(IterableDataset):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._local = threading.local()
         self._lock = threading.RLock()  # the reader property builds the store under it
 
     def close(self) -> None:

@@ -43,13 +43,12 @@ class _NativeBatches:
     def __init__(self, dataset: StreamDataset, schedule: Schedule, depth: int, threads: int,
                  pin: bool) -> None:
         self._dataset = dataset
-        self._refs = dataset.planned()
+        self._refs = dataset.planned(schedule=schedule)
         self._depth = max(1, depth)
         self._pin = pin
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads),
                                         thread_name_prefix="streamcache-loader")
         self._pending: collections.deque[tuple[StepRef, Future[Any]]] = collections.deque()
-        del schedule  # the dataset plans from the same cursor
         self._closed = False
         self._fill()
 
