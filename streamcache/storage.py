@@ -10,7 +10,7 @@ import contextlib
 import os
 import posixpath
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from fsspec.core import url_to_fs
@@ -79,23 +79,33 @@ def fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def publish_bytes(fs: Any, path: str, data: bytes) -> None:
-    """Publish a whole object atomically: rename on a local disk, one PUT on an object store."""
+@contextlib.contextmanager
+def destination_errors(fs: Any, path: str) -> Iterator[None]:
+    """Turn an OS error while writing ``path`` into one clear :class:`DestinationError`."""
     try:
-        if is_local(fs):
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            write_atomic_local(path, data)
-        else:
-            fs.pipe_file(path, data)
+        yield
     except PermissionError as exc:
         raise DestinationError(
             f"cannot write {unstrip(fs, path)}: permission denied; choose a writable destination"
         ) from exc
     except OSError as exc:
-        raise DestinationError(f"cannot write {unstrip(fs, path)}: {exc}") from exc
+        raise DestinationError(
+            f"cannot write {unstrip(fs, path)}: {exc} (is the disk full?)"
+        ) from exc
+
+
+def publish_bytes(fs: Any, path: str, data: bytes) -> None:
+    """Publish a whole object atomically: rename on a local disk, one PUT on an object store."""
+    with destination_errors(fs, path):
+        if is_local(fs):
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            write_atomic_local(path, data)
+        else:
+            fs.pipe_file(path, data)
 
 
 __all__ = [
+    "destination_errors",
     "filesystem",
     "fsync_dir",
     "is_absolute_url",

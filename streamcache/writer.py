@@ -211,19 +211,13 @@ class ShardWriter:
 
     def _encode_and_store(self, name: str, batch: pa.RecordBatch) -> ShardInfo:
         path = storage.join(self._root, name)
-        try:
+        with storage.destination_errors(self._fs, path):
             if storage.is_local(self._fs):
                 size, checksum = self._store_local(path, batch)
             else:
                 data = self._encode(pa.BufferOutputStream(), batch).getvalue()
                 size, checksum = data.size, checksum_bytes(data)
                 self._fs.pipe_file(path, data.to_pybytes())
-        except PermissionError as exc:
-            raise DestinationError(f"cannot write {path}: permission denied") from exc
-        except OSError as exc:
-            raise DestinationError(
-                f"cannot write {storage.unstrip(self._fs, path)}: {exc} (is the disk full?)"
-            ) from exc
         return ShardInfo(name, "arrow", batch.num_rows, size, checksum, self.compression,
                          batch.nbytes)
 
