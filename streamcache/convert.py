@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from . import storage
 from .errors import EmptyDatasetError, SchemaError, SourceError
+from .index import INDEX_NAME, DatasetIndex, load_index
 from .schema import Field, Schema
 from .writer import DEFAULT_SHARD_SIZE, ShardWriter
 
@@ -99,15 +100,25 @@ def _suffix_format(path: str) -> str | None:
     return None
 
 
+def _is_side_file(path: str) -> bool:
+    """Files beside the data that are never data: hidden, ``_SUCCESS``-style, ``index.json``."""
+    name = posixpath.basename(path.rstrip("/"))
+    return name.startswith((".", "_")) or name == INDEX_NAME
+
+
 def detect_format(fs: Any, path: str) -> str:
-    """The source format of a file, folder or glob, from file suffixes and layout."""
+    """The source format of a file, folder or glob, from file suffixes and layout.
+
+    Side files (see :func:`_is_side_file`, e.g. the ``index.json`` that ``streamcache index``
+    writes) are not data and do not count.
+    """
     if any(ch in path for ch in "*?["):
-        matches = fs.glob(path)
+        matches = [p for p in fs.glob(path) if not _is_side_file(p)]
         found = {_suffix_format(p) for p in matches} - {None}
     elif fs.isfile(path):
         found = {_suffix_format(path)} - {None}
     elif fs.isdir(path):
-        files = [p for p in fs.find(path) if not posixpath.basename(p).startswith((".", "_"))]
+        files = [p for p in fs.find(path) if not _is_side_file(p)]
         found = {_suffix_format(p) for p in files} - {None}
         if not found and any(fs.isdir(p) for p in fs.ls(path, detail=False)):
             return "imagefolder"
@@ -128,11 +139,32 @@ def _source_files(fs: Any, path: str, fmt: str) -> list[str]:
         files = fs.find(path)
     else:
         files = [path]
-    chosen = sorted(p for p in files if _suffix_format(p) == fmt
-                    and not posixpath.basename(p).startswith((".", "_")))
+    chosen = sorted(p for p in files if _suffix_format(p) == fmt and not _is_side_file(p))
     if not chosen:
         raise SourceError(f"no {fmt} files at {path}")
     return chosen
+
+
+def _indexed_source(fs: Any, path: str, src: str,
+                    storage_options: Mapping[str, Any] | None) -> DatasetIndex | None:
+    """The index of ``src`` when it is an indexed folder (or its index.json), else None."""
+    if any(ch in path for ch in "*?["):
+        return None
+    if posixpath.basename(path.rstrip("/")) == INDEX_NAME and fs.isfile(path):
+        return load_index(src, storage_options)
+    if fs.isdir(path) and fs.isfile(storage.join(path, INDEX_NAME)):
+        return load_index(src, storage_options)
+    return None
+
+
+def _indexed_batches(index: DatasetIndex, fields: Sequence[str] | None,
+                     storage_options: Mapping[str, Any] | None) -> Iterator[pa.RecordBatch]:
+    """The rows of every shard the index lists, in index order (only its fields)."""
+    names = list(fields) if fields else index.schema.names
+    for number, shard in enumerate(index.shards):
+        fs, path = storage.filesystem(index.shard_url(number), storage_options)
+        reader = _parquet_batches if shard.format == "parquet" else _arrow_batches
+        yield from reader(fs, [path], names)
 
 
 def _parquet_batches(fs: Any, files: Sequence[str], fields: Sequence[str] | None,
@@ -241,8 +273,13 @@ def convert(src: str, dst: str, *, format: str | None = None,
             progress: TextIO | None = None) -> ConvertReport:
     """Convert ``src`` (see the module docstring) into a streamcache dataset at ``dst``.
 
+    A folder that ``streamcache index`` has indexed (or its ``index.json``) converts as its
+    index describes: the shards it lists, in its order, with its schema (``fields`` selects
+    from it); files it leaves out are not read.
+
     Args:
-        format: one of FORMATS; detected from suffixes and layout when None.
+        format: one of FORMATS; detected from the index, or from suffixes and layout, when
+            None.
         fields: columns / arrays to keep (default: all).
         progress: a stream for a one-line progress report (None: silent).
 
@@ -253,11 +290,15 @@ def convert(src: str, dst: str, *, format: str | None = None,
         DestinationError: ``dst`` is not writable or already holds a dataset.
     """
     fs, path = storage.filesystem(src, storage_options)
-    fmt = format or detect_format(fs, path)
-    if fmt not in FORMATS:
+    indexed = _indexed_source(fs, path, src, storage_options) if format is None else None
+    fmt = "indexed" if indexed is not None else format or detect_format(fs, path)
+    if fmt not in FORMATS and indexed is None:
         raise SourceError(f"unknown source format {fmt!r}; use one of {FORMATS}")
     schema: Schema | None = None
-    if fmt == "imagefolder":
+    if indexed is not None:
+        schema = indexed.schema.select(fields)
+        batches = _indexed_batches(indexed, fields, storage_options)
+    elif fmt == "imagefolder":
         schema, batches = _imagefolder_batches(fs, path)
     elif fmt == "numpy":
         schema, batches = _numpy_batches(_numpy_arrays(fs, _source_files(fs, path, fmt)), fields)

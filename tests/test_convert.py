@@ -14,12 +14,13 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from fsspec.implementations.local import LocalFileSystem
 
 from streamcache.cli import main
-from streamcache.convert import Progress, convert, parse_size
+from streamcache.convert import Progress, convert, detect_format, parse_size
 from streamcache.dataset_reader import DatasetReader
 from streamcache.errors import EmptyDatasetError, SchemaError, SourceError
-from streamcache.index import load_index
+from streamcache.index import build_index, load_index
 from streamcache.inspect import inspect_dataset
 
 
@@ -157,3 +158,30 @@ def test_cli_errors_are_one_line_and_nonzero(tmp_path) -> None:
     usage = subprocess.run([sys.executable, "-m", "streamcache", "convert"],
                            capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "usage:" in usage.stderr
+
+
+def test_an_indexed_folder_converts_as_its_index_describes(tmp_path) -> None:
+    src = tmp_path / "src"
+    (src / "part=a").mkdir(parents=True)
+    for k in range(2):
+        ids = np.arange(k * 50, (k + 1) * 50)
+        pq.write_table(pa.table({"id": ids, "text": [f"r{i}" for i in ids],
+                                 "extra": ids * 2.0}),
+                       src / "part=a" / f"{k}.parquet")
+    build_index(str(src), fields=["id", "text"])  # index.json beside the files, 2 fields
+    (src / "notes.json").write_text('{"not": "data"}\n')  # a side file the index leaves out
+    report = convert(str(src), str(tmp_path / "out"))
+    assert report.samples == 100
+    assert load_index(str(tmp_path / "out")).schema.names == ["id", "text"]
+    assert [r["id"] for r in _read_all(str(tmp_path / "out"))] == list(range(100))
+    # the index.json file itself names the same dataset
+    convert(str(src / "index.json"), str(tmp_path / "out2"), fields=["id"])
+    assert [r["id"] for r in _read_all(str(tmp_path / "out2"))] == list(range(100))
+    assert load_index(str(tmp_path / "out2")).schema.names == ["id"]
+
+
+def test_side_files_are_not_taken_as_data(tmp_path) -> None:
+    (tmp_path / "src").mkdir()
+    pq.write_table(pa.table({"v": [1, 2, 3]}), tmp_path / "src" / "a.parquet")
+    (tmp_path / "src" / "_SUCCESS").write_text("")
+    assert detect_format(LocalFileSystem(), str(tmp_path / "src")) == "parquet"
