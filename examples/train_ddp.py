@@ -9,6 +9,8 @@ the global batch's sample ids, so two runs can be compared step by step
 (examples/kill_and_resume.sh does that). gloo on CPU, nccl on GPU.
 
 ``python examples/train_ddp.py --prepare --data DATA`` writes the synthetic dataset first.
+Shards are cached under --cache-dir (default: streamcache's node cache, ~/.cache/streamcache
+or $STREAMCACHE_CACHE_DIR); rank 0 prints where.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from streamcache import StreamDataset, StreamLoader
+from streamcache import IndexNotFoundError, StreamDataset, StreamLoader, load_index
 from streamcache.checkpoint import Checkpointer, ModelState
 
 
@@ -61,11 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-every", type=int, default=5)
     parser.add_argument("--step-log", help="file that rank 0 appends one line per step to")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="slow the loop down")
-    parser.add_argument("--prepare", action="store_true")
+    parser.add_argument("--cache-dir", help="node cache folder (default: streamcache's)")
+    parser.add_argument("--prepare", action="store_true", help="write the dataset and exit")
     args = parser.parse_args(argv)
     if args.prepare:
         prepare(args.data)
         return 0
+    try:
+        load_index(args.data)
+    except IndexNotFoundError:
+        parser.exit(2, f"train_ddp.py: error: no dataset at {args.data}; write one first with "
+                       f"`python examples/train_ddp.py --prepare --data {args.data}`\n")
 
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
@@ -75,14 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     model = torch.nn.parallel.DistributedDataParallel(Model().to(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     torch.manual_seed(1000 + rank)  # per-rank RNG streams are saved and restored too
-    loader = StreamLoader(StreamDataset(args.data, global_batch_size=args.global_batch,
-                                        seed=42, infinite=True),
-                          pin_memory=use_cuda)
+    dataset = StreamDataset(args.data, global_batch_size=args.global_batch, seed=42,
+                            infinite=True, cache_dir=args.cache_dir)
+    loader = StreamLoader(dataset, pin_memory=use_cuda)
     state = {"model": ModelState(model.module, optimizer), "loader": loader}
     with Checkpointer(args.ckpt, keep_last=2) as checkpointer:
         step = checkpointer.load(state) or 0
         if rank == 0:
-            print(f"world size {world}: starting at step {step}", flush=True)
+            print(f"world size {world}: starting at step {step}; shards cached in "
+                  f"{dataset.reader.store.cache.cache_dir}", flush=True)
         for batch in loader:
             if step >= args.steps:
                 break

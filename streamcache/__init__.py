@@ -7,18 +7,25 @@ from typing import TYPE_CHECKING
 from .convert import convert
 from .dataset_reader import DatasetReader
 from .errors import (
+    CacheBudgetError,
+    CacheError,
     ChecksumMismatchError,
     CorruptDataError,
     DestinationError,
     EmptyDatasetError,
     IndexFormatError,
     IndexNotFoundError,
+    NativeError,
+    PrefetchError,
+    RowOutOfRangeError,
     SchemaError,
     ShardCorruptError,
     SourceError,
     StreamcacheError,
 )
+from .goodput import GoodputError
 from .index import DatasetIndex, build_index, load_index
+from .plan import CursorMismatchError, PlanError, PositionOutOfRangeError
 from .reader import Ragged
 from .schema import Field, Schema
 from .writer import ShardWriter, write_dataset
@@ -27,16 +34,31 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time these load lazily
     from .checkpoint import Checkpointer
+    from .checkpoint.errors import (
+        CheckpointCorruptError,
+        CheckpointError,
+        CheckpointNotFoundError,
+        CheckpointWriteError,
+    )
     from .dataset import StreamDataset, StreamOptions
+    from .fetch import FetchError
     from .loader import StreamLoader
+    from .replicas.loader import ReplicaError
 
-# The torch-facing parts are imported on first use, so that `import streamcache` (the CLI's
-# convert/index/inspect, writers in data pipelines) does not pay for importing torch.
+# The torch-facing parts (and the fetcher, which imports aiohttp) are imported on first use,
+# so that `import streamcache` (the CLI's convert/index/inspect, writers in data pipelines)
+# does not pay for importing torch. Every error class is importable from here all the same.
 _LAZY = {
     "StreamDataset": "streamcache.dataset",
     "StreamOptions": "streamcache.dataset",
     "StreamLoader": "streamcache.loader",
     "Checkpointer": "streamcache.checkpoint",
+    "CheckpointError": "streamcache.checkpoint.errors",
+    "CheckpointWriteError": "streamcache.checkpoint.errors",
+    "CheckpointNotFoundError": "streamcache.checkpoint.errors",
+    "CheckpointCorruptError": "streamcache.checkpoint.errors",
+    "FetchError": "streamcache.fetch",
+    "ReplicaError": "streamcache.replicas.loader",
 }
 
 
@@ -51,17 +73,32 @@ def __getattr__(name: str) -> object:
     return value
 
 __all__ = [
+    "CacheBudgetError",
+    "CacheError",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointWriteError",
     "Checkpointer",
     "ChecksumMismatchError",
     "CorruptDataError",
+    "CursorMismatchError",
     "DatasetIndex",
     "DatasetReader",
     "DestinationError",
     "EmptyDatasetError",
+    "FetchError",
     "Field",
+    "GoodputError",
     "IndexFormatError",
     "IndexNotFoundError",
+    "NativeError",
+    "PlanError",
+    "PositionOutOfRangeError",
+    "PrefetchError",
     "Ragged",
+    "ReplicaError",
+    "RowOutOfRangeError",
     "Schema",
     "SchemaError",
     "ShardCorruptError",

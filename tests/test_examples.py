@@ -21,3 +21,12 @@ def test_example_runs(tmp_path, script: str, args: list[str]) -> None:
                              str(tmp_path), *args], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "exactly once" in result.stdout or "identically" in result.stdout
+
+
+def test_train_ddp_without_a_dataset_says_to_prepare_one(tmp_path) -> None:
+    script = os.path.join(EXAMPLES, "train_ddp.py")
+    result = subprocess.run([sys.executable, script, "--data", str(tmp_path / "data"), "--ckpt",
+                             str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--prepare" in lines[0], result.stderr
