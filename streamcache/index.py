@@ -12,22 +12,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import posixpath
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from . import storage
-from .checksum import checksum_bytes, checksum_file
+from .checksum import checksum_bytes, checksum_file, verify_bytes
 from .columns import field_from_arrow
 from .errors import (
+    ChecksumMismatchError,
     EmptyDatasetError,
     IndexFormatError,
     IndexNotFoundError,
@@ -35,73 +38,57 @@ from .errors import (
     SourceError,
 )
 from .schema import Schema
+from .shard_table import SHARD_FORMATS, ShardInfo, ShardTable
 
 INDEX_NAME = "index.json"
 FORMAT_NAME = "streamcache-index"
-FORMAT_VERSION = 1
-SHARD_FORMATS = ("arrow", "parquet")
+FORMAT_VERSION = 1  # shards listed in index.json
+TABLE_FORMAT_VERSION = 2  # shards in a Parquet side file (large indexes)
+READ_VERSIONS = (FORMAT_VERSION, TABLE_FORMAT_VERSION)
+MAX_INDEX_BYTES = 256 << 20  # index.json; a larger shard table belongs in a side file
+MAX_SHARD_TABLE_BYTES = 4 << 30
+MAX_JSON_DEPTH = 32  # an index nests 4 deep; deeper is hostile or damaged
+SHARD_TABLE_MIN_SHARDS = 10_000  # from this many shards on, the table is a Parquet side file
+SHARD_TABLE_PREFIX = "_streamcache-shards-"  # '_': data tools (Spark, pyarrow) skip it
 _PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 _ARROW_SUFFIXES = (".arrow", ".feather", ".ipc", ".arrows")
 
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """One shard as the index records it."""
-
-    path: str  # relative to the index's folder, or an absolute URL
-    format: str  # "arrow" or "parquet"
-    rows: int
-    bytes: int
-    checksum: str | None = None  # "xxh64:<hex>" of the object's bytes; None: size only
-    compression: str | None = None  # of the stored buffers, for information
-    raw_bytes: int | None = None  # uncompressed size of the data, when known
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path, "format": self.format, "rows": self.rows, "bytes": self.bytes,
-            "checksum": self.checksum, "compression": self.compression,
-            "raw_bytes": self.raw_bytes,
-        }
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> ShardInfo:
-        shard = cls(
-            path=str(obj["path"]), format=str(obj["format"]), rows=int(obj["rows"]),
-            bytes=int(obj["bytes"]), checksum=obj.get("checksum"),
-            compression=obj.get("compression"), raw_bytes=obj.get("raw_bytes"),
-        )
-        if shard.format not in SHARD_FORMATS:
-            raise IndexFormatError(f"shard {shard.path!r} has unknown format {shard.format!r}")
-        if shard.rows < 0 or shard.bytes < 0:
-            raise IndexFormatError(f"shard {shard.path!r} has a negative row or byte count")
-        return shard
-
-
 @dataclass(frozen=True)
 class DatasetIndex:
-    """The parsed ``index.json`` of a dataset. ``url`` is where it was loaded from."""
+    """The parsed ``index.json`` of a dataset. ``url`` is where it was loaded from.
+
+    ``shards`` may be given as any sequence of :class:`ShardInfo`; it is kept as a columnar
+    :class:`ShardTable` (no Python object per shard).
+    """
 
     schema: Schema
-    shards: tuple[ShardInfo, ...]
+    shards: Sequence[ShardInfo]
     fingerprint: str = ""
     url: str = ""
     created: float = field(default=0.0, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.shards, ShardTable):
+            object.__setattr__(self, "shards", ShardTable.from_infos(self.shards))
         if not self.fingerprint:
             object.__setattr__(self, "fingerprint", compute_fingerprint(self.schema, self.shards))
 
     @property
+    def shard_table(self) -> ShardTable:
+        return cast(ShardTable, self.shards)
+
+    @property
     def num_samples(self) -> int:
-        return sum(s.rows for s in self.shards)
+        return self.shard_table.total_rows
 
     @property
     def total_bytes(self) -> int:
-        return sum(s.bytes for s in self.shards)
+        return int(self.shard_table.nbytes.sum(dtype=np.uint64))
 
     @property
     def shard_rows(self) -> np.ndarray:
-        return np.fromiter((s.rows for s in self.shards), dtype=np.int64, count=len(self.shards))
+        """Every shard's row count (int64, read-only)."""
+        return self.shard_table.rows
 
     @property
     def root(self) -> str:
@@ -112,23 +99,60 @@ class DatasetIndex:
         info = self.shards[shard] if isinstance(shard, int) else shard
         return storage.join(self.root, info.path)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
+    @property
+    def has_side_table(self) -> bool:
+        """Whether the shard table is stored as a Parquet side file (from
+        :data:`SHARD_TABLE_MIN_SHARDS` shards on) rather than listed in index.json."""
+        return uses_side_table(len(self.shards))
+
+    def to_json(self, shard_table: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The index document; ``shard_table`` names the side file that holds the shards
+        (required exactly when :attr:`has_side_table`)."""
+        if (shard_table is not None) != self.has_side_table:
+            raise ValueError("an index of this size needs a shard table file"
+                             if self.has_side_table else "this index lists its shards inline")
+        out: dict[str, Any] = {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": TABLE_FORMAT_VERSION if self.has_side_table else FORMAT_VERSION,
             "fingerprint": self.fingerprint,
             "created": self.created or time.time(),
             "num_samples": self.num_samples,
             "schema": self.schema.to_json(),
-            "shards": [s.to_json() for s in self.shards],
         }
+        if shard_table is None:
+            out["shards"] = self.shard_table.to_json()
+        else:
+            out["shard_table"] = dict(shard_table)
+        return out
 
-    def dumps(self) -> bytes:
-        return (json.dumps(self.to_json(), indent=1) + "\n").encode()
+    def dumps(self, shard_table: Mapping[str, Any] | None = None) -> bytes:
+        return (json.dumps(self.to_json(shard_table), indent=1) + "\n").encode()
+
+
+def uses_side_table(num_shards: int) -> bool:
+    return num_shards >= SHARD_TABLE_MIN_SHARDS
 
 
 def compute_fingerprint(schema: Schema, shards: Sequence[ShardInfo]) -> str:
-    """A digest of what decides the data: schema, shard paths, rows, sizes and checksums."""
+    """A digest of what decides the data: schema, shard paths, formats, rows, sizes, checksums.
+
+    A small index digests its JSON shard list (format version 1); a large one digests the
+    shard table's columns (version 2), without a Python object per shard.
+    """
+    if not uses_side_table(len(shards)):
+        return _fingerprint_inline(schema, shards)
+    table = shards if isinstance(shards, ShardTable) else ShardTable.from_infos(shards)
+    return _fingerprint_table(schema, table)
+
+
+def _fingerprint_table(schema: Schema, shards: ShardTable) -> str:
+    content = {"version": TABLE_FORMAT_VERSION, "schema": schema.to_json(),
+               "shards": shards.digest()}
+    return checksum_bytes(json.dumps(content, sort_keys=True).encode())
+
+
+def _fingerprint_inline(schema: Schema, shards: Sequence[ShardInfo]) -> str:
+    """The fingerprint of a version-1 index (over the JSON shard list)."""
     content = {
         "version": FORMAT_VERSION,
         "schema": schema.to_json(),
@@ -142,61 +166,259 @@ def index_url(url: str) -> str:
     return url if url.rstrip("/").endswith(INDEX_NAME) else storage.join(url, INDEX_NAME)
 
 
-def parse_index(raw: bytes, url: str) -> DatasetIndex:
-    """Parse and validate index bytes; every problem names ``url`` and what to do."""
+ReadCapped = Callable[[str, int], bytes]
+
+
+def parse_index(raw: bytes, url: str, *, allow_external_paths: bool = False,
+                read: ReadCapped | None = None) -> DatasetIndex:
+    """Parse and validate index bytes; every problem names ``url`` and what to do.
+
+    Args:
+        allow_external_paths: accept shard paths outside the index's folder (absolute paths
+            or URLs of the index's own protocol); never a path of another protocol.
+        read: ``read(url, limit)`` returns an object's bytes (more than ``limit`` when it is
+            larger); used for a shard-table side file (default: fsspec).
+
+    Raises:
+        IndexFormatError: malformed, oversized or too deeply nested JSON, a field of the wrong
+            type or range, a fingerprint that does not match, a shard path outside the root.
+        EmptyDatasetError: no samples.
+    """
+    obj = _decode_document(raw, url)
+    version = obj.get("version")
+    if type(version) is not int or version not in READ_VERSIONS:
+        raise IndexFormatError(
+            f"{url} has index format version {version!r}; this streamcache reads versions "
+            f"{list(READ_VERSIONS)}: upgrade streamcache or rebuild the index"
+        )
+    try:
+        schema = Schema.from_json(obj["schema"])
+        recorded = obj["fingerprint"]
+        if not isinstance(recorded, str):
+            raise TypeError(f"'fingerprint' is a {type(recorded).__name__}, not a string")
+        created = obj.get("created", 0.0)
+        if type(created) not in (int, float) or not math.isfinite(created):
+            raise TypeError(f"'created' is {created!r}, not a finite number")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise IndexFormatError(f"{url} is missing or has a malformed key: {exc}") from exc
+    shards = _shard_table(obj, url, version, read or _fsspec_read)
+    index = DatasetIndex(schema, shards, fingerprint=str(recorded), url=url,
+                         created=float(created))
+    actual = (_fingerprint_inline(schema, shards) if version == FORMAT_VERSION
+              else _fingerprint_table(schema, shards))
+    if actual != recorded:
+        raise IndexFormatError(
+            f"{url}: the recorded fingerprint {recorded} does not match its content "
+            f"({actual}); the index was edited or damaged: rebuild it"
+        )
+    check_shard_paths(index, allow_external_paths=allow_external_paths)
+    if index.num_samples == 0:
+        raise EmptyDatasetError(f"the dataset at {url} has no samples")
+    return index
+
+
+def _decode_document(raw: bytes, url: str) -> dict[str, Any]:
+    if len(raw) > MAX_INDEX_BYTES:
+        raise IndexFormatError(
+            f"{url} is over {MAX_INDEX_BYTES} bytes (the cap on index.json); rebuild it with "
+            "`streamcache index`, which stores a large shard table as a Parquet side file"
+        )
+    depth = json_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise IndexFormatError(
+            f"{url} nests {depth} levels deep, over the cap of {MAX_JSON_DEPTH}; it is not a "
+            "streamcache index (damaged or hostile): rebuild it with `streamcache index`"
+        )
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise IndexFormatError(
             f"{url} is not valid JSON ({exc}); the index is corrupt: rebuild it with "
             "`streamcache index` or rewrite the dataset"
         ) from exc
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
         raise IndexFormatError(f"{url} is not a streamcache index (no 'format': '{FORMAT_NAME}')")
-    version = obj.get("version")
-    if version != FORMAT_VERSION:
+    return obj
+
+
+def json_depth(raw: bytes) -> int:
+    """How deeply a JSON document nests arrays and objects (brackets inside strings excluded).
+
+    Vectorized: the cost is a few passes over the bytes, never a recursion.
+    """
+    data = np.frombuffer(raw, dtype=np.uint8)
+    quotes = np.flatnonzero(data == ord('"'))
+    if quotes.size:  # a quote is escaped when an odd run of backslashes precedes it
+        backslash = data == ord("\\")
+        last_plain = np.maximum.accumulate(np.where(backslash, -1, np.arange(data.size)))
+        before = quotes - 1
+        run = np.where(before >= 0, before - last_plain[np.maximum(before, 0)], 0)
+        quotes = quotes[run % 2 == 0]
+    opening = (data == ord("[")) | (data == ord("{"))
+    closing = (data == ord("]")) | (data == ord("}"))
+    brackets = np.flatnonzero(opening | closing)
+    outside = np.searchsorted(quotes, brackets) % 2 == 0  # an even number of quotes before
+    brackets = brackets[outside]
+    steps = np.where(opening[brackets], 1, -1)
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def _shard_table(obj: Mapping[str, Any], url: str, version: int, read: ReadCapped,
+                 ) -> ShardTable:
+    key = "shards" if version == FORMAT_VERSION else "shard_table"
+    if key not in obj:
+        raise IndexFormatError(f"{url} is missing or has a malformed key: {key!r}")
+    if version == FORMAT_VERSION:
+        return ShardTable.from_json(obj["shards"])
+    side = obj["shard_table"]
+    if not isinstance(side, dict):
+        raise IndexFormatError(f"{url}: 'shard_table' is a {type(side).__name__}, not an object")
+    name, size, checksum = side.get("path"), side.get("bytes"), side.get("checksum")
+    if not (isinstance(name, str) and name.startswith(SHARD_TABLE_PREFIX) and "/" not in name
+            and type(size) is int and 0 <= size <= MAX_SHARD_TABLE_BYTES
+            and isinstance(checksum, str)):
         raise IndexFormatError(
-            f"{url} has index format version {version!r}; this streamcache reads version "
-            f"{FORMAT_VERSION}: upgrade streamcache or rebuild the index"
+            f"{url}: 'shard_table' must name a '{SHARD_TABLE_PREFIX}*' file beside it with its "
+            f"bytes (at most {MAX_SHARD_TABLE_BYTES}) and checksum; got {side!r}"
         )
+    where = storage.join(posixpath.dirname(url), name)
+    data = read(where, size)
+    if len(data) != size:
+        raise IndexFormatError(f"{where} is {len(data)} bytes, {url} says {size}; the shard "
+                               "table was rewritten or damaged: rebuild the index")
     try:
-        schema = Schema.from_json(obj["schema"])
-        shards = tuple(ShardInfo.from_json(s) for s in obj["shards"])
-        recorded = str(obj["fingerprint"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise IndexFormatError(f"{url} is missing or has a malformed key: {exc}") from exc
-    index = DatasetIndex(schema, shards, url=url, created=float(obj.get("created", 0.0)))
-    if index.fingerprint != recorded:
-        raise IndexFormatError(
-            f"{url}: the recorded fingerprint {recorded} does not match its content "
-            f"({index.fingerprint}); the index was edited or damaged: rebuild it"
-        )
-    if index.num_samples == 0:
-        raise EmptyDatasetError(f"the dataset at {url} has no samples")
-    return index
+        verify_bytes(data, checksum, what=where)
+        table = pq.read_table(pa.BufferReader(data))
+    except (ChecksumMismatchError, pa.ArrowInvalid, OSError) as exc:
+        raise IndexFormatError(f"{where} is not a readable shard table ({exc}): rebuild the "
+                               "index") from exc
+    return ShardTable.from_arrow(table, where)
 
 
-def load_index(url: str, storage_options: Mapping[str, Any] | None = None) -> DatasetIndex:
-    """Load a dataset's index from a folder URL or an index.json URL."""
+def _fsspec_read(url: str, limit: int) -> bytes:
+    fs, path = storage.filesystem(url)
+    try:
+        return read_capped(fs, path, limit)
+    except FileNotFoundError:
+        raise IndexFormatError(f"{url}, the index's shard table, is missing: rebuild the "
+                               "index") from None
+
+
+def read_capped(fs: Any, path: str, limit: int) -> bytes:
+    """An object's bytes, reading at most ``limit + 1`` of them (a larger object's result is
+    longer than ``limit``, whatever its size)."""
+    return bytes(fs.cat_file(path, start=0, end=limit + 1))
+
+
+# ---------------------------------------------------------------- shard paths
+
+
+def check_shard_paths(index: DatasetIndex, *, allow_external_paths: bool = False) -> None:
+    """Refuse shard paths that leave the dataset's root.
+
+    A relative path must stay under the index's folder (no ``..`` above it); an absolute path
+    or URL must lie under that folder too, unless ``allow_external_paths``; even then it must
+    use the index's own protocol, so an index on an object store can never name a local file.
+
+    Raises:
+        IndexFormatError: naming the first offending path and the option.
+    """
+    paths = index.shard_table.paths()
+    suspicious = pc.or_(pc.or_(pc.starts_with(paths, "/"), pc.match_substring(paths, "://")),
+                        pc.match_substring_regex(paths, r"(^|/)\.\.(/|$)"))
+    root_protocol, root_path = _split_url(index.root)
+    for k in np.flatnonzero(suspicious.to_numpy(zero_copy_only=False)):
+        path = paths[int(k)].as_py()
+        if not storage.is_absolute_url(path):
+            if posixpath.normpath(path).split("/")[0] == "..":
+                raise IndexFormatError(
+                    f"{index.url}: shard path {path!r} leaves the dataset's folder with '..'; "
+                    "name files under the index's folder (or, with allow_external_paths=True, "
+                    "by their absolute path or URL)"
+                )
+            continue
+        protocol, location = _split_url(path)
+        if protocol == root_protocol and _under(location, root_path):
+            continue
+        if not allow_external_paths:
+            raise IndexFormatError(
+                f"{index.url}: shard path {path!r} is outside the dataset's folder "
+                f"{index.root}; pass allow_external_paths=True to read shards elsewhere on "
+                f"the index's own filesystem ({root_protocol}://)"
+            )
+        if protocol != root_protocol:
+            raise IndexFormatError(
+                f"{index.url}: shard path {path!r} is on {protocol}://, the index on "
+                f"{root_protocol}://; an index may name external shards on its own filesystem "
+                "only, even with allow_external_paths=True: copy the shards beside the index"
+            )
+
+
+def _split_url(url: str) -> tuple[str, str]:
+    """(protocol, normalized path): local paths and ``file://`` URLs are ``file``."""
+    protocol, sep, rest = url.partition("://")
+    if not sep:
+        protocol, rest = "file", url
+    protocol = "file" if protocol == "local" else protocol
+    rest = posixpath.normpath("/" + rest.lstrip("/")) if protocol != "file" else \
+        posixpath.normpath(rest)
+    return protocol, rest
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def load_index(url: str, storage_options: Mapping[str, Any] | None = None, *,
+               allow_external_paths: bool = False) -> DatasetIndex:
+    """Load a dataset's index from a folder URL or an index.json URL.
+
+    ``allow_external_paths``: see :func:`check_shard_paths`.
+    """
     target = index_url(url)
     fs, path = storage.filesystem(target, storage_options)
     try:
-        raw = fs.cat_file(path)
+        raw = read_capped(fs, path, MAX_INDEX_BYTES)
     except FileNotFoundError:
         raise IndexNotFoundError(
             f"no {INDEX_NAME} at {target}: write the dataset with ShardWriter / "
             "`streamcache convert`, or build an index for existing Parquet/Arrow files with "
             f"`streamcache index {url}`"
         ) from None
-    return parse_index(raw, storage.unstrip(fs, path))
+
+    def read(side_url: str, limit: int) -> bytes:
+        side_fs, side_path = storage.filesystem(side_url, storage_options)
+        try:
+            return read_capped(side_fs, side_path, limit)
+        except FileNotFoundError:
+            raise IndexFormatError(f"{side_url}, the shard table of {target}, is missing: "
+                                   "rebuild the index") from None
+
+    return parse_index(raw, storage.unstrip(fs, path), allow_external_paths=allow_external_paths,
+                       read=read)
 
 
 def save_index(index: DatasetIndex, url: str, storage_options: Mapping[str, Any] | None = None,
                ) -> str:
-    """Publish ``index`` atomically at ``url`` (folder or index.json); returns its URL."""
+    """Publish ``index`` atomically at ``url`` (folder or index.json); returns its URL.
+
+    From :data:`SHARD_TABLE_MIN_SHARDS` shards on, the shards go to a Parquet side file
+    beside index.json, named by its content and published first; index.json names it with
+    its size and checksum, and its fingerprint covers the table's content.
+    """
     target = index_url(url)
     fs, path = storage.filesystem(target, storage_options)
-    storage.publish_bytes(fs, path, index.dumps())
+    side: dict[str, Any] | None = None
+    if index.has_side_table:
+        sink = pa.BufferOutputStream()
+        pq.write_table(index.shard_table.to_arrow(), sink, compression="zstd")
+        data = sink.getvalue().to_pybytes()
+        checksum = checksum_bytes(data)
+        name = f"{SHARD_TABLE_PREFIX}{checksum.partition(':')[2]}.parquet"
+        storage.publish_bytes(fs, storage.join(posixpath.dirname(path), name), data)
+        side = {"path": name, "bytes": len(data), "checksum": checksum,
+                "shards": len(index.shards)}
+    storage.publish_bytes(fs, path, index.dumps(side))
     return storage.unstrip(fs, path)
 
 
@@ -359,6 +581,7 @@ def run(args: argparse.Namespace) -> int:
 
 __all__ = [
     "INDEX_NAME",
+    "SHARD_FORMATS",
     "DatasetIndex",
     "ShardInfo",
     "build_index",

@@ -28,6 +28,10 @@ import pyarrow as pa
 from .errors import SchemaError
 
 KINDS = ("tensor", "sequence", "bytes", "str")
+MAX_FIELDS = 10_000  # caps on a schema read from an index (untrusted input)
+MAX_NAME_CHARS = 1024
+MAX_DIMS = 32
+MAX_ROW_BYTES = 1 << 40
 FIELD_METADATA_KEY = b"streamcache"
 
 # numpy dtypes that Arrow stores natively as primitives (bool is bit-packed in Arrow, so it
@@ -152,10 +156,29 @@ class Field:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Field:
+        """A field from its JSON form, read from an index (untrusted: every value's type and
+        range is checked; a tensor row is at most :data:`MAX_ROW_BYTES`)."""
+        if not isinstance(obj, Mapping):
+            raise SchemaError(f"a schema field is a {type(obj).__name__}, not an object")
         try:
-            return cls(obj["name"], obj["kind"], obj.get("dtype"), tuple(obj.get("shape", ())))
+            name, kind, dtype = obj["name"], obj["kind"], obj.get("dtype")
         except KeyError as exc:
             raise SchemaError(f"a schema field lacks the key {exc}: {dict(obj)!r}") from exc
+        shape = obj.get("shape", [])
+        if not (isinstance(name, str) and len(name) <= MAX_NAME_CHARS and isinstance(kind, str)
+                and (dtype is None or isinstance(dtype, str)) and isinstance(shape, list)
+                and len(shape) <= MAX_DIMS
+                and all(type(s) is int and 0 < s < 2**31 for s in shape)):
+            raise SchemaError(
+                f"malformed schema field {_brief(obj)}: expected a name (string of at most "
+                f"{MAX_NAME_CHARS} characters), a kind, a dtype string and a shape of at most "
+                f"{MAX_DIMS} positive integers"
+            )
+        field = cls(name, kind, dtype, tuple(shape))
+        if field.fixed_width and field.row_bytes > MAX_ROW_BYTES:
+            raise SchemaError(f"field {name!r}: a row of shape {field.shape} takes "
+                              f"{field.row_bytes} bytes, over the cap of {MAX_ROW_BYTES}")
+        return field
 
     @classmethod
     def parse(cls, name: str, spec: str) -> Field:
@@ -238,7 +261,11 @@ class Schema:
         return [f.to_json() for f in self.fields]
 
     @classmethod
-    def from_json(cls, obj: Iterable[Mapping[str, Any]]) -> Schema:
+    def from_json(cls, obj: Any) -> Schema:
+        """A schema from its JSON form (a list of fields; untrusted, checked)."""
+        if not isinstance(obj, list) or len(obj) > MAX_FIELDS:
+            raise SchemaError(f"a schema is a list of at most {MAX_FIELDS} fields, not "
+                              f"{_brief(obj)}")
         return cls(Field.from_json(f) for f in obj)
 
     @classmethod
@@ -251,6 +278,11 @@ class Schema:
                 v if isinstance(v, Field) else Field.parse(k, v) for k, v in spec.items()
             )
         return cls(spec)
+
+
+def _brief(obj: Any) -> str:
+    text = repr(obj)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def infer_field(name: str, value: Any) -> Field:

@@ -86,11 +86,13 @@ def test_glob_fields_and_checksums(tmp_path) -> None:
                         output=str(tmp_path / "idx"))
     assert index.schema.names == ["id", "text"]
     assert all(s.checksum and s.checksum.startswith("xxh64:") for s in index.shards)
-    loaded = load_index(str(tmp_path / "idx"))
+    with pytest.raises(IndexFormatError, match="allow_external_paths=True"):
+        load_index(str(tmp_path / "idx"))  # its files lie outside its folder
+    loaded = load_index(str(tmp_path / "idx"), allow_external_paths=True)
     assert loaded.fingerprint == index.fingerprint
     assert [s.path for s in loaded.shards] == [str(tmp_path / "0.parquet"),
                                                str(tmp_path / "1.parquet")]
-    with DatasetReader(str(tmp_path / "idx")) as reader:
+    with DatasetReader(loaded) as reader:
         assert reader[7] == {"id": 7, "text": "row 7"}
 
 
@@ -162,7 +164,7 @@ def test_edited_index_fails_its_fingerprint(dataset: str) -> None:
         load_index(dataset)
 
 
-@pytest.mark.parametrize("version", [0, 2, "1"])
+@pytest.mark.parametrize("version", [0, 3, "1", True])
 def test_unknown_format_version(dataset: str, version: object) -> None:
     path = os.path.join(dataset, "index.json")
     obj = json.loads(Path(path).read_text())

@@ -1,0 +1,315 @@
+"""The shard table of an index: every shard's path, format, rows, bytes and checksum, as columns.
+
+A dataset can have millions of shards. :class:`ShardTable` keeps them as a handful of numpy and
+Arrow arrays (no Python object per shard) and builds a :class:`ShardInfo` only for the shard
+asked for, so a large index costs tens of bytes per shard in every process that loads it.
+
+Everything read from an index is untrusted: :meth:`ShardTable.from_json` and
+:meth:`ShardTable.from_arrow` check the type and range of every field (rows and bytes are
+integers in ``[0, 2**63)``, checksums ``xxh64:`` plus 16 hex digits, formats known, at most
+:data:`MAX_SHARDS` shards) and raise :class:`IndexFormatError` naming the shard and the rule.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .checksum import checksum_bytes
+from .errors import IndexFormatError
+
+SHARD_FORMATS = ("arrow", "parquet", "arrow_stream")
+MAX_COUNT = 2**63  # rows and bytes are below this (they must fit an int64)
+MAX_SHARDS = 2**31 - 1  # the native gather addresses shards with int32
+MAX_PATH_CHARS = 4096
+MAX_NAME_CHARS = 64  # compression names
+_CHECKSUM = re.compile(r"xxh64:[0-9a-f]{16}")
+_CHECKSUM_PATTERN = r"^xxh64:[0-9a-f]{16}$"
+_UNKNOWN = -1  # raw_bytes not recorded
+
+ARROW_SCHEMA = pa.schema([
+    pa.field("path", pa.large_string(), nullable=False),
+    pa.field("format", pa.string(), nullable=False),
+    pa.field("rows", pa.int64(), nullable=False),
+    pa.field("bytes", pa.int64(), nullable=False),
+    pa.field("checksum", pa.string()),
+    pa.field("compression", pa.string()),
+    pa.field("raw_bytes", pa.int64()),
+])
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard as the index records it."""
+
+    path: str  # relative to the index's folder, or an absolute URL
+    format: str  # one of SHARD_FORMATS
+    rows: int
+    bytes: int
+    checksum: str | None = None  # "xxh64:<hex>" of the object's bytes; None: size only
+    compression: str | None = None  # of the stored buffers, for information
+    raw_bytes: int | None = None  # uncompressed size of the data, when known
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path, "format": self.format, "rows": self.rows, "bytes": self.bytes,
+            "checksum": self.checksum, "compression": self.compression,
+            "raw_bytes": self.raw_bytes,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> ShardInfo:
+        """A validated shard entry; :class:`IndexFormatError` names the shard and the rule."""
+        if not isinstance(obj, Mapping):
+            raise IndexFormatError(f"a shard entry is a {type(obj).__name__}, not an object")
+        path = obj.get("path")
+        if not isinstance(path, str) or not path or len(path) > MAX_PATH_CHARS or "\0" in path:
+            raise IndexFormatError(
+                f"shard path {path!r} is not a non-empty string of at most {MAX_PATH_CHARS} "
+                "characters"
+            )
+        fmt = obj.get("format")
+        if fmt not in SHARD_FORMATS:
+            raise IndexFormatError(
+                f"shard {path!r} has unknown format {fmt!r}; known: {list(SHARD_FORMATS)}"
+            )
+        checksum = obj.get("checksum")
+        if checksum is not None and not (isinstance(checksum, str)
+                                         and _CHECKSUM.fullmatch(checksum)):
+            raise IndexFormatError(
+                f"shard {path!r} has checksum {checksum!r}; expected 'xxh64:' and 16 hex digits"
+            )
+        compression = obj.get("compression")
+        if compression is not None and not (isinstance(compression, str)
+                                            and len(compression) <= MAX_NAME_CHARS):
+            raise IndexFormatError(f"shard {path!r} has a malformed compression {compression!r}")
+        return cls(path, str(fmt), _count(obj.get("rows"), path, "rows"),
+                   _count(obj.get("bytes"), path, "bytes"), checksum, compression,
+                   _count(obj.get("raw_bytes"), path, "raw_bytes", optional=True))
+
+
+def _count(value: Any, path: str, key: str, *, optional: bool = False) -> Any:
+    if value is None and optional:
+        return None
+    if type(value) is not int or not 0 <= value < MAX_COUNT:
+        raise IndexFormatError(
+            f"shard {path!r} has {key}={value!r}; it must be an integer in [0, 2**63)"
+        )
+    return value
+
+
+class ShardTable(Sequence[ShardInfo]):
+    """An immutable, columnar sequence of :class:`ShardInfo` (index order).
+
+    Build it with :meth:`from_infos`, :meth:`from_json` or :meth:`from_arrow`; all three
+    validate. ``table[k]`` builds one :class:`ShardInfo`; :attr:`rows` and :attr:`nbytes` are
+    whole int64 columns (read-only).
+
+    Thread safety: immutable; any thread may read.
+    """
+
+    __slots__ = ("_checksums", "_compressions", "_digest", "_formats", "_paths", "_raw_bytes",
+                 "nbytes", "rows", "total_rows")
+
+    def __init__(self, paths: pa.Array, formats: np.ndarray, rows: np.ndarray,
+                 nbytes: np.ndarray, checksums: pa.Array, compressions: pa.Array,
+                 raw_bytes: np.ndarray) -> None:
+        self._paths = paths.cast(pa.large_string())
+        self._formats = np.ascontiguousarray(formats, dtype=np.uint8)
+        self.rows = _frozen(rows)
+        self.nbytes = _frozen(nbytes)
+        self._checksums = checksums.cast(pa.string())
+        self._compressions = compressions.cast(pa.string())
+        self._raw_bytes = _frozen(raw_bytes)
+        self._digest: str | None = None
+        count = len(self._paths)
+        if count > MAX_SHARDS:
+            raise IndexFormatError(f"the index lists {count} shards; at most {MAX_SHARDS} are "
+                                   "supported: write larger shards")
+        if not all(len(c) == count for c in (self._formats, self.rows, self.nbytes,
+                                             self._checksums, self._compressions,
+                                             self._raw_bytes)):
+            raise IndexFormatError("the shard table's columns have different lengths")
+        self.total_rows = _exact_sum(self.rows)
+        if self.total_rows >= MAX_COUNT:
+            raise IndexFormatError(
+                f"the shards hold {self.total_rows} rows in all; at most 2**63 - 1 are supported"
+            )
+
+    # ------------------------------------------------------------ construction
+
+    @classmethod
+    def from_infos(cls, infos: Iterable[ShardInfo]) -> ShardTable:
+        """A table of already-built shard entries (each is validated)."""
+        shards = [ShardInfo.from_json(s.to_json()) for s in infos]
+        return cls(
+            pa.array([s.path for s in shards], pa.large_string()),
+            np.array([SHARD_FORMATS.index(s.format) for s in shards], np.uint8),
+            np.array([s.rows for s in shards], np.int64),
+            np.array([s.bytes for s in shards], np.int64),
+            pa.array([s.checksum for s in shards], pa.string()),
+            pa.array([s.compression for s in shards], pa.string()),
+            np.array([_UNKNOWN if s.raw_bytes is None else s.raw_bytes for s in shards],
+                     np.int64),
+        )
+
+    @classmethod
+    def from_json(cls, entries: Any) -> ShardTable:
+        """A table from the ``shards`` list of an index document (validated)."""
+        if not isinstance(entries, list):
+            raise IndexFormatError(f"'shards' is a {type(entries).__name__}, not a list")
+        if len(entries) > MAX_SHARDS:
+            raise IndexFormatError(f"the index lists {len(entries)} shards; at most "
+                                   f"{MAX_SHARDS} are supported")
+        return cls.from_infos(ShardInfo.from_json(entry) for entry in entries)
+
+    @classmethod
+    def from_arrow(cls, table: pa.Table, where: str) -> ShardTable:
+        """A table from a side file's Arrow table (columns of :data:`ARROW_SCHEMA`)."""
+        try:
+            table = table.select(ARROW_SCHEMA.names).cast(ARROW_SCHEMA)
+        except (KeyError, pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
+            raise IndexFormatError(
+                f"{where} is not a shard table with the columns {ARROW_SCHEMA.names}: {exc}"
+            ) from exc
+        columns = {name: table.column(name).combine_chunks() for name in ARROW_SCHEMA.names}
+        _check_arrow_columns(columns, where)
+        formats = pc.index_in(columns["format"], pa.array(SHARD_FORMATS))
+        return cls(
+            columns["path"], formats.to_numpy(zero_copy_only=False).astype(np.uint8),
+            columns["rows"].to_numpy(), columns["bytes"].to_numpy(),
+            columns["checksum"], columns["compression"],
+            columns["raw_bytes"].fill_null(_UNKNOWN).to_numpy(),
+        )
+
+    # ------------------------------------------------------------ output
+
+    def to_arrow(self) -> pa.Table:
+        raw = pa.array(self._raw_bytes, pa.int64(), mask=self._raw_bytes == _UNKNOWN)
+        formats = pa.array(SHARD_FORMATS, pa.string()).take(pa.array(self._formats))
+        return pa.table([self._paths, formats, pa.array(self.rows), pa.array(self.nbytes),
+                         self._checksums, self._compressions, raw], schema=ARROW_SCHEMA)
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [shard.to_json() for shard in self]
+
+    def digest(self) -> str:
+        """A checksum of every column's content (what the fingerprint covers)."""
+        if self._digest is None:
+            parts = [checksum_bytes(column.tobytes()) for column in
+                     (self._formats, self.rows, self.nbytes, self._raw_bytes)]
+            parts += [_strings_digest(column) for column in
+                      (self._paths, self._checksums, self._compressions)]
+            self._digest = checksum_bytes(json.dumps([len(self), *parts]).encode())
+        return self._digest
+
+    # ------------------------------------------------------------ sequence protocol
+
+    def __len__(self) -> int:
+        return len(self._formats)
+
+    @overload
+    def __getitem__(self, index: int) -> ShardInfo: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[ShardInfo]: ...
+
+    def __getitem__(self, index: int | slice) -> ShardInfo | Sequence[ShardInfo]:
+        if isinstance(index, slice):
+            return tuple(self[k] for k in range(*index.indices(len(self))))
+        k = range(len(self))[index]  # IndexError for a shard that does not exist
+        raw = int(self._raw_bytes[k])
+        return ShardInfo(
+            self._paths[k].as_py(), SHARD_FORMATS[self._formats[k]], int(self.rows[k]),
+            int(self.nbytes[k]), self._checksums[k].as_py(), self._compressions[k].as_py(),
+            None if raw == _UNKNOWN else raw,
+        )
+
+    def __iter__(self) -> Iterator[ShardInfo]:
+        return (self[k] for k in range(len(self)))
+
+    def paths(self) -> pa.Array:
+        """Every shard's path (a large_string array)."""
+        return self._paths
+
+    def formats(self) -> list[str]:
+        """The distinct formats of the shards."""
+        return [SHARD_FORMATS[code] for code in np.unique(self._formats)]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ShardTable):
+            return NotImplemented
+        return len(self) == len(other) and self.digest() == other.digest()
+
+    def __hash__(self) -> int:
+        return hash(self.digest())
+
+    def __repr__(self) -> str:
+        return f"ShardTable({len(self)} shards, {self.total_rows} rows)"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ShardTable, (self._paths, self._formats, self.rows, self.nbytes,
+                             self._checksums, self._compressions, self._raw_bytes))
+
+
+def _frozen(values: np.ndarray) -> np.ndarray:
+    array = np.array(values, dtype=np.int64)  # a private copy, then read-only
+    array.setflags(write=False)
+    return array
+
+
+def _exact_sum(values: np.ndarray) -> int:
+    """The exact sum of int64 values in [0, 2**63), without int64 overflow."""
+    high = int((values >> 32).sum(dtype=np.int64))
+    low = int((values & 0xFFFFFFFF).sum(dtype=np.int64))
+    return (high << 32) + low
+
+
+def _strings_digest(column: pa.Array) -> str:
+    """A checksum of a string column: lengths (-1 for null) and the concatenated characters."""
+    lengths = pc.binary_length(column).cast(pa.int64()).fill_null(-1).to_numpy()
+    filled = column.fill_null("").cast(pa.large_string())
+    offsets = np.frombuffer(filled.buffers()[1], dtype=np.int64)[
+        filled.offset:filled.offset + len(filled) + 1]
+    values = filled.buffers()[2]
+    data = b"" if values is None or not len(filled) else \
+        values.to_pybytes()[int(offsets[0]):int(offsets[-1])]
+    return checksum_bytes(lengths.tobytes() + data)
+
+
+def _check_arrow_columns(columns: Mapping[str, pa.Array], where: str) -> None:
+    """The side file's columns obey the same rules as a JSON shard entry."""
+    for name in ("path", "format", "rows", "bytes"):
+        if columns[name].null_count:
+            raise IndexFormatError(f"{where}: column {name!r} has nulls")
+    paths = columns["path"]
+    if len(paths) and (pc.min(pc.utf8_length(paths)).as_py() == 0
+                       or pc.max(pc.utf8_length(paths)).as_py() > MAX_PATH_CHARS
+                       or pc.any(pc.match_substring(paths, "\0")).as_py()):
+        raise IndexFormatError(f"{where}: a shard path is empty, over {MAX_PATH_CHARS} "
+                               "characters, or holds a NUL")
+    unknown = pc.invert(pc.is_in(columns["format"], pa.array(SHARD_FORMATS)))
+    if pc.any(unknown).as_py():
+        raise IndexFormatError(f"{where}: unknown shard format(s) "
+                               f"{pc.unique(columns['format'].filter(unknown)).to_pylist()}")
+    for name in ("rows", "bytes", "raw_bytes"):
+        if len(columns[name]) and (pc.min(columns[name]).as_py() or 0) < 0:
+            raise IndexFormatError(f"{where}: column {name!r} has a negative value; it must "
+                                   "be an integer in [0, 2**63)")
+    checksums = columns["checksum"].drop_null()
+    if len(checksums) and not pc.all(pc.match_substring_regex(checksums,
+                                                              _CHECKSUM_PATTERN)).as_py():
+        raise IndexFormatError(f"{where}: a checksum is not 'xxh64:' and 16 hex digits")
+    compressions = columns["compression"].drop_null()
+    if len(compressions) and pc.max(pc.utf8_length(compressions)).as_py() > MAX_NAME_CHARS:
+        raise IndexFormatError(f"{where}: a compression name is malformed")
+
+
+__all__ = ["MAX_SHARDS", "SHARD_FORMATS", "ShardInfo", "ShardTable"]
