@@ -5,12 +5,17 @@ One :class:`Fetcher` reads whole objects from any filesystem fsspec knows (``s3:
 
 - bounded concurrency: at most ``max_concurrency`` requests in flight per Fetcher and process,
   whichever threads call it;
-- timeouts: no wait on the network (the response, then each block of the body) may exceed
-  ``timeout_s``, so a stalled server is abandoned while a large transfer that keeps moving is
-  not cut off;
+- timeouts: a stall, no response or no new bytes of the body for ``timeout_s`` seconds, is
+  abandoned and retried, while a large transfer that keeps moving is never cut off (there is
+  no limit on the total time);
+- bounded bodies: a body is read to its expected size (or to ``max_bytes``) and not one block
+  further: a larger object fails at once instead of filling the disk;
+- prompt stops: :meth:`Fetcher.close` ends the requests in flight, stalled ones included,
+  and a ``KeyboardInterrupt`` in a waiting thread cancels its request;
 - retries with exponential backoff and jitter on transient errors (5xx, 408, 429, connection
   reset or refused, timeouts, short reads, bodies that fail their checksum); permanent errors
-  (not found, permission denied, other 4xx, programming errors) fail at once;
+  (not found, permission denied, other 4xx, programming errors, a body larger than expected,
+  a local file of the wrong size) fail at once;
 - verification of the size and the ``"xxh64:..."`` checksum the index records;
 - one clear error after the last attempt: :class:`FetchError` naming the URL, the number of
   attempts and the cause, or :class:`~streamcache.errors.ChecksumMismatchError`.
@@ -63,6 +68,7 @@ T = TypeVar("T")
 TEMP_SUFFIX = ".fetching"
 
 _DEFAULT_BLOCK_SIZE = 4 << 20
+_STOP_POLL_S = 0.1  # how often a thread waiting for a request looks whether to stop
 
 
 class FetchError(StreamcacheError):
@@ -91,6 +97,11 @@ class _SizeMismatchError(Exception):
     """The body's length is not the size the index records (a short read, or a rewrite)."""
 
 
+class _SizeRefusedError(Exception):
+    """Not worth another attempt: the body is larger than expected (or than the cap), or a
+    local file has the wrong size. Neither is a glitch of the wire."""
+
+
 class _RequestTimeoutError(Exception):
     """No response, or no data, within ``timeout_s``.
 
@@ -109,12 +120,16 @@ class FetchOptions:
 
     Attributes:
         max_concurrency: requests in flight at once, per Fetcher and process (>= 1).
-        timeout_s: longest wait, in seconds, for a response and then for each piece of its
-            body (the clock restarts whenever data arrives). Enforced for asynchronous
-            filesystems (s3, gs, az, http); an asynchronous filesystem without streamed
-            reads gets it as the limit of the whole request; synchronous ones (local files,
-            memory) block in their own calls.
-        retries: extra attempts after the first for transient errors (>= 0).
+        timeout_s: what counts as a stall: seconds without a response, or without a new byte
+            of the body (the clock restarts whenever data arrives; a large object that keeps
+            moving is never cut off). Enforced for asynchronous filesystems (s3, gs, az,
+            http); one without streamed reads is read by ranges of ``block_size``, each
+            within ``timeout_s`` (as one whole request when the size is unknown);
+            synchronous ones (local files, memory) block in their own calls. The default,
+            10 s, is far beyond any healthy object store's wait for a byte.
+        retries: extra attempts after the first for transient errors (>= 0). With the
+            defaults a stalled object fails after about a minute (5 stalls and the waits
+            between them), with a :class:`FetchError` naming its URL.
         backoff_initial_s: the wait before the first retry; it doubles on each retry.
         backoff_max_s: the longest wait between two attempts.
         jitter: fraction of each wait drawn at random, 0 (none) to 1 (the whole wait), so
@@ -125,7 +140,7 @@ class FetchOptions:
     """
 
     max_concurrency: int = 16
-    timeout_s: float = 60.0
+    timeout_s: float = 10.0
     retries: int = 4
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
@@ -219,6 +234,8 @@ def _optional_transient_types() -> tuple[type[BaseException], ...]:
         pass
     return tuple(found)
 
+
+_PERMANENT_TYPES += (_SizeRefusedError,)
 
 _TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
     TimeoutError, asyncio.TimeoutError, ConnectionError, http.client.HTTPException,
@@ -363,14 +380,18 @@ class Fetcher:
         with self._lock:
             return dataclasses.replace(self._stats)
 
-    def fetch(self, url: str, *, size: int | None = None, checksum: str | None = None) -> bytes:
+    def fetch(self, url: str, *, size: int | None = None, checksum: str | None = None,
+              max_bytes: int | None = None) -> bytes:
         """The whole object at ``url``.
 
         Args:
             url: any URL fsspec understands, or a local path.
-            size: the expected length in bytes; a different length is retried like a short
-                read and, after the last attempt, raises :class:`FetchError`.
+            size: the expected length in bytes. A shorter remote body is retried like a
+                short read; a longer one is refused at once, after reading one byte past
+                ``size``; a local file of another size is refused at once.
             checksum: the expected ``"xxh64:<16 hex>"``; a mismatch is retried.
+            max_bytes: the most bytes to accept when ``size`` is not known (an index file);
+                a larger object is refused at once, after reading one byte past the cap.
 
         Raises:
             FetchError: a permanent error, or a transient one on every attempt.
@@ -380,8 +401,7 @@ class Fetcher:
 
         def attempt() -> bytes:
             parts: list[bytes] = []
-            received = self._transfer(url, size, parts.append)
-            _check_size(received, size)
+            self._transfer(url, size, parts.append, max_bytes)
             data = b"".join(parts)
             _checksum.verify_bytes(data, checksum, what=url)
             return data
@@ -418,7 +438,6 @@ class Fetcher:
                     out = open(temp, "wb")  # noqa: SIM115  (closed by the with below)
                 with out:
                     received = self._transfer(url, size, _local_writer(out))
-                    _check_size(received, size)
                     with _local_io():
                         out.flush()
                         os.fsync(out.fileno())
@@ -458,7 +477,9 @@ class Fetcher:
         return [future.result() for future in futures]
 
     def close(self) -> None:
-        """Stop: waiting requests fail, running ones end within about ``timeout_s``.
+        """Stop: waiting requests fail, and running ones on asynchronous filesystems (s3,
+        gs, az, http) are cancelled within a fraction of a second, stalled ones included; a
+        read of a synchronous filesystem (a local file) ends when its current block does.
 
         Idempotent. Afterwards every method raises :class:`StreamcacheError`.
         """
@@ -549,40 +570,103 @@ class Fetcher:
                 fs = self._filesystems.setdefault(key, fs)
         return fs, fs._strip_protocol(url)
 
-    def _transfer(self, url: str, size: int | None, sink: Callable[[bytes], object]) -> int:
-        """One request: stream the body into ``sink`` block by block; returns the length."""
+    def _transfer(self, url: str, size: int | None, sink: Callable[[bytes], object],
+                  max_bytes: int | None = None) -> int:
+        """One request: stream the body into ``sink`` block by block; returns the length.
+
+        Reads at most one byte past ``size`` (or ``max_bytes``): a body that goes on is
+        refused there, not read to its end.
+        """
         fs, path = self._filesystem(url)
+        limit = _read_limit(size, max_bytes)
         if getattr(fs, "async_impl", False):
-            return self._transfer_async(fs, path, size, sink)
-        total = 0
-        with fs.open(path, "rb") as stream:
-            while block := stream.read(self.options.block_size):
-                sink(block)
-                total += len(block)
-                self._check_open()
+            total = self._transfer_async(fs, path, size, sink, limit)
+        else:
+            total = 0
+            with fs.open(path, "rb") as stream:
+                while block := stream.read(self._next_read(total, limit)):
+                    sink(block)
+                    total += len(block)
+                    self._check_open()
+                    if limit is not None and total >= limit:
+                        break
+        local = storage.is_local(fs) or "memory" in _protocols(fs)
+        _check_size(total, size, max_bytes, url, local=local)
         return total
 
-    def _transfer_async(
-        self, fs: Any, path: str, size: int | None, sink: Callable[[bytes], object]
-    ) -> int:
+    def _next_read(self, total: int, limit: int | None) -> int:
+        """How many bytes to ask for next: a block, but never past ``limit``."""
+        if limit is None:
+            return self.options.block_size
+        return max(1, min(self.options.block_size, limit - total))
+
+    def _transfer_async(self, fs: Any, path: str, size: int | None,
+                        sink: Callable[[bytes], object], limit: int | None) -> int:
         timeout = self.options.timeout_s
         # A known size spares fsspec's http filesystem a HEAD request before the GET.
         open_kwargs = {} if size is None else {"size": size}
         try:
-            stream = _run(fs, _within(fs.open_async(path, "rb", **open_kwargs), timeout))
-        except NotImplementedError:  # no streaming reads here: one whole-body request
-            data = _run(fs, _within(fs._cat_file(path), timeout))
-            sink(data)
-            return len(data)
+            stream = self._run(fs, _within(fs.open_async(path, "rb", **open_kwargs), timeout))
+        except NotImplementedError:  # no streamed reads here: ranges, or one request
+            return self._transfer_ranges(fs, path, sink, limit)
         total = 0
         try:
-            while block := _run(fs, _read_block(stream, self.options.block_size, timeout, total)):
+            while block := self._run(fs, _read_block(stream, self._next_read(total, limit),
+                                                     timeout, total)):
                 sink(block)
                 total += len(block)
                 self._check_open()
+                if limit is not None and total >= limit:
+                    break
         finally:
-            _run(fs, _close_stream(stream))
+            self._cleanup(fs, _close_stream(stream))
         return total
+
+    def _transfer_ranges(self, fs: Any, path: str, sink: Callable[[bytes], object],
+                         limit: int | None) -> int:
+        """Ranged reads of ``block_size``, each within ``timeout_s``, up to ``limit`` bytes;
+        without a limit, the whole body in one request within ``timeout_s``."""
+        timeout = self.options.timeout_s
+        if limit is None:
+            data = self._run(fs, _within(fs._cat_file(path), timeout))
+            sink(data)
+            return len(data)
+        total = 0
+        while total < limit:
+            wanted = self._next_read(total, limit)
+            block = self._run(fs, _within(fs._cat_file(path, start=total, end=total + wanted),
+                                          timeout))
+            if block:
+                sink(block)
+                total += len(block)
+            if len(block) < wanted:
+                break
+            self._check_open()
+        return total
+
+    def _run(self, fs: Any, coroutine: Any) -> Any:
+        """Run ``coroutine`` on the filesystem's event loop and return its result.
+
+        Unlike fsspec's ``sync``, the wait ends promptly when the Fetcher is closed, and the
+        request is cancelled (its connection dropped) when the wait ends early for any
+        reason, a ``KeyboardInterrupt`` included: nothing keeps running for nobody.
+        """
+        future = asyncio.run_coroutine_threadsafe(coroutine, fs.loop)
+        try:
+            while not concurrent.futures.wait([future], timeout=_STOP_POLL_S).done:
+                if self._stopping.is_set():
+                    raise _ClosedError("the Fetcher was closed during a request")
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    def _cleanup(self, fs: Any, coroutine: Any) -> None:
+        """Run a closing coroutine; wait for it (bounded) unless the Fetcher is stopping."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, fs.loop)
+        if not self._stopping.is_set():
+            with contextlib.suppress(BaseException):
+                future.result(timeout=self.options.timeout_s)
 
 
 def _error_of(future: concurrent.futures.Future[Any]) -> BaseException | None:
@@ -591,13 +675,15 @@ def _error_of(future: concurrent.futures.Future[Any]) -> BaseException | None:
     return future.exception()
 
 
-def _run(fs: Any, coroutine: Any) -> Any:
-    """Run ``coroutine`` on the filesystem's event loop thread and return its result."""
-    return fsspec.asyn.sync(fs.loop, _identity, coroutine)
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
-async def _identity(coroutine: Any) -> Any:
-    return await coroutine
+def _read_limit(size: int | None, max_bytes: int | None) -> int | None:
+    """Bytes to read at most: one past what is acceptable, so that more is noticed."""
+    bounds = [bound for bound in (size, max_bytes) if bound is not None]
+    return min(bounds) + 1 if bounds else None
 
 
 async def _within(awaitable: Any, timeout: float) -> Any:
@@ -663,12 +749,28 @@ def _local_writer(out: Any) -> Callable[[bytes], None]:
     return write
 
 
-def _check_size(received: int, expected: int | None) -> None:
-    if expected is not None and received != expected:
-        raise _SizeMismatchError(
-            f"received {received} bytes, the index records {expected} "
-            "(a short read, or the object changed after indexing)"
+def _check_size(received: int, expected: int | None, max_bytes: int | None, url: str, *,
+                local: bool) -> None:
+    """Refuse a body of the wrong length; only a short remote body is worth a retry."""
+    if expected is not None and received > expected:
+        raise _SizeRefusedError(
+            f"the body goes on for more than the {expected} bytes the index records: the "
+            "object changed after indexing (re-run `streamcache index`, or rewrite the dataset)"
         )
+    if max_bytes is not None and received > max_bytes:
+        raise _SizeRefusedError(
+            f"{url} holds more than the {max_bytes} bytes accepted for it; it is not what "
+            "it should be (or raise the limit)"
+        )
+    if expected is not None and received != expected:
+        message = (f"received {received} bytes, the index records {expected} "
+                   "(a short read, or the object changed after indexing)")
+        if local:  # a local file is what it is: reading it again gives the same
+            raise _SizeRefusedError(
+                f"{message}; the local file {url} has the wrong size: rebuild the index or "
+                "restore the file"
+            )
+        raise _SizeMismatchError(message)
 
 
 def _verify_file(path: str, expected: str | None, url: str) -> None:

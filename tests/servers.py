@@ -41,8 +41,10 @@ HOST = "127.0.0.1"
 #: stall: send the headers and half the body, wait ``delay_s``, then send the rest;
 #: reset: send the headers and half the body, then abort the connection (TCP RST);
 #: truncate: announce the full Content-Length, send half the body, close the connection;
-#: corrupt: send the whole body with one byte flipped.
-FAULT_KINDS = ("error", "slow", "stall", "reset", "truncate", "corrupt")
+#: corrupt: send the whole body with one byte flipped;
+#: oversize: announce and send the body followed by ``oversize_bytes`` more bytes (an object
+#: larger than its index says, e.g. rewritten), stopping early if the client goes away.
+FAULT_KINDS = ("error", "slow", "stall", "reset", "truncate", "corrupt", "oversize")
 
 _HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
@@ -80,6 +82,7 @@ class FaultInjector:
         delay_s: float = 1.0,
         methods: Iterable[str] = ("GET",),
         seed: int = 1,
+        oversize_bytes: int = 32 << 20,
     ) -> None:
         self._lock = threading.Lock()
         self._random = random.Random(seed)
@@ -89,16 +92,18 @@ class FaultInjector:
         self.status = status
         self.delay_s = delay_s
         self.methods = frozenset(methods)
+        self.oversize_bytes = oversize_bytes
         self.injected: collections.Counter[str] = collections.Counter()
         self._validate()
 
     def configure(self, **settings: Any) -> None:
-        """Change ``rate``, ``kinds``, ``status``, ``delay_s``, ``methods`` or ``seed`` at once."""
+        """Change ``rate``, ``kinds``, ``status``, ``delay_s``, ``methods``, ``seed`` or
+        ``oversize_bytes`` at once."""
         with self._lock:
             for name, value in settings.items():
                 if name == "seed":
                     self._random.seed(value)
-                elif name in ("rate", "kinds", "status", "delay_s", "methods"):
+                elif name in ("rate", "kinds", "status", "delay_s", "methods", "oversize_bytes"):
                     setattr(self, name, frozenset(value) if name == "methods" else value)
                 else:
                     raise TypeError(f"unknown fault setting {name!r}")
@@ -157,6 +162,7 @@ class RequestLog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._sent: collections.Counter[str] = collections.Counter()
         self.in_flight = 0
         self.max_in_flight = 0
 
@@ -169,6 +175,15 @@ class RequestLog:
     def end(self) -> None:
         with self._lock:
             self.in_flight -= 1
+
+    def sent(self, nbytes: int, path: str) -> None:
+        with self._lock:
+            self._sent[path] += nbytes
+
+    def bytes_sent(self, path: str) -> int:
+        """Body bytes written to clients for ``path`` (every request, faults included)."""
+        with self._lock:
+            return self._sent[path]
 
     def count(self, path: str | None = None, method: str = "GET") -> int:
         """Requests with ``method`` to ``path`` (to any path when None)."""
@@ -184,6 +199,7 @@ class RequestLog:
     def reset(self) -> None:
         with self._lock:
             self._counts.clear()
+            self._sent.clear()
             self.max_in_flight = self.in_flight
 
 
@@ -336,11 +352,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
     def _send(self, reply: _Reply, fault: str | None) -> None:
+        owner = self.server.owner
+        extra = owner.faults.oversize_bytes if fault == "oversize" and reply.body else 0
         self.send_response(reply.status)
         for name, value in reply.headers:
             self.send_header(name, value)
         head = self.command == "HEAD" and reply.length is not None
-        self.send_header("Content-Length", str(reply.length if head else len(reply.body)))
+        length = reply.length if head else len(reply.body)
+        self.send_header("Content-Length", str((length or 0) + extra))
         self.end_headers()
         if self.command == "HEAD":
             return
@@ -350,12 +369,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             body = body[:middle] + bytes([body[middle] ^ 0xFF]) + body[middle + 1 :]
         if fault in ("stall", "reset", "truncate") and len(body) > 1:
             half = len(body) // 2
-            self.wfile.write(body[:half])
+            self._write(body[:half])
             self.wfile.flush()
             if fault == "stall":
-                if self.server.owner.stopping.wait(self.server.owner.faults.delay_s):
+                if owner.stopping.wait(owner.faults.delay_s):
                     return
-                self.wfile.write(body[half:])
+                self._write(body[half:])
                 return
             self.close_connection = True
             if fault == "reset":  # close with RST instead of FIN
@@ -363,7 +382,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
                 )
             return
-        self.wfile.write(body)
+        self._write(body)
+        chunk = b"\x5a" * (1 << 16)
+        while extra > 0 and not owner.stopping.is_set():
+            piece = chunk[: min(extra, len(chunk))]
+            self._write(piece)
+            extra -= len(piece)
+
+    def _write(self, data: bytes) -> None:
+        self.wfile.write(data)
+        self.server.owner.requests.sent(len(data), urllib.parse.urlsplit(self.path).path)
 
 
 def _serve_file(root: str, method: str, target: str, headers: Mapping[str, str]) -> _Reply:

@@ -1,0 +1,109 @@
+"""The Fetcher's bounds: bodies larger than expected, stalls, close while stalled, defaults.
+
+Each test runs against the project's fault server on loopback and judges by counters (bytes
+the server sent, requests it saw, the Fetcher's stats) and events, never by elapsed time.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from servers import FaultServer
+
+from streamcache.errors import StreamcacheError
+from streamcache.fetch import TEMP_SUFFIX, Fetcher, FetchError, FetchOptions, backoff_delay
+
+
+def fast(**overrides: Any) -> FetchOptions:
+    settings: dict[str, Any] = dict(timeout_s=10.0, retries=3, backoff_initial_s=0.002,
+                                    backoff_max_s=0.02)
+    settings.update(overrides)
+    return FetchOptions(**settings)
+
+
+def payload(seed: int, size: int = 50_000) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def test_a_body_larger_than_the_index_says_is_cut_off_at_the_expected_size(
+    fault_server: FaultServer, tmp_path: Path
+) -> None:
+    data = payload(1)
+    url = fault_server.put("big", data)
+    fault_server.faults.configure(rate=1.0, kinds=("oversize",), oversize_bytes=96 << 20)
+    with Fetcher(fast()) as fetcher, pytest.raises(FetchError) as caught:
+        fetcher.fetch_to_file(url, tmp_path / "big", size=len(data))
+    error = caught.value
+    assert error.url == url and error.permanent and error.attempts == 1
+    assert f"more than the {len(data)} bytes" in str(error)
+    # the download stopped right after the expected size: the server could only push what
+    # the sockets' buffers hold beyond it, nowhere near the 96 MiB it offered
+    fault_server.close()  # its handler notices the closed connection and stops counting
+    assert fault_server.requests.bytes_sent("/big") < len(data) + (24 << 20)
+    assert os.listdir(tmp_path) == ["served"]  # no file, no temporary left
+
+
+def test_an_object_over_the_cap_is_refused_without_reading_it_all(
+    fault_server: FaultServer,
+) -> None:
+    url = fault_server.put("unsized", payload(2, 200_000))
+    with Fetcher(fast(block_size=4096)) as fetcher, pytest.raises(FetchError) as caught:
+        fetcher.fetch(url, max_bytes=10_000)
+    assert caught.value.permanent and "more than the 10000 bytes" in str(caught.value)
+    assert fetcher.stats.retries == 0
+    with Fetcher(fast()) as fetcher:
+        assert len(fetcher.fetch(url, max_bytes=200_000)) == 200_000
+
+
+def test_a_local_file_of_the_wrong_size_fails_at_once(tmp_path: Path) -> None:
+    (tmp_path / "shard").write_bytes(b"x" * 1000)
+    with Fetcher(fast(retries=6, backoff_initial_s=5.0)) as fetcher:
+        for size in (999, 1001):
+            with pytest.raises(FetchError) as caught:
+                fetcher.fetch(str(tmp_path / "shard"), size=size)
+            assert caught.value.permanent and caught.value.attempts == 1
+            assert "the index records" in str(caught.value)
+        assert fetcher.stats.retries == 0 and fetcher.stats.requests == 2
+
+
+def test_close_ends_a_download_stalled_midway(fault_server: FaultServer) -> None:
+    data = payload(3)
+    url = fault_server.put("stalled", data)
+    fault_server.faults.configure(rate=1.0, kinds=("stall",), delay_s=120.0)
+    fetcher = Fetcher(fast(timeout_s=120.0))
+    outcome: list[BaseException] = []
+
+    def download() -> None:
+        try:
+            fetcher.fetch(url)
+        except BaseException as error:  # handed to the test
+            outcome.append(error)
+
+    thread = threading.Thread(target=download, daemon=True)
+    thread.start()
+    while fault_server.requests.bytes_sent("/stalled") == 0:
+        thread.join(0.01)
+    fetcher.close()
+    thread.join(timeout=20)  # the stall lasts 120 s, the timeout too: only close() ends it
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], StreamcacheError) and "closed" in str(outcome[0])
+
+
+def test_the_default_options_bound_a_stalled_object_to_about_a_minute() -> None:
+    options = FetchOptions()
+    attempts = options.retries + 1
+    waits = sum(backoff_delay(retry, options, 0.0) for retry in range(1, attempts))
+    assert options.timeout_s <= 15 and attempts * options.timeout_s + waits <= 75
+
+
+def test_no_temporary_is_left_after_a_refused_body(fault_server: FaultServer,
+                                                   tmp_path: Path) -> None:
+    url = fault_server.put("short", payload(4, 1000))
+    with Fetcher(fast(retries=0)) as fetcher, pytest.raises(FetchError):
+        fetcher.fetch_to_file(url, tmp_path / "x", size=10)
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(TEMP_SUFFIX)]
