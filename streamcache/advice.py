@@ -11,9 +11,11 @@ by first use then answer "what comes next from position p" in O(log shards).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from .plan import EpochOrder
+from .plan import EpochOrder, ShuffleOptions
 from .prefetch import ShardUsage
 
 _CHUNK = 1 << 20  # positions evaluated per pass
@@ -77,3 +79,51 @@ class ShardAdvice:
             ones = np.ones(len(self.usage.first), dtype=np.int64)
             self._working_set_shards = self.usage.working_set_bytes(ones)
         return self._working_set_shards
+
+
+def working_set_bound(shard_rows: Sequence[int] | np.ndarray,
+                      shard_bytes: Sequence[int] | np.ndarray, shuffle: ShuffleOptions) -> int:
+    """Bytes of shards that no epoch keeps in use at once (in use: between a shard's first
+    and last read), whatever the epoch's shard permutation. Pure; O(shards log shards).
+
+    Why it holds (docs/plan.md has the layers): a position is moved by the stagger shuffle
+    inside a staggered window, then by the window shuffle inside a regular window. A shard
+    is therefore read only inside the regular windows its rows lie in, widened by the
+    staggered windows that straddle their edges, so every shard in use at a position holds
+    rows of the two regular windows that the position's staggered window touches (one window
+    without stagger). Regular windows hold ``window`` samples (the last up to 1.5 times
+    that), or ``window`` shards (the last fewer than 1.5 times that).
+
+    - ``window_unit="shards"``: the largest shards that fit two windows (one without stagger).
+    - ``window_unit="samples"``: shards meeting a stretch of ``L`` = 2.5 windows of samples
+      (1.5 without stagger): at most two cut at its ends plus whole shards of at most ``L``
+      rows in all; bounded by the two largest shards plus the most bytes ``L`` rows can hold
+      (by bytes per row, the last shard counted in part).
+    - no shuffle: one shard at a time, the largest.
+    """
+    rows = np.asarray(shard_rows, dtype=np.int64)
+    nbytes = np.asarray(shard_bytes, dtype=np.int64)
+    read = rows > 0
+    rows, nbytes = rows[read], nbytes[read]
+    everything = int(nbytes.sum())
+    if rows.size == 0:
+        return 0
+    if not shuffle.enabled:
+        return int(nbytes.max())
+    window = shuffle.window
+    largest_first = np.sort(nbytes)[::-1]
+    if shuffle.window_unit == "shards":
+        count = window + window // 2 + (window if shuffle.stagger else 0)
+        return min(everything, int(largest_first[:count].sum()))
+    span = window + window // 2 + (window if shuffle.stagger else 0)
+    edges = int(largest_first[:2].sum())
+    whole = rows <= span
+    density = nbytes[whole] / rows[whole]
+    by_density = np.argsort(-density, kind="stable")
+    filled = np.cumsum(rows[whole][by_density])
+    taken = int(np.searchsorted(filled, span, side="right"))  # whole shards that fit
+    inside = float(nbytes[whole][by_density][:taken].sum())
+    if taken < len(by_density):  # the next one, in part
+        left = span - (int(filled[taken - 1]) if taken else 0)
+        inside += left * float(density[by_density][taken])
+    return min(everything, edges + int(np.ceil(inside)))

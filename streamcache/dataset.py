@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
-from .advice import ShardAdvice
+from .advice import ShardAdvice, working_set_bound
 from .batching import (
     ID_KEY,
     PADDING_KEY,
@@ -255,17 +255,20 @@ class StreamDataset(IterableDataset):
         return advice
 
     def working_set_bytes(self) -> int:
-        """Local bytes of the most shards the current epoch keeps in use at once."""
-        sizes = np.array([local_bytes_estimate(info) for info in self.index.shards])
-        return self.advice(self.cursor.epoch).working_set_bytes(sizes)
+        """Local bytes of shards that no epoch keeps in use at once: a bound the plan
+        guarantees (:func:`~streamcache.advice.working_set_bound`), the same for every
+        epoch, rank and worker, so a budget accepted once holds for the whole run."""
+        sizes = [local_bytes_estimate(info) for info in self.index.shards]
+        return working_set_bound(self.index.shard_rows, sizes, self.shuffle)
 
     def _check_budget(self, cache_limit: int) -> None:
         needed = self.working_set_bytes()
         if cache_limit < needed:
             raise CacheBudgetError(
-                f"cache_limit={cache_limit:,} bytes is below the working set of "
-                f"{needed:,} bytes (the shards one shuffle window of {self.shuffle.window} "
-                f"{self.shuffle.window_unit} keeps in use); give at least {needed:,} bytes, "
+                f"cache_limit={cache_limit:,} bytes is below the working set: with a shuffle "
+                f"window of {self.shuffle.window} {self.shuffle.window_unit}, any epoch keeps "
+                f"at most {needed:,} bytes of shards in use at once (a bound the plan "
+                f"guarantees, checked once for every epoch); give at least {needed:,} bytes, "
                 "or lower shuffle_window"
             )
 

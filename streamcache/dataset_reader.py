@@ -6,8 +6,11 @@ native core. It is the building block under the streaming dataset; it is also us
 own (inspection, evaluation, tests).
 
 :class:`FolderStore` is the simplest store: local shards already in the local layout are read
-in place; anything else (remote, compressed, Parquet) is fetched whole, verified against the
-index (size and checksum) and materialized into a folder, once. It has no byte budget and no
+in place, once verified against the index (size, and checksum when recorded); anything else
+(remote, compressed, Parquet) is fetched whole, verified against the index (size and checksum)
+and materialized into a folder, once. Copies are identified like the node cache's (see
+identity.py): a folder per dataset location and fingerprint, and the source object's identity
+recorded beside each copy when the index has no checksum. It has no byte budget and no
 prefetching; the node cache (cache.py) adds those for streaming.
 """
 
@@ -20,6 +23,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -27,6 +31,14 @@ import numpy as np
 from . import storage
 from .checksum import verify_bytes
 from .errors import RowOutOfRangeError, ShardCorruptError
+from .fetch import FetchOptions
+from .identity import (
+    dataset_folder_name,
+    read_record,
+    source_identity,
+    verify_in_place,
+    write_record,
+)
 from .index import DatasetIndex, load_index
 from .materialize import is_local_layout, materialize
 from .reader import Ragged, ShardReader, first_row, gather
@@ -48,16 +60,22 @@ def _local_name(index: DatasetIndex, shard: int) -> str:
 class FolderStore:
     """Materialize shards into ``folder`` (a temporary one by default) on first use.
 
+    ``verify``: hash a local shard read in place against the index's checksum before it is
+    first served (once per store, and once per file version when ``folder`` is kept); False
+    checks its size only.
+
     Thread safety: ``local_path`` may be called from several threads; a shard is installed
     once per store (concurrent callers wait for the first).
     """
 
     def __init__(self, index: DatasetIndex, folder: str | None = None, *,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None, verify: bool = True) -> None:
         self.index = index
         self._owned = folder is None
         self.folder = folder or tempfile.mkdtemp(prefix="streamcache-")
-        self._dataset_folder = os.path.join(self.folder, index.fingerprint.replace(":", "-"))
+        self.verify = verify
+        self._dataset_folder = os.path.join(self.folder,
+                                            dataset_folder_name(index, storage_options))
         os.makedirs(self._dataset_folder, exist_ok=True)
         self._storage_options = storage_options
         self._paths: dict[int, str] = {}
@@ -81,10 +99,20 @@ class FolderStore:
         if storage.is_local(fs) and info.format == "arrow" and is_local_layout(
             path, self.index.schema
         ):
+            record = os.path.join(self._dataset_folder, f"{shard:06d}.inplace")
+            verify_in_place(str(path), info if self.verify else replace(info, checksum=None),
+                            where=url, record=record)
             return str(path)
         target = os.path.join(self._dataset_folder, _local_name(self.index, shard))
-        if os.path.exists(target):
+        record_path = target.removesuffix(".arrow") + ".source"
+        identity = source_identity(info, url, self._storage_options,
+                                   FetchOptions(storage_options=dict(self._storage_options or {})))
+        if os.path.exists(target) and identity is not None and (
+                info.checksum is not None or (read_record(record_path) or {}).get(
+                    "identity") == identity):
             return target
+        if info.checksum is None and identity is not None:
+            write_record(record_path, {"url": url, "identity": identity})
         data = fs.cat_file(path)
         if len(data) != info.bytes:
             raise ShardCorruptError(
@@ -109,6 +137,8 @@ class DatasetReader:
         fields: the fields to read (default: all).
         store: where local copies of shards come from (default: a :class:`FolderStore` in
             ``local_dir``, or a temporary folder removed on close).
+        allow_external_paths: read shards the index names outside its own folder (on the
+            index's filesystem only; see :func:`streamcache.index.check_shard_paths`).
 
     Thread safety: ``read_batch`` may be called from several threads.
     """
@@ -116,9 +146,9 @@ class DatasetReader:
     def __init__(self, source: str | DatasetIndex, *, fields: Sequence[str] | None = None,
                  local_dir: str | None = None, store: ShardStore | None = None,
                  storage_options: Mapping[str, Any] | None = None,
-                 max_open_shards: int = 256) -> None:
+                 max_open_shards: int = 256, allow_external_paths: bool = False) -> None:
         self.index = source if isinstance(source, DatasetIndex) else load_index(
-            source, storage_options
+            source, storage_options, allow_external_paths=allow_external_paths
         )
         self.schema = self.index.schema.select(fields)
         self.store: ShardStore = store or FolderStore(self.index, local_dir,
