@@ -12,27 +12,45 @@ loop stops waiting once the compute per step exceeds the read time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import torch
 
 from .dataset import StreamDataset
 from .dataset_reader import DatasetReader
+from .errors import UsageError
 from .loader import StreamLoader
+from .plots import plot_bench, require_matplotlib
+from .progress import ProgressLine
+from .units import format_number, size_argument
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One step of a run, for the plots: when its batch arrived (seconds from the start),
+    how long the loop waited for it, samples so far, and the cache's counters so far."""
+
+    step: int
+    at_s: float
+    waited_s: float
+    samples: int
+    cache_hits: int | None = None
+    cache_misses: int | None = None
 
 
 @dataclass
 class BenchResult:
-    """One streaming run."""
+    """One streaming run (``error``: why it stopped, when it failed)."""
 
     name: str
     steps: int = 0
@@ -43,9 +61,12 @@ class BenchResult:
     waited_s: float = 0.0
     peak_rss_mb: float = 0.0
     store: dict[str, Any] = field(default_factory=dict)
+    cache_dir: str | None = None
+    error: str | None = None
 
     first_batch_samples: int = 0
     first_batch_bytes: int = 0
+    timeline: list[StepSample] = field(default_factory=list, repr=False)
 
     @property
     def steady_s(self) -> float:
@@ -64,7 +85,9 @@ class BenchResult:
         return counted / 1e6 / self.steady_s if self.steady_s > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "samples_per_s": self.samples_per_s, "mb_per_s": self.mb_per_s}
+        """Everything but the per-step timeline (that is what ``--plot`` draws)."""
+        summary = {k: v for k, v in asdict(self).items() if k != "timeline"}
+        return {**summary, "samples_per_s": self.samples_per_s, "mb_per_s": self.mb_per_s}
 
 
 def _nbytes(batch: Any) -> int:
@@ -91,12 +114,23 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+CacheCounters = Callable[[], tuple[int, int]]
+
+
 def measure(name: str, batches: Iterable[Any], *, max_steps: int | None, compute_s: float,
-            progress: Any = None) -> BenchResult:
-    """Drive a loop over ``batches``; ``waited_s`` is the time spent inside ``next()``."""
+            progress: TextIO | None = None, total_steps: int | None = None,
+            cache_counters: CacheCounters | None = None) -> BenchResult:
+    """Drive a loop over ``batches``; ``waited_s`` is the time spent inside ``next()``.
+
+    ``progress`` gets a live line (a bar on a terminal, plain lines in a log);
+    ``cache_counters`` returns the cache's (hits, misses) so far, sampled at every step for
+    the timeline.
+    """
     result = BenchResult(name)
     iterator: Iterator[Any] = iter(batches)
-    started = last_report = time.perf_counter()
+    total = min(filter(None, (max_steps, total_steps)), default=None)
+    meter = ProgressLine(progress, name, total=total)
+    started = time.perf_counter()
     while max_steps is None or result.steps < max_steps:
         before = time.perf_counter()
         try:
@@ -104,28 +138,51 @@ def measure(name: str, batches: Iterable[Any], *, max_steps: int | None, compute
         except StopIteration:
             break
         now = time.perf_counter()
+        waited = 0.0
         if result.steps == 0:
             result.first_batch_s = now - started
         else:
-            result.waited_s += now - before
+            waited = now - before
+            result.waited_s += waited
         result.steps += 1
         result.samples += _batch_size(batch)
         result.bytes += _nbytes(batch)
         if result.steps == 1:
             result.first_batch_samples, result.first_batch_bytes = result.samples, result.bytes
+        hits, misses = cache_counters() if cache_counters is not None else (None, None)
+        result.timeline.append(StepSample(result.steps, now - started, waited, result.samples,
+                                          hits, misses))
         if compute_s:
             time.sleep(compute_s)
-        if progress is not None and now - last_report > 0.5:
-            last_report = now
-            rate = result.samples / (now - started)
-            progress.write(f"\r{name}: {result.steps} steps, {result.samples:,} samples, "
-                           f"{rate:,.0f} samples/s")
-            progress.flush()
+        meter.update(result.steps, f"{result.samples:,} samples, "
+                                   f"{result.samples / (now - started):,.0f} samples/s")
     result.seconds = time.perf_counter() - started
     result.peak_rss_mb = peak_rss_mb()
-    if progress is not None:
-        progress.write("\n")
+    meter.close()
     return result
+
+
+class PaddedCollate:
+    """The baseline's collate: variable-length fields padded with zeros to the batch's
+    longest, plus ``<name>_lengths``, as streamcache's ``ragged="padded"`` delivers them;
+    everything else through torch's default collate. (A class, so worker processes can
+    pickle it.)"""
+
+    def __init__(self, sequence_fields: Iterable[str]) -> None:
+        self.sequence_fields = frozenset(sequence_fields)
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        rest = [{k: v for k, v in s.items() if k not in self.sequence_fields} for s in samples]
+        batch: dict[str, Any] = torch.utils.data.default_collate(rest)
+        for name in self.sequence_fields & samples[0].keys():
+            values = [np.asarray(s[name]) for s in samples]
+            lengths = np.array([len(v) for v in values], dtype=np.int64)
+            padded = np.zeros((len(values), int(lengths.max(initial=0))), values[0].dtype)
+            for row, value in enumerate(values):
+                padded[row, :len(value)] = value
+            batch[name], batch[name + "_lengths"] = torch.from_numpy(padded), torch.from_numpy(
+                lengths)
+        return batch
 
 
 class _MapView(torch.utils.data.Dataset):
@@ -134,7 +191,9 @@ class _MapView(torch.utils.data.Dataset):
     def __init__(self, url: str, fields: list[str] | None, local_dir: str | None) -> None:
         self.url, self.fields, self.local_dir = url, fields, local_dir
         self._reader: DatasetReader | None = None
-        self._length = len(DatasetReader(url, fields=fields, local_dir=local_dir))
+        with DatasetReader(url, fields=fields, local_dir=local_dir) as reader:
+            self._length = len(reader)
+            self.sequence_fields = [f.name for f in reader.schema if f.kind == "sequence"]
 
     def __len__(self) -> int:
         return self._length
@@ -170,12 +229,33 @@ def make_demo_dataset(folder: str, samples: int = 100_000) -> str:
     return url
 
 
+def _cache_counters(dataset: StreamDataset) -> CacheCounters | None:
+    stats = getattr(dataset.reader.store, "stats", None)
+    if stats is None or not hasattr(stats, "hits"):
+        return None
+    store = dataset.reader.store
+    return lambda: (store.stats.hits, store.stats.misses)  # type: ignore[attr-defined]
+
+
+def _store_counters(dataset: StreamDataset) -> dict[str, Any]:
+    stats = getattr(dataset.reader.store, "stats", None)
+    if stats is None:
+        return {}
+    return asdict(stats) if hasattr(stats, "__dataclass_fields__") else dict(vars(stats))
+
+
 def run_bench(url: str, *, batch_size: int = 256, num_workers: int = 0,
               cache_dir: str | None = None, cache_limit: int | None = None,
               fields: list[str] | None = None, steps: int | None = None,
               compute_ms: float = 0.0, compare: bool = False, seed: int = 0,
-              progress: Any = None) -> list[BenchResult]:
-    """Stream ``url`` with streamcache (and a plain DataLoader with ``compare``)."""
+              progress: TextIO | None = None,
+              on_result: Callable[[BenchResult], object] | None = None) -> list[BenchResult]:
+    """Stream ``url`` with streamcache (and a plain DataLoader with ``compare``).
+
+    ``on_result`` is called with each result as soon as it is measured. The baseline's
+    failure never loses streamcache's result: it is returned as a result whose ``error``
+    says what went wrong.
+    """
     options: dict[str, Any] = {"batch_size": batch_size, "rank": 0, "world_size": 1,
                                "seed": seed, "cache_dir": cache_dir, "fields": fields}
     if cache_limit is not None:
@@ -184,32 +264,61 @@ def run_bench(url: str, *, batch_size: int = 256, num_workers: int = 0,
     results = []
     with StreamLoader(dataset, num_workers=num_workers, prefetch=4) as loader:
         result = measure("streamcache", loader, max_steps=steps, compute_s=compute_ms / 1e3,
-                         progress=progress)
-        stats = getattr(dataset.reader.store, "stats", None)
-        if stats is not None:
-            result.store = asdict(stats) if hasattr(stats, "__dataclass_fields__") else dict(
-                vars(stats))
-        results.append(result)
+                         progress=progress, total_steps=len(loader),
+                         cache_counters=_cache_counters(dataset))
+        result.store = _store_counters(dataset)
+        result.cache_dir = getattr(getattr(dataset.reader.store, "cache", None), "cache_dir",
+                                   None)
+    results.append(result)
+    if on_result is not None:
+        on_result(result)
     if compare:
-        baseline = torch.utils.data.DataLoader(
-            _MapView(url, fields, cache_dir), batch_size=batch_size, shuffle=True,
-            num_workers=num_workers, drop_last=True)
-        results.append(measure("torch DataLoader", baseline, max_steps=steps,
-                               compute_s=compute_ms / 1e3, progress=progress))
+        baseline = _run_baseline(url, fields, cache_dir, batch_size=batch_size,
+                                 num_workers=num_workers, steps=steps, compute_ms=compute_ms,
+                                 progress=progress)
+        results.append(baseline)
+        if on_result is not None:
+            on_result(baseline)
     return results
 
 
+def _run_baseline(url: str, fields: list[str] | None, cache_dir: str | None, *,
+                  batch_size: int, num_workers: int, steps: int | None, compute_ms: float,
+                  progress: TextIO | None) -> BenchResult:
+    """A plain DataLoader over a map-style view of the same samples (shuffled, padded)."""
+    name = "torch DataLoader"
+    try:
+        view = _MapView(url, fields, cache_dir)
+        baseline = torch.utils.data.DataLoader(
+            view, batch_size=batch_size, shuffle=True, num_workers=num_workers,
+            drop_last=True, collate_fn=PaddedCollate(view.sequence_fields))
+        return measure(name, baseline, max_steps=steps, compute_s=compute_ms / 1e3,
+                       progress=progress, total_steps=len(baseline))
+    except Exception as exc:  # the baseline is torch's code on the user's data: report, go on
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return BenchResult(name, error=f"{type(exc).__name__}: {message}")
+
+
 def format_results(results: list[BenchResult]) -> str:
+    """The table people read: one row per run, a failed run's reason, the cache's counters
+    (rounded) and where it lives, and the ratio when both runs finished."""
     lines = [f"{'loader':<18}{'samples/s':>12}{'MB/s':>9}{'1st batch':>11}{'waited':>9}"
              f"{'steps':>7}{'peak RSS':>10}"]
     for r in results:
+        if r.error is not None:
+            lines.append(f"{r.name}: failed: {r.error}")
+            continue
         lines.append(f"{r.name:<18}{r.samples_per_s:>12,.0f}{r.mb_per_s:>9,.1f}"
                      f"{r.first_batch_s:>10.3f}s{r.waited_s:>8.2f}s{r.steps:>7}"
                      f"{r.peak_rss_mb:>8.0f}MB")
     for r in results:
         if r.store:
-            lines.append(f"{r.name} store: " + ", ".join(f"{k}={v}" for k, v in r.store.items()))
-    if len(results) == 2 and results[1].samples_per_s:
+            lines.append(f"{r.name} cache: " + ", ".join(
+                f"{k}={format_number(v)}" for k, v in r.store.items()))
+        if r.cache_dir:
+            lines.append(f"{r.name} cache folder: {r.cache_dir}")
+    finished = [r for r in results if r.error is None]
+    if len(results) == 2 and len(finished) == 2 and results[1].samples_per_s:
         lines.append(f"ratio streamcache / DataLoader: "
                      f"{results[0].samples_per_s / results[1].samples_per_s:.2f}x")
     return "\n".join(lines)
@@ -218,11 +327,14 @@ def format_results(results: list[BenchResult]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("url", nargs="?", help="dataset folder or index.json (any fsspec URL)")
     parser.add_argument("--demo", action="store_true",
-                        help="make a synthetic dataset (100k ~1 KB samples) and bench it")
+                        help="make a synthetic dataset (100k ~1 KB samples) in a temporary "
+                             "folder, bench it, and remove it")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--cache-dir")
-    parser.add_argument("--cache-limit", type=int, help="bytes")
+    parser.add_argument("--cache-dir", help="node cache folder (default: ~/.cache/streamcache "
+                                            "or $STREAMCACHE_CACHE_DIR; printed)")
+    parser.add_argument("--cache-limit", type=size_argument,
+                        help="cache budget, e.g. 10GB, 512MiB or bytes")
     parser.add_argument("--fields", help="comma-separated fields to read")
     parser.add_argument("--steps", type=int, help="stop after this many steps (default: epoch)")
     parser.add_argument("--compute-ms", type=float, default=0.0,
@@ -230,21 +342,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action="store_true",
                         help="also run a plain torch DataLoader over the same data")
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--plot", metavar="FILE",
+                        help="draw throughput, waiting and cache hits per step into FILE "
+                             "(PNG, SVG or PDF; needs matplotlib: pip install streamcache[plot])")
 
 
 def run(args: argparse.Namespace) -> int:
-    url = args.url
-    if args.demo:
-        url = make_demo_dataset(os.path.join(tempfile.gettempdir(), "streamcache-bench"))
-    if url is None:
-        raise SystemExit("streamcache bench: give a dataset URL or --demo")
+    if args.url is None and not args.demo:
+        raise UsageError("give a dataset URL, or --demo for a synthetic one")
+    if args.plot:
+        require_matplotlib()  # before minutes of streaming, not after
+    with contextlib.ExitStack() as stack:
+        url, cache_dir = args.url, args.cache_dir
+        if args.demo:
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="streamcache-bench-"))
+            print(f"demo dataset in {folder} (removed at exit)", file=sys.stderr)
+            url = make_demo_dataset(folder)
+            cache_dir = cache_dir or os.path.join(folder, "cache")
+        results = _bench_from_args(args, url, cache_dir)
+    if args.plot:
+        plot_bench(results, args.plot)
+    return 0
+
+
+def _bench_from_args(args: argparse.Namespace, url: str, cache_dir: str | None,
+                     ) -> list[BenchResult]:
     fields = [f.strip() for f in args.fields.split(",")] if args.fields else None
+
+    def show_early(result: BenchResult) -> None:
+        # streamcache's own numbers are on screen before the baseline starts
+        if not args.json and args.compare and result.name == "streamcache":
+            print(f"streamcache: {result.samples_per_s:,.0f} samples/s; now a plain "
+                  "DataLoader over the same data", file=sys.stderr, flush=True)
+
     results = run_bench(url, batch_size=args.batch_size, num_workers=args.workers,
-                        cache_dir=args.cache_dir, cache_limit=args.cache_limit, fields=fields,
+                        cache_dir=cache_dir, cache_limit=args.cache_limit, fields=fields,
                         steps=args.steps, compute_ms=args.compute_ms, compare=args.compare,
-                        progress=None if args.json else sys.stderr)
+                        progress=None if args.json else sys.stderr, on_result=show_early)
     if args.json:
         print(json.dumps([r.to_json() for r in results], indent=1))
     else:
         print(format_results(results))
-    return 0
+    return results

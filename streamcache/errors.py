@@ -70,3 +70,26 @@ class CacheBudgetError(CacheError, ValueError):
 
 class PrefetchError(StreamcacheError):
     """A shard could not be prefetched; raised in the reader that needed it."""
+
+
+class TransformError(StreamcacheError, TypeError):
+    """A user's ``transform`` or ``batch_transform`` returned something the loader cannot
+    batch (the message names the transform and what it must return)."""
+
+
+class UsageError(StreamcacheError, ValueError):
+    """A value given by the user (a size, a duration, an option) cannot be read or used."""
+
+
+class StorageError(StreamcacheError):
+    """A URL cannot be opened: an unknown protocol, a missing fsspec backend, no credentials,
+    or a store that cannot be reached. The message names the URL and what to do."""
+
+
+class UnknownProtocolError(StorageError, ValueError):
+    """A URL's protocol (``s4://``) is not one fsspec knows."""
+
+
+class MissingDependencyError(StreamcacheError, ImportError):
+    """An optional feature needs a package that is not installed; the message names the
+    extra to install."""

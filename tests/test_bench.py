@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from loader_helpers import make_dataset
+import numpy as np
+from loader_helpers import make_dataset, write_dataset
 
 from streamcache.bench import format_results, run_bench
 from streamcache.cli import main
@@ -36,3 +37,26 @@ def test_cli_json(tmp_path, capsys) -> None:
                  str(tmp_path / "c")]) == 0
     (result,) = json.loads(capsys.readouterr().out)
     assert result["name"] == "streamcache" and result["samples"] == 30
+
+
+def test_compare_pads_variable_length_fields_like_streamcache(tmp_path) -> None:
+    url = make_dataset(str(tmp_path), [60, 40])  # "t" holds i % 5 values: variable length
+    streamcache, baseline = run_bench(url, batch_size=10, cache_dir=str(tmp_path / "c"),
+                                      compare=True)
+    assert baseline.error is None
+    assert (baseline.steps, baseline.samples) == (streamcache.steps, streamcache.samples) == (
+        10, 100)
+
+
+def test_a_failing_baseline_keeps_the_streamcache_result(tmp_path) -> None:
+    url = str(tmp_path / "ds")
+    # torch's default collate cannot batch the datetime objects the map-style view returns
+    write_dataset([{"x": i, "when": np.datetime64(i, "s")} for i in range(30)], url)
+    seen: list[str] = []
+    results = run_bench(url, batch_size=10, cache_dir=str(tmp_path / "c"), compare=True,
+                        on_result=lambda result: seen.append(result.name))
+    assert seen == ["streamcache", "torch DataLoader"]
+    assert results[0].samples == 30 and results[0].error is None
+    assert results[1].error is not None and "datetime" in results[1].error
+    text = format_results(results)
+    assert "torch DataLoader: failed" in text and "ratio" not in text

@@ -1,0 +1,132 @@
+"""Pictures for the CLI (``bench --plot``, ``goodput --plot``), drawn with matplotlib.
+
+matplotlib is optional (``pip install 'streamcache[plot]'``): it is imported only when a
+plot is asked for, and its absence is one clear :class:`MissingDependencyError`. The
+format follows the file's suffix (PNG, SVG, PDF, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .errors import MissingDependencyError
+
+if TYPE_CHECKING:
+    from .bench import BenchResult
+    from .goodput import GoodputReport
+
+RATE_WINDOW_STEPS = 10  # steps averaged into one throughput point
+
+
+def require_matplotlib() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend.
+
+    Raises:
+        MissingDependencyError: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingDependencyError(
+            "--plot needs matplotlib, which is not installed: pip install 'streamcache[plot]' "
+            "(or pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def rate_curve(result: BenchResult, window: int = RATE_WINDOW_STEPS,
+               ) -> tuple[list[float], list[float]]:
+    """(seconds, samples/s) of ``result``, each rate over the last ``window`` steps."""
+    times, rates = [], []
+    timeline = result.timeline
+    for i in range(1, len(timeline)):
+        j = max(0, i - window)
+        elapsed = timeline[i].at_s - timeline[j].at_s
+        if elapsed > 0:
+            times.append(timeline[i].at_s)
+            rates.append((timeline[i].samples - timeline[j].samples) / elapsed)
+    return times, rates
+
+
+def hit_ratio_curve(result: BenchResult) -> tuple[list[int], list[float]]:
+    """(step, cache hits / lookups so far) of ``result``; empty without cache counters."""
+    steps, ratios = [], []
+    for sample in result.timeline:
+        if sample.cache_hits is None or sample.cache_misses is None:
+            continue
+        lookups = sample.cache_hits + sample.cache_misses
+        if lookups:
+            steps.append(sample.step)
+            ratios.append(sample.cache_hits / lookups)
+    return steps, ratios
+
+
+def plot_bench(results: Sequence[BenchResult], path: str) -> None:
+    """Throughput over time, time waited per step, and the cache hit ratio, one panel each,
+    for every run of ``streamcache bench`` that finished; written to ``path``."""
+    plt = require_matplotlib()
+    finished = [r for r in results if r.error is None and r.timeline]
+    figure, (rate_ax, wait_ax, hit_ax) = plt.subplots(3, 1, figsize=(9, 10))
+    for result in finished:
+        rate_ax.plot(*rate_curve(result), label=result.name)
+        wait_ax.plot([s.step for s in result.timeline],
+                     [s.waited_s * 1e3 for s in result.timeline], label=result.name, lw=0.8)
+    rate_ax.set(title="Throughput", xlabel="seconds since start",
+                ylabel=f"samples/s (over {RATE_WINDOW_STEPS} steps)")
+    wait_ax.set(title="Time the loop waited for each batch", xlabel="step", ylabel="ms")
+    steps, ratios = hit_ratio_curve(finished[0]) if finished else ([], [])
+    if steps:
+        hit_ax.plot(steps, [100 * r for r in ratios], color="tab:green")
+        hit_ax.set_ylim(0, 105)
+    else:
+        hit_ax.text(0.5, 0.5, "no cache counters", ha="center", va="center",
+                    transform=hit_ax.transAxes)
+    hit_ax.set(title="Cache hit ratio (streamcache, cumulative)", xlabel="step", ylabel="%")
+    for ax in (rate_ax, wait_ax):
+        if finished:
+            ax.legend(loc="best")
+        ax.grid(alpha=0.3)
+    hit_ax.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_goodput(report: GoodputReport, save_cost: float, restart_cost: float,
+                 path: str) -> None:
+    """Expected goodput against the checkpoint interval (log scale), with the chosen or
+    recommended interval and Young's and Daly's marked; written to ``path``."""
+    from .goodput import expected_goodput, format_duration
+
+    plt = require_matplotlib()
+    low = max(1.0, report.interval / 100)
+    high = min(report.mtbf * 2, report.interval * 100)
+    intervals = [low * (high / low) ** (k / 399) for k in range(400)]
+    goodputs = [100 * expected_goodput(t, report.mtbf, save_cost, restart_cost)
+                for t in intervals]
+    figure, ax = plt.subplots(figsize=(9, 5.5))
+    ax.plot([t / 60 for t in intervals], goodputs, color="tab:blue", label="expected goodput")
+    label = "recommended" if report.recommended else "chosen"
+    ax.axvline(report.interval / 60, color="tab:red",
+               label=f"{label}: {format_duration(report.interval)}, {report.goodput:.1%}")
+    for name, value, style in (("Young", report.young, ":"), ("Daly", report.daly, "--")):
+        if value is not None and low <= value <= high:
+            ax.axvline(value / 60, color="gray", ls=style,
+                       label=f"{name}'s: {format_duration(value)}")
+    ax.set_xscale("log")
+    ax.set_ylim(max(0.0, math.floor(min(goodputs) / 10) * 10), 100)
+    ax.set(xlabel="checkpoint interval (minutes, log scale)", ylabel="goodput (%)",
+           title=f"Goodput vs checkpoint interval: MTBF {format_duration(report.mtbf)}, "
+                 f"save {format_duration(save_cost)}, restart {format_duration(restart_cost)}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(loc="lower center")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+__all__ = ["hit_ratio_curve", "plot_bench", "plot_goodput", "rate_curve", "require_matplotlib"]
