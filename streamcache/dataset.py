@@ -72,6 +72,7 @@ class StreamOptions:
     prefetch_shards: int | None = None
     prefetch_workers: int = 4
     storage_options: Mapping[str, Any] | None = None
+    allow_external_paths: bool = False  # shards outside the index's folder (same protocol)
     rank: int | None = None
     world_size: int | None = None
 
@@ -183,6 +184,8 @@ class StreamDataset(IterableDataset):
             minimum in the message: lower ``shuffle_window`` to stream with less disk.
         prefetch_shards: shards kept ahead of the reader (default: the working set + 16);
             prefetch_workers: download threads per process.
+        allow_external_paths: read shards the index names outside its own folder (on the
+            index's filesystem only; see :func:`streamcache.index.check_shard_paths`).
         rank, world_size: default: torch.distributed, else RANK/WORLD_SIZE, else 0/1.
 
     Raises:
@@ -196,7 +199,7 @@ class StreamDataset(IterableDataset):
         self.options = StreamOptions(**options)
         opts = self.options
         self.index = url if isinstance(url, DatasetIndex) else load_index(
-            url, opts.storage_options
+            url, opts.storage_options, allow_external_paths=opts.allow_external_paths
         )
         self.schema = self.index.schema.select(opts.fields)
         self._fields = {f.name: f for f in self.schema}
