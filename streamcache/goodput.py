@@ -158,18 +158,45 @@ def _check(**values: float) -> None:
             raise GoodputError(f"{name.replace('_', ' ')} must be positive, not {value}")
 
 
+def duration_argument(text: str) -> float:
+    """:func:`parse_duration` for ``argparse``: a bad duration is a usage error that says how
+    to write one."""
+    try:
+        return parse_duration(text)
+    except GoodputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--failures-per-day", type=float, required=True,
                         help="failures of the whole job per day (e.g. 8.6)")
-    parser.add_argument("--interval", type=parse_duration,
+    parser.add_argument("--interval", type=duration_argument,
                         help="checkpoint interval (e.g. 30m, 2h); omit to get a recommendation")
-    parser.add_argument("--save-cost", type=parse_duration, default=0.0,
-                        help="time one save blocks training (measured; e.g. 0.9s)")
-    parser.add_argument("--restart-cost", type=parse_duration, default=0.0,
-                        help="time from a failure to training again (e.g. 5m)")
+    parser.add_argument("--save-cost", type=duration_argument, default=0.0,
+                        help="time one save blocks training (measured; e.g. 0.9s; default 0)")
+    parser.add_argument("--restart-cost", type=duration_argument, default=0.0,
+                        help="time from a failure to training again (e.g. 5m; default 0)")
+    parser.add_argument("--plot", metavar="FILE",
+                        help="draw goodput against the checkpoint interval into FILE (PNG, "
+                             "SVG or PDF; needs matplotlib: pip install streamcache[plot])")
+
+
+def assumptions(save_cost: float, restart_cost: float) -> str | None:
+    """The line that says which costs the report takes as zero, or None when none is."""
+    free = [name for name, cost in (("saves", save_cost), ("restarts", restart_cost))
+            if cost == 0]
+    if not free:
+        return None
+    flags = " and ".join(f"--{name[:-1]}-cost" for name in free)
+    return (f"note: assuming {' and '.join(free)} cost nothing; pass the measured {flags} "
+            f"to count {'them' if len(free) > 1 else 'it'}")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot:
+        from .plots import require_matplotlib
+
+        require_matplotlib()
     result = report(args.failures_per_day, interval=args.interval, save_cost=args.save_cost,
                     restart_cost=args.restart_cost)
     print(f"mean time between failures: {format_duration(result.mtbf)}")
@@ -180,4 +207,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"{label}: {format_duration(result.interval)}")
     print(f"expected goodput: {result.goodput:.1%}  (lost to saves {result.save_overhead:.1%}, "
           f"to recomputation {result.lost_work:.1%}, to restarts {result.restart_overhead:.1%})")
+    note = assumptions(args.save_cost, args.restart_cost)
+    if note:
+        print(note)
+    if args.plot:
+        from .plots import plot_goodput
+
+        plot_goodput(result, args.save_cost, args.restart_cost, args.plot)
+        print(f"plot: {args.plot}")
     return 0

@@ -93,3 +93,35 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert "recommended interval: 2.2 min" in out and "Young's interval: 2.2 min" in out
     assert cli_main(["goodput", "--failures-per-day", "8.6"]) == 1
     assert "save cost is needed" in capsys.readouterr().err
+
+
+def test_cli_says_when_it_assumes_free_saves_and_restarts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["goodput", "--failures-per-day", "8.6", "--interval", "2h"]) == 0
+    out = capsys.readouterr().out
+    assert "assuming saves and restarts cost nothing" in out and "--save-cost" in out
+    assert cli_main(["goodput", "--failures-per-day", "8.6", "--interval", "2h",
+                     "--save-cost", "1s", "--restart-cost", "5m"]) == 0
+    assert "assuming" not in capsys.readouterr().out
+
+
+def test_cli_plot_draws_the_goodput_curve(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "goodput.png"
+    assert cli_main(["goodput", "--failures-per-day", "8.6", "--save-cost", "0.9s",
+                     "--restart-cost", "5m", "--plot", str(path)]) == 0
+    assert path.read_bytes().startswith(b"\x89PNG") and path.stat().st_size > 10_000
+    assert str(path) in capsys.readouterr().out
+
+
+def test_cli_plot_without_matplotlib_is_one_clear_line(
+        tmp_path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    assert cli_main(["goodput", "--failures-per-day", "8.6", "--interval", "2h", "--plot",
+                     str(tmp_path / "g.png")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "streamcache[plot]" in err[0]
+    assert not (tmp_path / "g.png").exists()
