@@ -241,6 +241,10 @@ class NodeCache:
             os.utime(path)  # tells every process's eviction that it was just handed out
         except FileNotFoundError:
             return None
+        except OSError as error:
+            if error.errno in _NOT_WRITABLE:
+                raise self._not_writable(error) from error
+            raise
         self._last_used[self._key(shard)] = time.time()
         return path
 
@@ -381,9 +385,19 @@ class NodeCache:
         return entries
 
     def _make_layout(self) -> None:
-        """Create the folders this cache writes to (again, if someone removed them)."""
+        """Create the folders this cache writes to (again, if someone removed them).
+
+        Raises:
+            CacheError: one of them is a symlink (planted: the cache would write, and
+                replace stale copies, wherever it points).
+        """
         for folder in (self._shard_dir, self._lock_dir, os.path.join(self.cache_dir, "tmp")):
             os.makedirs(folder, exist_ok=True)
+            if os.path.islink(folder):
+                raise CacheError(
+                    f"{folder} is a symbolic link to {os.path.realpath(folder)}; the cache "
+                    "writes only into folders of its own: remove the link (or use another "
+                    "cache_dir)")
 
     def _not_writable(self, error: OSError) -> CacheError:
         return CacheError(

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,7 +47,7 @@ from streamcache.errors import (
 )
 from streamcache.index import DatasetIndex, build_index, load_index
 from streamcache.plan import EpochOrder, ShuffleOptions
-from streamcache.prefetch import ShardUsage
+from streamcache.prefetch import Prefetcher, PrefetchOptions, ShardUsage
 
 PARQUET_FILES = 4
 PARQUET_ROWS = 50
@@ -196,7 +197,7 @@ def test_in_place_verification_is_remembered_per_file_size_and_mtime(tmp_path: P
     assert installed_files(cache_dir) == []  # still read in place, never copied
 
 
-# --------------------------------------------------------------------------- bookkeeping confinement
+# ------------------------------------------------------------------ bookkeeping confinement
 
 
 def plant_accounting(cache_dir: Path, planted: dict[str, int]) -> None:
@@ -241,7 +242,7 @@ def test_a_symlinked_dataset_folder_in_the_cache_is_never_evicted_through(
     assert (outside / "000001.arrow").stat().st_size == 50_000
 
 
-# --------------------------------------------------------------------------- faults of the local disk
+# ------------------------------------------------------------------ faults of the local disk
 
 
 @contextlib.contextmanager
@@ -294,20 +295,42 @@ def test_a_disk_full_of_other_files_gives_a_clear_error(tmp_path: Path) -> None:
             while True:
                 f.write(b"\0" * 4096)
                 f.flush()
-        with pytest.raises(CacheError, match="no space left.*cache_dir") as caught:
+        with pytest.raises(CacheError, match=r"no space left.*cache_dir") as caught:
             cache.local_path(0)
         assert isinstance(caught.value, StreamcacheError)
 
 
-def test_the_cache_dir_removed_mid_epoch_is_made_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("prefetch", [False, True], ids=["cache", "prefetch"])
+def test_the_cache_dir_removed_mid_epoch_is_made_again(tmp_path: Path, prefetch: bool) -> None:
     index = write_shards(tmp_path / "ds", num_shards=6)
     cache_dir = tmp_path / "cache"
-    with DatasetReader(index, store=NodeCache(index, str(cache_dir), cache_limit=1 << 20)) as r:
-        r.read_batch(np.arange(2 * ROWS_PER_SHARD))
+    cache = NodeCache(index, str(cache_dir), cache_limit=1 << 20)
+    store: Any = Prefetcher(cache, PrefetchOptions(workers=2)) if prefetch else cache
+    with DatasetReader(index, store=store) as reader:
+        if prefetch:
+            store.update(np.arange(len(index.shards)), np.arange(len(index.shards)))
+        reader.read_batch(np.arange(2 * ROWS_PER_SHARD))
+        if prefetch:  # (let the download threads finish: rmtree of a folder being written fails)
+            deadline = time.monotonic() + 30
+            while store.stats.tasks_done < len(index.shards) and time.monotonic() < deadline:
+                time.sleep(0.01)
         shutil.rmtree(cache_dir)  # a cleanup script, an operator
-        r._readers.clear()
-        assert read_everything(r) == index.num_samples
+        reader._readers.clear()
+        if prefetch:
+            store.update(np.arange(len(index.shards)), np.arange(len(index.shards)))
+        assert read_everything(reader) == index.num_samples
     assert len(installed_files(cache_dir)) == len(index.shards)
+
+
+def test_a_symlinked_folder_of_the_cache_itself_is_refused(tmp_path: Path) -> None:
+    index = write_shards(tmp_path / "ds", num_shards=2)
+    probe = NodeCache(index, str(tmp_path / "probe"))
+    name = os.path.basename(os.path.dirname(probe.shard_path(0)))
+    (tmp_path / "cache" / "datasets").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "cache" / "datasets" / name)
+    with pytest.raises(CacheError, match="symbolic link"):
+        NodeCache(index, str(tmp_path / "cache"))
 
 
 def test_a_read_only_cache_dir_gives_a_clear_error(tmp_path: Path) -> None:
@@ -315,9 +338,9 @@ def test_a_read_only_cache_dir_gives_a_clear_error(tmp_path: Path) -> None:
     with tmpfs(tmp_path / "ro", "1m") as disk:
         NodeCache(index, str(disk / "c")).install(0)
         subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
-        with pytest.raises(CacheError, match="not writable.*cache_dir"):
+        with pytest.raises(CacheError, match=r"not writable.*cache_dir"):
             NodeCache(index, str(disk / "c"))
-        with pytest.raises(CacheError, match="not writable.*cache_dir"):
+        with pytest.raises(CacheError, match=r"not writable.*cache_dir"):
             NodeCache(index, str(disk / "other"))
 
 
