@@ -451,7 +451,8 @@ def discover_files(url: str, storage_options: Mapping[str, Any] | None = None,
         found = [p for p in fs.glob(path) if fs.isfile(p)]
     elif fs.isdir(path):
         root = path.rstrip("/")
-        found = [p for p in fs.find(path) if _shard_format(p)]
+        saved = _saved_by_hf_datasets(fs, root, url)
+        found = saved if saved is not None else [p for p in fs.find(path) if _shard_format(p)]
     elif fs.exists(path):
         root, found = posixpath.dirname(path), [path]
     else:
@@ -460,6 +461,49 @@ def discover_files(url: str, storage_options: Mapping[str, Any] | None = None,
     if not files:
         raise SourceError(f"no Parquet or Arrow IPC files found at {url}")
     return fs, root, files
+
+
+HF_STATE = "state.json"  # beside the Arrow files of a Hugging Face `save_to_disk` folder
+HF_DATASET_DICT = "dataset_dict.json"  # beside the split folders of a saved DatasetDict
+_MAX_SIDE_JSON_BYTES = 16 << 20
+
+
+def _saved_by_hf_datasets(fs: Any, root: str, url: str) -> list[str] | None:
+    """The data files of a folder written by Hugging Face ``datasets.save_to_disk``, in the
+    order its ``state.json`` lists them; None for any other folder.
+
+    Raises:
+        SourceError: the folder holds a DatasetDict (several splits: index one), or its
+            ``state.json`` is malformed or names a file that is not there.
+    """
+    if fs.exists(storage.join(root, HF_DATASET_DICT)):
+        splits = sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False)
+                        if fs.isdir(p))
+        raise SourceError(
+            f"{url} holds a Hugging Face DatasetDict (splits {splits}): index one split, e.g. "
+            f"`streamcache index {storage.join(url.rstrip('/'), splits[0] if splits else 'train')}`"
+        )
+    state_path = storage.join(root, HF_STATE)
+    if not fs.exists(state_path):
+        return None
+    try:
+        state = json.loads(read_capped(fs, state_path, _MAX_SIDE_JSON_BYTES))
+        names = [entry["filename"] for entry in state["_data_files"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SourceError(f"{storage.unstrip(fs, state_path)} is not a Hugging Face datasets "
+                          f"state file ({exc}); save the dataset again") from exc
+    files = []
+    for name in names:
+        if not isinstance(name, str) or not _shard_format(name) or "/" in name or \
+                name.startswith("."):
+            raise SourceError(f"{storage.unstrip(fs, state_path)} lists {name!r}, not an Arrow "
+                              "file beside it; save the dataset again")
+        files.append(storage.join(root, name))
+    missing = [f for f in files if not fs.exists(f)]
+    if missing:
+        raise SourceError(f"{storage.unstrip(fs, state_path)} lists {missing[0]}, which is "
+                          "missing; save the dataset again")
+    return files
 
 
 def _footer_info(fs: Any, path: str, root: str) -> tuple[ShardInfo, pa.Schema, str]:
@@ -474,16 +518,30 @@ def _footer_info(fs: Any, path: str, root: str) -> tuple[ShardInfo, pa.Schema, s
                 raw = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
                 compression = _parquet_compression(meta)
             else:
-                reader = ipc.open_file(f)
-                rows = sum(reader.get_record_batch(i).num_rows
-                           for i in range(reader.num_record_batches))
-                arrow_schema, raw, compression = reader.schema, None, None
+                fmt, rows, arrow_schema, raw = _arrow_rows(f)
+                compression = None
         except (pa.ArrowInvalid, OSError) as exc:
             raise SourceError(
                 f"{storage.unstrip(fs, path)} is not a readable {fmt} file: {exc}"
             ) from exc
     info = ShardInfo(relative, str(fmt), rows, size, None, compression, raw)
     return info, arrow_schema, storage.unstrip(fs, path)
+
+
+def _arrow_rows(f: Any) -> tuple[str, int, pa.Schema, int | None]:
+    """(format, rows, schema, raw bytes or None) of an Arrow IPC file, or of a footer-less IPC
+    stream such as Hugging Face ``save_to_disk`` writes (no footer: its batches are read)."""
+    try:
+        reader = ipc.open_file(f)
+    except pa.ArrowInvalid:
+        f.seek(0)
+        stream = ipc.open_stream(f)
+        rows = raw = 0
+        for batch in stream:
+            rows, raw = rows + batch.num_rows, raw + batch.nbytes
+        return "arrow_stream", rows, stream.schema, raw
+    rows = sum(reader.get_record_batch(i).num_rows for i in range(reader.num_record_batches))
+    return "arrow", rows, reader.schema, None
 
 
 def _parquet_compression(meta: Any) -> str | None:

@@ -1,6 +1,7 @@
 """From a stored shard to the local layout the reader maps: uncompressed, canonical Arrow IPC.
 
-A stored shard (zstd-compressed Arrow IPC, or a Parquet file written by anyone) is decoded
+A stored shard (zstd-compressed Arrow IPC, an Arrow IPC stream such as Hugging Face
+``save_to_disk`` writes, or a Parquet file written by anyone) is decoded
 once, on install, into an Arrow IPC file with one record batch, no compression and the
 canonical type of every field. Reads after that are memcpy from a memory map. A local file
 that is already in that layout is read in place (:func:`is_local_layout`).
@@ -35,6 +36,9 @@ def decode_shard(data: Any, fmt: str, schema: Schema, *, where: str,
     try:
         if fmt == "parquet":
             table = pq.read_table(source, columns=schema.names)
+        elif fmt == "arrow_stream":  # footer-less (e.g. Hugging Face save_to_disk)
+            with pa.OSFile(source) if isinstance(source, str) else source as stream:
+                table = ipc.open_stream(stream).read_all()
         else:
             table = ipc.open_file(source).read_all()
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
