@@ -5,9 +5,10 @@
 - :func:`apply_sample_transform` / :func:`apply_batch_transform`: user transforms, each
   sample carrying its plan seed (``__seed__``) so augmentation does not depend on which rank
   or worker reads it.
-- :func:`seeded_global_rngs`: run code with Python's, numpy's and torch's global RNGs seeded
-  from (seed, epoch, step), then put the previous states back, so a transform that uses
-  global randomness is reproducible and the training loop's own RNG streams are untouched.
+- :func:`preserved_global_rngs` / :func:`seed_global_rngs`: the randomness contract. A
+  per-sample transform runs with Python's, numpy's and torch's global (CPU) RNGs seeded from
+  its sample's seed; a batch transform with them seeded from its batch's first sample. The
+  previous states are put back afterwards, so the training loop's own streams are untouched.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .plan.bijection import derive_key
+from .errors import TransformError
+from .plan.bijection import derive_key, derive_keys
 from .reader import Ragged
 from .schema import Field
 
@@ -29,6 +31,9 @@ SEED_KEY = "__seed__"
 PADDING_KEY = "__padding__"
 RAGGED_MODES = ("padded", "offsets")
 _STEP_SEED_TAG = 0x5354_4550  # distinguishes step seeds from every other derived key
+# The global RNGs of a sample are seeded from its __seed__ folded with this key, so that they
+# do not replay the stream a transform gets from numpy.random.default_rng(__seed__).
+_GLOBAL_RNG_KEY = derive_key(0x474C_4F42)
 
 
 def step_seed(seed: int, epoch: int, step: int) -> int:
@@ -36,21 +41,62 @@ def step_seed(seed: int, epoch: int, step: int) -> int:
     return derive_key(seed, epoch, step, _STEP_SEED_TAG)
 
 
+def global_rng_seeds(sample_seeds: np.ndarray) -> list[int]:
+    """The seed of the global RNGs for each sample, from its ``__seed__`` alone."""
+    return [int(s) for s in derive_keys(_GLOBAL_RNG_KEY, np.asarray(sample_seeds,
+                                                                    dtype=np.uint64))]
+
+
+def seed_global_rngs(seed: int) -> None:
+    """Seed ``random``, ``numpy.random`` and torch's default CPU generator from one 64-bit seed.
+
+    Only the CPU generator: ``torch.manual_seed`` would also reseed every CUDA generator, which
+    the training loop owns (dropout) and which is not restored afterwards.
+    """
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.random.default_generator.manual_seed(seed % (1 << 63))
+
+
 @contextlib.contextmanager
-def seeded_global_rngs(seed: int) -> Iterator[None]:
-    """Seed ``random``, ``numpy.random`` and torch's CPU generator; restore them afterwards."""
+def preserved_global_rngs() -> Iterator[None]:
+    """Put the global RNGs (Python, numpy, torch CPU) back as they were when the block ends."""
     py_state = random.getstate()
     np_state = np.random.get_state()
     torch_state = torch.random.get_rng_state()
-    random.seed(seed)
-    np.random.seed(seed % (1 << 32))
-    torch.manual_seed(seed % (1 << 63))
     try:
         yield
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
         torch.random.set_rng_state(torch_state)
+
+
+@contextlib.contextmanager
+def seeded_global_rngs(seed: int) -> Iterator[None]:
+    """Seed the global RNGs (:func:`seed_global_rngs`); restore them afterwards."""
+    with preserved_global_rngs():
+        seed_global_rngs(seed)
+        yield
+
+
+def transform_name(transform: Callable[..., Any]) -> str:
+    """How an error names a user's transform (its qualified name, else its repr)."""
+    name = getattr(transform, "__qualname__", None) or getattr(transform, "__name__", None)
+    return str(name) if name else repr(transform)
+
+
+def check_transform_output(value: Any, transform: Callable[..., Any], option: str,
+                           what: str) -> Mapping[str, Any]:
+    """``value`` if it is a dict (a mapping of field names), else :class:`TransformError`."""
+    if isinstance(value, Mapping):
+        return value
+    raise TransformError(
+        f"{option} {transform_name(transform)} returned a {type(value).__name__} for {what}; "
+        f"it must return a dict of fields (e.g. {{'image': tensor, 'label': 3}}), which "
+        "the loader collates into the batch"
+        + (" (turn it into another structure with collate_fn=)" if option == "transform"
+           else ""))
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
@@ -106,14 +152,61 @@ def apply_sample_transform(arrays: Mapping[str, Any], fields: Mapping[str, Field
                            collate: Callable[[list[Any]], Any]) -> Any:
     """Run ``transform`` on every sample (each with its ``__id__`` and ``__seed__``), collate.
 
-    ``__id__`` (and ``__padding__``) are put back on the collated batch when the transform
-    dropped them, so every batch can be checked against the plan.
+    Each call runs with the global RNGs seeded from its sample's ``__seed__`` (the caller
+    restores them afterwards), so even a transform that draws from ``random``,
+    ``numpy.random`` or ``torch.rand`` gives a sample the same result on any world size,
+    worker count, batch size or resume. ``__id__`` (and ``__padding__``) are put back on the
+    collated batch when the transform dropped them, so every batch can be checked against
+    the plan.
+
+    Raises:
+        TransformError: the transform returned something other than a dict.
     """
     samples = split_samples(arrays, fields)
-    outputs = [transform(sample) for sample in samples]
+    seeds = global_rng_seeds(np.asarray(arrays[SEED_KEY], dtype=np.uint64))
+    outputs = []
+    for sample, seed in zip(samples, seeds, strict=True):
+        seed_global_rngs(seed)
+        outputs.append(check_transform_output(transform(sample), transform, "transform",
+                                              f"the sample with __id__ {sample[ID_KEY]}"))
     batch = collate(outputs)
     if isinstance(batch, dict):
         for key in (ID_KEY, PADDING_KEY):
             if key in arrays and key not in batch:
                 batch[key] = _tensor(np.asarray(arrays[key]))
+    return batch
+
+
+def apply_batch_transform(arrays: dict[str, Any],
+                          transform: Callable[[dict[str, Any]], Any]) -> Mapping[str, Any]:
+    """Run ``transform`` on a batch's numpy arrays (with ``__seed__``).
+
+    It runs with the global RNGs seeded from the batch's first sample (its ``__seed__``; an
+    empty batch, from the step): a rerun or a resume draws the same for the same batch, and
+    ranks draw differently. A batch depends on the world size, so these draws do too: for
+    augmentation that does not, draw per sample from ``__seed__``.
+
+    Raises:
+        TransformError: the transform returned something other than a dict.
+    """
+    seeds = np.asarray(arrays[SEED_KEY], dtype=np.uint64)
+    if len(seeds):
+        seed_global_rngs(global_rng_seeds(seeds[:1])[0])
+    ids = arrays.get(ID_KEY)
+    what = (f"the batch starting at __id__ {int(ids[0])}" if ids is not None and len(ids)
+            else "an empty batch")
+    return check_transform_output(transform(arrays), transform, "batch_transform", what)
+
+
+def empty_like(batch: Any) -> Any:
+    """The same structure as a collated ``batch`` with no samples: tensors and arrays keep
+    their dtype and trailing shape with a leading 0, lists and tuples become empty."""
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
+        return batch[:0] if batch.ndim else batch
+    if isinstance(batch, Mapping):
+        return {key: empty_like(value) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(empty_like(value) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)()
     return batch

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from .advice import ShardAdvice, working_set_bound
@@ -25,8 +24,11 @@ from .batching import (
     PADDING_KEY,
     RAGGED_MODES,
     SEED_KEY,
+    apply_batch_transform,
     apply_sample_transform,
-    seeded_global_rngs,
+    empty_like,
+    preserved_global_rngs,
+    seed_global_rngs,
     step_seed,
     to_torch,
 )
@@ -46,6 +48,7 @@ from .plan import (
 from .plan import sample_seeds as plan_sample_seeds
 from .plan.order import DEFAULT_WINDOW
 from .prefetch import Prefetcher, PrefetchOptions
+from .topology import resolve_topology
 
 
 @dataclass(frozen=True)
@@ -88,27 +91,6 @@ class StreamOptions:
             object.__setattr__(self, "fields", tuple(self.fields))
 
 
-def resolve_topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """(rank, world size): the arguments, else torch.distributed, else RANK/WORLD_SIZE, else 0/1.
-
-    Raises:
-        PlanError: an impossible pair (rank outside [0, world size)).
-    """
-    if rank is None or world_size is None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rank = torch.distributed.get_rank() if rank is None else rank
-            world_size = torch.distributed.get_world_size() if world_size is None else world_size
-        elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            rank = int(os.environ["RANK"]) if rank is None else rank
-            world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
-        else:
-            rank = 0 if rank is None else rank
-            world_size = 1 if world_size is None else world_size
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise PlanError(f"rank {rank} is impossible with world size {world_size}")
-    return rank, world_size
-
-
 @dataclass(frozen=True)
 class StepRef:
     """One global step: its epoch, the segment it belongs to and its index there."""
@@ -120,18 +102,28 @@ class StepRef:
 
 
 class Schedule:
-    """The steps from a cursor on: the rest of its epoch, then (infinite) whole epochs."""
+    """The steps of one rank from a cursor on: the rest of its epoch, then (infinite) whole
+    epochs. Made when a pass starts, with the topology resolved then.
 
-    def __init__(self, cursor: Cursor, global_batch: int, world_size: int, tail: TailPolicy,
-                 infinite: bool) -> None:
+    Raises:
+        PlanError: impossible batch and world sizes, or an epoch that holds no step at all
+            (fewer samples than a global batch with tail "drop"): it would yield nothing,
+            every epoch, without a word.
+    """
+
+    def __init__(self, cursor: Cursor, global_batch: int, rank: int, world_size: int,
+                 tail: TailPolicy, infinite: bool) -> None:
         self.cursor = cursor
+        self.rank = rank
         self.first = cursor.segment(global_batch, world_size, tail)
         self.full = EpochSegment(cursor.num_samples, 0, global_batch, world_size, tail)
         self.infinite = infinite
-        if infinite and self.full.num_steps == 0:
+        if self.full.num_steps == 0:
             raise PlanError(
-                f"an epoch of {cursor.num_samples} samples holds no whole global batch of "
-                f"{global_batch} (tail={tail.value}): infinite iteration would never yield"
+                f"an epoch of {cursor.num_samples} samples holds no step of a global batch of "
+                f"{global_batch} with tail=\"drop\": no step can ever be formed. Use a global "
+                f"batch of at most {cursor.num_samples} samples, or tail=\"pad\" or "
+                "tail=\"split\" to read the short epoch as one step"
             )
 
     def segments(self) -> Iterator[tuple[int, EpochSegment, int]]:
@@ -169,11 +161,17 @@ class StreamDataset(IterableDataset):
         fields: the fields to read (default: all).
         ragged: variable-length fields as ``"padded"`` tensors plus ``<name>_lengths``, or as
             ``"offsets"`` (values plus ``<name>_offsets``).
-        transform: per-sample callable ``sample -> sample``; each sample has ``__id__`` and
-            ``__seed__`` (use ``numpy.random.default_rng(sample["__seed__"])``); outputs are
-            collated with ``collate_fn`` (default: torch's default_collate).
-        batch_transform: callable on the dict of numpy batch arrays (with ``__seed__``).
-            Both kinds run with the global RNGs seeded from (seed, epoch, step) and restored.
+        transform: per-sample callable ``sample -> dict``; each sample has ``__id__`` and
+            ``__seed__`` (use ``numpy.random.default_rng(sample["__seed__"])``), and each call
+            runs with the global RNGs (``random``, ``numpy.random``, torch's CPU generator)
+            seeded from that sample alone, so its output does not depend on the world size,
+            workers or resumes. The dicts are collated with ``collate_fn`` (default: torch's
+            default_collate).
+        batch_transform: callable on the dict of numpy batch arrays (with ``__seed__``),
+            returning a dict; it runs with the global RNGs seeded from the batch's first
+            sample: reproducible for the same global batch and world size, not across world
+            sizes (draw per sample from ``__seed__`` for that). The loop's RNG states are
+            restored after either kind.
         with_seeds: add ``__seed__`` to batches without a transform.
         infinite: iterate across epochs without end (LLM jobs count steps).
         cache_dir: the node-local cache folder shared by every process of the node
@@ -186,7 +184,16 @@ class StreamDataset(IterableDataset):
             prefetch_workers: download threads per process.
         allow_external_paths: read shards the index names outside its own folder (on the
             index's filesystem only; see :func:`streamcache.index.check_shard_paths`).
-        rank, world_size: default: torch.distributed, else RANK/WORLD_SIZE, else 0/1.
+        rank, world_size: resolved when a pass starts, not when the dataset is made (so it
+            may be made before the process group, e.g. in a LightningModule's __init__):
+            the arguments, else torch.distributed, else RANK/WORLD_SIZE, else 0 of 1 where
+            the environment does not say the job is distributed (that is refused).
+
+    ``len()`` is the number of steps of a whole epoch (as a DataLoader's, also after a
+    mid-epoch resume); ``steps_remaining`` the steps left in the cursor's epoch. With
+    ``global_batch_size`` both are the same on every world size; with ``batch_size`` (per
+    rank) the global batch is ``batch_size * world_size``, so they resolve the topology
+    when called.
 
     Raises:
         PlanError: impossible batch/world sizes or options; IndexNotFoundError etc. for URL.
@@ -203,15 +210,13 @@ class StreamDataset(IterableDataset):
         )
         self.schema = self.index.schema.select(opts.fields)
         self._fields = {f.name: f for f in self.schema}
-        self.rank, self.world_size = resolve_topology(opts.rank, opts.world_size)
-        self.global_batch = (opts.global_batch_size if opts.global_batch_size is not None
-                             else int(opts.batch_size or 0) * self.world_size)
         self.tail = TailPolicy(opts.tail)
         self.shuffle = ShuffleOptions(enabled=opts.shuffle, window=opts.shuffle_window,
                                       window_unit=opts.shuffle_window_unit)
         self.cursor = Cursor(self.index.fingerprint, self.index.num_samples, opts.seed,
                              self.shuffle)
-        self.schedule()  # validates the batch and world sizes now, not at the first step
+        self._topology: tuple[int, int] | None = None  # as resolved when the last pass started
+        self._validate()
         self._lock = threading.RLock()  # the reader property builds the store under it
         self._orders: dict[int, EpochOrder] = {}
         self._advice: dict[int, ShardAdvice] = {}
@@ -223,18 +228,75 @@ class StreamDataset(IterableDataset):
 
     # ------------------------------------------------------------ the plan
 
+    # ------------------------------------------------------------ the topology
+
+    @property
+    def topology(self) -> tuple[int, int]:
+        """``(rank, world_size)``: as resolved when the last pass started, else resolved now
+        (see :func:`~streamcache.topology.resolve_topology`)."""
+        if self._topology is not None:
+            return self._topology
+        return resolve_topology(self.options.rank, self.options.world_size)
+
+    @property
+    def rank(self) -> int:
+        return self.topology[0]
+
+    @property
+    def world_size(self) -> int:
+        return self.topology[1]
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per step over all ranks (with ``batch_size``, this needs the topology)."""
+        opts = self.options
+        if opts.global_batch_size is not None:
+            return opts.global_batch_size
+        return int(opts.batch_size or 0) * self.world_size
+
+    def _validate(self) -> None:
+        """Refuse impossible options when the dataset is made, as far as they are known
+        before the topology: all of them when rank and world size are given."""
+        opts = self.options
+        if opts.rank is not None and opts.world_size is not None:
+            rank, world_size = resolve_topology(opts.rank, opts.world_size)
+            self._schedule(rank, world_size, int(opts.global_batch_size or
+                                                 int(opts.batch_size or 0) * world_size))
+        elif opts.global_batch_size is not None:
+            self._schedule(0, 1, opts.global_batch_size)
+
+    # ------------------------------------------------------------ the plan
+
     def schedule(self) -> Schedule:
-        return Schedule(self.cursor, self.global_batch, self.world_size, self.tail,
+        """This rank's steps from the cursor on. A pass starts here: the topology is resolved
+        now, and kept for the pass (worker processes receive it with the dataset)."""
+        self._topology = resolve_topology(self.options.rank, self.options.world_size)
+        return self._schedule(*self._topology, self.global_batch)
+
+    def _schedule(self, rank: int, world_size: int, global_batch: int) -> Schedule:
+        return Schedule(self.cursor, global_batch, rank, world_size, self.tail,
                         self.options.infinite)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` from its beginning at the next iteration."""
+        """Start epoch ``epoch`` from its beginning at the next iteration; the epoch the
+        cursor is in already keeps its cursor (``set_epoch`` before every epoch, as with a
+        DistributedSampler, also right after a mid-epoch resume)."""
+        if epoch == self.cursor.epoch:
+            return
         self.cursor = Cursor(self.cursor.dataset_fingerprint, self.cursor.num_samples,
                              self.cursor.seed, self.cursor.shuffle, epoch, 0)
 
     def __len__(self) -> int:
-        """Steps left in the current epoch (the same on every rank)."""
-        return self.cursor.segment(self.global_batch, self.world_size, self.tail).num_steps
+        """Steps in a whole epoch (as a DataLoader's ``len``; also during and after a mid-epoch
+        resume). The same on every rank."""
+        # the count of steps does not depend on the world size, only on the global batch
+        return EpochSegment(self.cursor.num_samples, 0, self.global_batch, 1,
+                            self.tail).num_steps
+
+    @property
+    def steps_remaining(self) -> int:
+        """Steps left in the cursor's epoch (after a mid-epoch resume: fewer than ``len``)."""
+        return self.cursor.segment(self.global_batch, 1, self.tail).num_steps
 
     def order(self, epoch: int) -> EpochOrder:
         with self._lock:
@@ -321,12 +383,14 @@ class StreamDataset(IterableDataset):
         """This rank's steps for worker ``worker`` of ``num_workers`` (global step numbers
         ``% num_workers == worker``), each with its part of the global batch. The plan is
         computed many steps per pass. ``schedule`` defaults to one from the current cursor."""
-        for epoch, segment, first in (schedule or self.schedule()).segments():
+        schedule = schedule or self.schedule()
+        for epoch, segment, first in schedule.segments():
             order = self.order(epoch)
             local_worker = (worker - first) % num_workers
             if local_worker >= segment.num_steps:
                 continue
-            for part in segment.worker_batches(order, self.rank, local_worker, num_workers):
+            for part in segment.worker_batches(order, schedule.rank, local_worker,
+                                               num_workers):
                 self._advise(epoch, segment.step_span(part.step)[0])
                 yield StepRef(epoch, segment, part.step, first + part.step), part
 
@@ -344,21 +408,38 @@ class StreamDataset(IterableDataset):
     def finish_step(self, ref: StepRef, arrays: dict[str, Any]) -> Any:
         """Transform (if any) and convert one step's arrays to the batch the loop receives.
 
-        With a transform, the process-wide RNGs are seeded for the step and restored after,
-        so this must run on one thread at a time (the loader runs it on the consumer thread).
+        A transform runs with the process-wide RNGs seeded (per sample for ``transform``, per
+        batch for ``batch_transform``; see :mod:`streamcache.batching`) and restored after, so
+        this must run on one thread at a time (the loader runs it on the consumer thread).
         """
         opts = self.options
         if not self.transformed:
             return self._tensors(arrays)
-        first_position = ref.segment.step_span(ref.step)[0]
-        with seeded_global_rngs(step_seed(opts.seed, ref.epoch, first_position)):
+        with preserved_global_rngs():
+            seed_global_rngs(step_seed(opts.seed, ref.epoch, ref.segment.step_span(ref.step)[0]))
             if opts.transform is not None:
-                samples_arrays = dict(arrays)
-                samples_arrays[SEED_KEY] = [int(s) for s in arrays[SEED_KEY]]
-                return apply_sample_transform(samples_arrays, self._fields, opts.transform,
-                                              opts.collate_fn or default_collate)
+                if len(arrays[ID_KEY]) == 0:  # an empty part of a "split" tail
+                    return empty_like(self._transform_samples(self._first_of_step(ref)))
+                return self._transform_samples(arrays)
             assert opts.batch_transform is not None
-            return self._tensors(opts.batch_transform(arrays))
+            return self._tensors(apply_batch_transform(arrays, opts.batch_transform))
+
+    def _transform_samples(self, arrays: dict[str, Any]) -> Any:
+        opts = self.options
+        samples_arrays = dict(arrays)
+        samples_arrays[SEED_KEY] = [int(s) for s in arrays[SEED_KEY]]
+        assert opts.transform is not None
+        return apply_sample_transform(samples_arrays, self._fields, opts.transform,
+                                      opts.collate_fn or default_collate)
+
+    def _first_of_step(self, ref: StepRef) -> dict[str, Any]:
+        """The raw arrays of the step's first sample: the template of an empty batch (a
+        transform's output has a structure only a sample can show)."""
+        first = ref.segment.step_span(ref.step)[0]
+        positions = np.array([first % self.cursor.num_samples], dtype=np.int64)
+        ids, shards, rows = self.order(ref.epoch).samples_at(positions)
+        return self.read_step(ref, RankBatch(ref.step, positions, ids, shards, rows,
+                                             np.zeros(1, dtype=bool)))
 
     def make_batch(self, ref: StepRef, part: RankBatch | None = None) -> Any:
         """This rank's batch of one step: read, transform, convert to tensors."""
@@ -375,8 +456,12 @@ class StreamDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        for ref, part in self.planned(worker, workers):
+        if info is None:  # a pass starts in this process
+            worker, workers, schedule = 0, 1, self.schedule()
+        else:  # a worker process: the topology its parent resolved, if it did
+            worker, workers = info.id, info.num_workers
+            schedule = self._schedule(*self.topology, self.global_batch)
+        for ref, part in self.planned(worker, workers, schedule):
             yield self.make_batch(ref, part)
 
     # ------------------------------------------------------------ pickling for workers

@@ -30,11 +30,24 @@ from torch.utils.data import DataLoader
 
 from .dataset import Schedule, StepRef, StreamDataset
 from .plan import Cursor, CursorMismatchError, RankBatch
+from .plan.bijection import derive_key
 
 STATE_VERSION = 1
 WORKER_MODES = ("auto", "process", "thread")
 KEY_VERSION = "version"
 KEY_CURSOR = "cursor"
+_WORKER_SEED_TAG = 0x574B_5253  # distinguishes worker base seeds from every other derived key
+
+
+def worker_generator(cursor: Cursor) -> torch.Generator:
+    """The generator a pass's DataLoader draws its workers' base seed from.
+
+    Seeded from the plan (seed, epoch, samples consumed), so starting worker processes draws
+    nothing from the training loop's torch RNG: the loop's random stream continues exactly
+    after a resume, and a pass's workers are seeded the same in a rerun.
+    """
+    key = derive_key(cursor.seed, cursor.epoch, cursor.samples_consumed, _WORKER_SEED_TAG)
+    return torch.Generator().manual_seed(key % (1 << 63))
 
 
 class _NativeBatches:
@@ -116,6 +129,7 @@ class _LoaderIterator:
                 pin_memory=loader.pin_memory, prefetch_factor=loader.prefetch,
                 persistent_workers=False, timeout=loader.timeout,
                 multiprocessing_context=loader.multiprocessing_context,
+                generator=worker_generator(self._schedule.cursor),
             )
             self._source = iter(self._torch_loader)
         self._done = False
@@ -126,10 +140,6 @@ class _LoaderIterator:
     @property
     def done(self) -> bool:
         return self._done
-
-    @property
-    def steps_in_pass(self) -> int:
-        return self._schedule.first.num_steps
 
     def __next__(self) -> Any:
         if self._done:
@@ -241,16 +251,27 @@ class StreamLoader:
             return self._active
 
     def __len__(self) -> int:
-        """Steps of the pass in progress (constant while it runs), else of the next pass."""
+        """Steps in a whole epoch, as a DataLoader's ``len``: also during and after a
+        mid-epoch resume (trainers count epochs with it; Lightning does). The steps left in
+        the current epoch are :attr:`steps_remaining`.
+
+        Raises:
+            TypeError: an infinite loader has no length.
+        """
         if self.dataset.options.infinite:
             raise TypeError("an infinite StreamLoader has no length")
-        active = self._active
-        if active is not None and not active.done:
-            return active.steps_in_pass
         return len(self.dataset)
 
+    @property
+    def steps_remaining(self) -> int:
+        """Steps left in the cursor's epoch: ``len(loader)`` at its start, fewer after a
+        mid-epoch resume or during a pass (the cursor moves as batches are received)."""
+        return self.dataset.steps_remaining
+
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning at the next iteration (as DistributedSampler)."""
+        """Start ``epoch`` from its beginning at the next iteration (as DistributedSampler);
+        setting the epoch the cursor is in keeps the cursor, so ``set_epoch`` before every
+        epoch also works right after a mid-epoch resume."""
         self._close_active()
         self.dataset.set_epoch(epoch)
 

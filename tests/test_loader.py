@@ -178,7 +178,7 @@ def test_set_epoch_and_len(data: tuple[str, str]) -> None:
             if i == 2:
                 break
         rest = iter(it)  # a new pass continues after the 3 steps taken
-        assert len(it) == 3 and len(list(rest)) == 3
+        assert len(it) == 6 and it.steps_remaining == 3 and len(list(rest)) == 3
         it.set_epoch(5)
         assert it.state_dict()["cursor"]["epoch"] == 5
         ids5 = np.concatenate([ids_of(b) for b in it])
@@ -363,3 +363,224 @@ def test_worker_processes_only_where_a_transform_needs_them(data: tuple[str, str
     with StreamLoader(plain, num_workers=3) as threaded:
         ids = np.concatenate([ids_of(b) for b in threaded])
     assert sorted(ids.tolist()) == list(range(200))
+
+
+# ---------------------------------------------------------------- the seams (issue 12, 16)
+
+
+def test_topology_is_resolved_when_iteration_starts(data: tuple[str, str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Made before the process group exists (a LightningModule's __init__), the dataset takes
+    its rank when a pass starts, not when it is made."""
+    url, cache = data
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    dataset = StreamDataset(url, global_batch_size=8, cache_dir=cache, seed=2)
+    monkeypatch.setenv("RANK", "1")  # what init_process_group would report from here on
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with StreamLoader(dataset) as it:
+        ids = [ids_of(b) for b in it]
+    with loader(url, cache, rank=1, world=2, global_batch_size=8, seed=2) as reference:
+        expected = [ids_of(b) for b in reference]
+    assert len(ids) == len(expected) == 25
+    assert all(np.array_equal(a, b) for a, b in zip(ids, expected, strict=True))
+
+
+@pytest.mark.parametrize("env, options, match", [
+    ({"LOCAL_RANK": "1", "WORLD_SIZE": "2"}, {}, "LOCAL_RANK=1"),  # Lightning's launcher
+    ({"LOCAL_RANK": "0", "WORLD_SIZE": "2"}, {}, "WORLD_SIZE=2"),
+    ({}, {"world_size": 2}, "world_size=2 without rank="),
+])
+def test_a_distributed_environment_without_a_rank_is_refused_at_iteration(
+        data: tuple[str, str], monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
+        options: dict[str, Any], match: str) -> None:
+    url, cache = data
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    dataset = StreamDataset(url, global_batch_size=8, cache_dir=cache, **options)  # no error
+    assert len(dataset) == 25  # a global batch needs no rank to count steps
+    with StreamLoader(dataset) as it, pytest.raises(PlanError, match=match) as error:
+        next(iter(it))
+    assert "would read as rank 0" in str(error.value)
+    with pytest.raises(PlanError, match=match):
+        next(iter(dataset))
+
+
+def test_len_is_the_whole_epoch_after_a_mid_epoch_resume(data: tuple[str, str]) -> None:
+    url, cache = data
+    with loader(url, cache, global_batch_size=20) as it:
+        stream = iter(it)
+        for _ in range(3):
+            next(stream)
+        state = it.state_dict()
+    with loader(url, cache, global_batch_size=20) as resumed:
+        resumed.load_state_dict(state)
+        assert len(resumed) == len(resumed.dataset) == 10  # as DataLoader: the epoch's steps
+        assert resumed.steps_remaining == 7
+        stream = iter(resumed)
+        assert len(resumed) == 10 and resumed.steps_remaining == 7
+        next(stream)
+        assert len(resumed) == 10 and resumed.steps_remaining == 6
+        assert len(list(stream)) == 6
+        assert resumed.steps_remaining == 10  # the next epoch, from its start
+
+
+def test_set_epoch_of_the_epoch_in_progress_keeps_the_cursor(data: tuple[str, str]) -> None:
+    """The DistributedSampler habit: set_epoch(e) before every epoch, also right after a
+    mid-epoch resume."""
+    url, cache = data
+    with loader(url, cache, global_batch_size=20, seed=4) as it:
+        it.set_epoch(2)
+        epoch2 = [ids_of(b) for b in it]
+        it.set_epoch(2)  # epoch 2 is finished: the cursor is at epoch 3 now
+        assert it.state_dict()["cursor"]["epoch"] == 2  # another epoch: restarts it
+    with loader(url, cache, global_batch_size=20, seed=4) as it:
+        it.set_epoch(2)
+        stream = iter(it)
+        head = [ids_of(next(stream)) for _ in range(4)]
+        state = it.state_dict()
+    with loader(url, cache, global_batch_size=20, seed=4) as resumed:
+        resumed.load_state_dict(state)
+        resumed.set_epoch(2)
+        assert resumed.state_dict() == state
+        rest = [ids_of(b) for b in resumed]
+    assert all(np.array_equal(a, b) for a, b in zip(head + rest, epoch2, strict=True))
+
+
+def _tagged(sample: dict[str, Any]) -> dict[str, Any]:
+    return {"x": sample["x"] * 2, "__id__": sample["__id__"]}
+
+
+def test_split_tail_with_a_transform_gives_every_rank_a_well_formed_batch(
+        data: tuple[str, str]) -> None:
+    """200 samples, global batch 66 on 3 ranks: the last step holds 2 samples, so rank 0's
+    part of it is empty; it still gets that step, as an empty batch of the same fields."""
+    url, cache = data
+    per_rank = []
+    for rank in range(3):
+        with loader(url, cache, rank=rank, world=3, global_batch_size=66, tail="split",
+                    transform=_tagged) as it:
+            per_rank.append(list(it))
+    assert [len(batches) for batches in per_rank] == [4, 4, 4]
+    empty = per_rank[0][-1]
+    assert set(empty) == set(per_rank[1][-1]) == {"x", "__id__"}
+    assert empty["x"].shape == (0,) and empty["x"].dtype == per_rank[1][-1]["x"].dtype
+    assert len(ids_of(empty)) == 0
+    ids = np.concatenate([ids_of(b) for batches in per_rank for b in batches])
+    assert sorted(ids.tolist()) == list(range(200))
+
+
+def test_worker_processes_do_not_draw_from_the_loop_rng(data: tuple[str, str]) -> None:
+    url, cache = data
+    torch.manual_seed(5)
+    expected = torch.rand(4)
+    torch.manual_seed(5)
+    with loader(url, cache, global_batch_size=40, workers=1, transform=_tagged) as it:
+        for _ in it:
+            pass
+        assert torch.equal(torch.rand(4), expected)
+
+
+def _global_draws(sample: dict[str, Any]) -> dict[str, Any]:
+    return {"draws": np.array([random.random(), np.random.random(), torch.rand(1).item()]),
+            "__id__": sample["__id__"]}
+
+
+def test_global_rng_transforms_do_not_depend_on_the_world_size(data: tuple[str, str]) -> None:
+    url, cache = data
+
+    def draws_by_id(world: int, workers: int) -> dict[int, np.ndarray]:
+        out = {}
+        for rank in range(world):
+            with loader(url, cache, rank=rank, world=world, workers=workers,
+                        global_batch_size=12, transform=_global_draws) as it:
+                for batch in it:
+                    out.update(zip(ids_of(batch).tolist(), batch["draws"].numpy(),
+                                   strict=True))
+        return out
+
+    one = draws_by_id(1, 0)
+    assert len({tuple(v) for v in one.values()}) == len(one)  # a different draw per sample
+    for world, workers in ((2, 0), (3, 1)):
+        other = draws_by_id(world, workers)
+        assert other.keys() == one.keys()
+        assert all(np.array_equal(one[i], other[i]) for i in one)
+
+
+def _batch_draws(batch: dict[str, Any]) -> dict[str, Any]:
+    return {**batch, "draws": np.random.random(len(batch["x"]))}
+
+
+def test_batch_transform_draws_are_per_batch_and_reproducible(data: tuple[str, str]) -> None:
+    """The batch_transform contract: the global RNGs are seeded from the batch's first
+    sample, so reruns and resumes draw the same, and ranks draw differently."""
+    url, cache = data
+
+    def run(rank: int, world: int, state: dict | None = None) -> list[dict[str, Any]]:
+        with loader(url, cache, rank=rank, world=world, global_batch_size=12,
+                    batch_transform=_batch_draws) as it:
+            if state is not None:
+                it.load_state_dict(state)
+            return list(it)
+
+    first, second = run(0, 2), run(1, 2)
+    assert not np.array_equal(first[0]["draws"], second[0]["draws"])
+    again = run(0, 2)
+    assert all(np.array_equal(a["draws"], b["draws"]) for a, b in zip(first, again,
+                                                                      strict=True))
+    with loader(url, cache, rank=0, world=2, global_batch_size=12) as it:
+        stream = iter(it)
+        next(stream)
+        state = it.state_dict()
+    resumed = run(0, 2, state)
+    assert all(np.array_equal(a["draws"], b["draws"]) for a, b in zip(first[1:], resumed,
+                                                                      strict=True))
+
+
+def _returns_a_tensor(sample: dict[str, Any]) -> torch.Tensor:
+    return torch.tensor(sample["x"])
+
+
+def _batch_returns_a_tensor(batch: dict[str, Any]) -> torch.Tensor:
+    return torch.from_numpy(batch["x"])
+
+
+@pytest.mark.parametrize("option, fn, name", [
+    ("transform", _returns_a_tensor, "_returns_a_tensor"),
+    ("batch_transform", _batch_returns_a_tensor, "_batch_returns_a_tensor"),
+])
+def test_a_transform_that_does_not_return_a_dict_is_a_clear_error(
+        data: tuple[str, str], option: str, fn: Any, name: str) -> None:
+    from streamcache.errors import StreamcacheError, TransformError
+
+    url, cache = data
+    with loader(url, cache, global_batch_size=8, **{option: fn}) as it, \
+            pytest.raises(TransformError, match=f"{name}.*returned a Tensor.*dict") as error:
+        next(iter(it))
+    assert isinstance(error.value, StreamcacheError)
+
+
+@pytest.mark.parametrize("options", [
+    {"global_batch_size": 201},
+    {"batch_size": 101, "rank": 0, "world_size": 2},
+])
+def test_a_batch_larger_than_the_dataset_is_refused_with_tail_drop(
+        data: tuple[str, str], options: dict[str, Any]) -> None:
+    url, cache = data
+    with pytest.raises(PlanError, match=r"200 samples.*no step.*tail=\"pad\""):
+        StreamDataset(url, cache_dir=cache, **options)
+    for tail in ("pad", "split"):  # those read the short epoch as one step
+        with StreamLoader(StreamDataset(url, cache_dir=cache, tail=tail, **options)) as it:
+            assert len(it) == 1
+
+
+def test_a_per_rank_batch_larger_than_the_dataset_is_refused_when_iteration_starts(
+        data: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    url, cache = data
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    dataset = StreamDataset(url, batch_size=60, cache_dir=cache)  # 240 a step on 4 ranks
+    with StreamLoader(dataset) as it, pytest.raises(PlanError, match="no step"):
+        next(iter(it))

@@ -92,6 +92,26 @@ def test_elastic_resume_4_2_3_ranks_with_workers(tmp_path) -> None:
     assert all(np.array_equal(a, b) for a, b in zip(_global(phase3), epoch1[:3], strict=True))
 
 
+def _iterate_given(rank: int, world: int, dataset: StreamDataset) -> list[list[int]]:
+    """Iterate a dataset made in the parent process, before any process group existed."""
+    with StreamLoader(dataset) as loader:
+        return [ids_of(batch).tolist() for batch in loader]
+
+
+def test_a_loader_made_before_the_process_group_reads_its_own_rank(tmp_path) -> None:
+    """Made (and sent to the ranks) before init_process_group, as in a LightningModule's
+    __init__: each rank reads its own part of every global batch, not all of it."""
+    url = make_dataset(str(tmp_path), [37, 50, 13, 60, 40])
+    cache = str(tmp_path / "cache")
+    dataset = StreamDataset(url, global_batch_size=GLOBAL_BATCH, cache_dir=cache, seed=7)
+    results = run_ranks(_iterate_given, 2, dataset)
+    per_rank = [r.value for r in results]
+    assert len(per_rank[0]) == len(per_rank[1]) == SAMPLES // GLOBAL_BATCH
+    assert all(len(batch) == GLOBAL_BATCH // 2 for batches in per_rank for batch in batches)
+    seen = [i for batches in per_rank for batch in batches for i in batch]
+    assert len(seen) == len(set(seen)) == SAMPLES // GLOBAL_BATCH * GLOBAL_BATCH
+
+
 # ---------------------------------------------------------------- the training loop
 
 
