@@ -10,6 +10,10 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -143,6 +147,50 @@ StatusTuple py_gather_var(const std::vector<Bytes>& values, const std::vector<In
   return to_tuple(s);
 }
 
+// ---------------------------------------------------------------- test support
+// Pool jobs that the tests steer: a chunk can throw, or wait until the tests open a gate.
+// They let tests prove that a throwing chunk reaches the caller and that concurrent jobs
+// complete independently, which no gather can be made to do on purpose.
+
+std::mutex g_gate_mutex;
+std::condition_variable g_gate_changed;
+bool g_gate_open = true;   // guarded by g_gate_mutex
+int64_t g_gate_waiters = 0;  // guarded by g_gate_mutex
+
+// Returns how many chunks were waiting at the gate when it was set.
+int64_t py_set_test_gate(bool open) {
+  std::lock_guard<std::mutex> lock(g_gate_mutex);
+  g_gate_open = open;
+  g_gate_changed.notify_all();
+  return g_gate_waiters;
+}
+
+// Runs a pool job over n items; the chunk holding item throw_at throws, the one holding
+// block_at waits for the gate. Returns (items visited, the caller's exception message or "").
+std::tuple<int64_t, std::string> py_test_pool_job(int64_t n, int64_t throw_at, int64_t block_at) {
+  std::atomic<int64_t> visited{0};
+  std::string message;
+  nb::gil_scoped_release release;
+  try {
+    global_pool().parallel_for(static_cast<size_t>(n), 1, [&](size_t begin, size_t end) {
+      auto holds = [&](int64_t item) {
+        return item >= 0 && static_cast<size_t>(item) >= begin && static_cast<size_t>(item) < end;
+      };
+      if (holds(block_at)) {
+        std::unique_lock<std::mutex> lock(g_gate_mutex);
+        ++g_gate_waiters;
+        g_gate_changed.wait(lock, [] { return g_gate_open; });
+        --g_gate_waiters;
+      }
+      if (holds(throw_at)) throw std::runtime_error("chunk of item " + std::to_string(throw_at));
+      visited += static_cast<int64_t>(end - begin);
+    });
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  return {visited.load(), message};
+}
+
 using CounterTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
 
 // The blocking Scheduler calls release the GIL for the whole wait: readers and Python worker
@@ -214,6 +262,12 @@ NB_MODULE(_core, m) {
         nb::arg("out_values"), "Copy variable-width rows; returns (code, item, message).");
   m.def("set_num_threads", [](size_t n) { set_global_pool_size(n); }, nb::arg("threads"),
         "Size of the native thread pool (0 = hardware concurrency).");
-  m.def("get_num_threads", []() { return global_pool_size(); });
+  m.def("get_num_threads", []() { return global_pool_size(); },
+        "Size of the native thread pool (the caller's thread counts as one).");
+  m.def("_test_pool_job", &py_test_pool_job, nb::arg("n"), nb::arg("throw_at"),
+        nb::arg("block_at"), "(tests) A pool job that throws or blocks: (items visited, error).");
+  m.def("_set_test_gate", &py_set_test_gate, nb::arg("open"),
+        "(tests) Open or close the gate that _test_pool_job's block_at chunk waits for; "
+        "returns how many chunks wait at it.");
   bind_scheduler(m);
 }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <utility>
 
@@ -30,5 +31,23 @@ struct Status {
   }
   bool ok() const { return code == StatusCode::kOk; }
 };
+
+namespace detail {
+// strerror_r comes in two flavours (XSI returns int, GNU returns char*); each overload takes
+// one of them.
+inline std::string strerror_text(int result, const char* buffer) {
+  return result == 0 ? std::string(buffer) : std::string("unknown error");
+}
+inline std::string strerror_text(const char* result, const char* /*buffer*/) {
+  return std::string(result);
+}
+}  // namespace detail
+
+// The text of an errno value. Thread-safe, unlike strerror(), which may share one static
+// buffer between threads.
+inline std::string os_error_message(int err) {
+  char buffer[256] = {0};
+  return detail::strerror_text(strerror_r(err, buffer, sizeof buffer), buffer);
+}
 
 }  // namespace streamcache

@@ -1,11 +1,47 @@
 #include "thread_pool.h"
 
+#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <memory>
+#include <atomic>
+#include <exception>
 
 namespace streamcache {
+
+// Chunks are claimed with an atomic counter by the caller and by the helpers it queued, so
+// a chunk runs exactly once and a caller never waits on a queue another job is clogging.
+struct ThreadPool::Job {
+  const std::function<void(size_t, size_t)>* fn = nullptr;  // dereferenced for claimed chunks only
+  size_t n = 0;
+  size_t per = 0;
+  size_t chunks = 0;
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex mutex;
+  std::condition_variable finished;
+  size_t done = 0;           // guarded by mutex
+  std::exception_ptr error;  // guarded by mutex: the first exception thrown by fn
+
+  // Claim and run chunks until none is left. Never throws: fn's exceptions are kept.
+  void help() {
+    for (size_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      if (!failed.load(std::memory_order_relaxed)) {
+        try {
+          (*fn)(c * per, std::min(n, (c + 1) * per));
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(mutex);
+          if (!error) error = std::current_exception();
+          failed.store(true, std::memory_order_relaxed);
+        }
+      }
+      // Notify while holding the lock: once it is released the caller may return and end
+      // fn's lifetime; this helper touches only the job (which it co-owns) afterwards.
+      std::lock_guard<std::mutex> lock(mutex);
+      if (++done == chunks) finished.notify_all();
+    }
+  }
+};
 
 ThreadPool::ThreadPool(size_t threads) {
   size_t extra = threads > 1 ? threads - 1 : 0;
@@ -24,20 +60,15 @@ ThreadPool::~ThreadPool() {
 
 void ThreadPool::worker_loop() {
   for (;;) {
-    std::function<void()> task;
+    std::shared_ptr<Job> job;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
-      if (stopping_ && tasks_.empty()) return;
-      task = std::move(tasks_.back());
-      tasks_.pop_back();
+      wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (stopping_ && queue_.empty()) return;
+      job = std::move(queue_.front());
+      queue_.pop_front();
     }
-    task();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      --pending_;
-    }
-    done_.notify_all();
+    job->help();
   }
 }
 
@@ -50,21 +81,20 @@ void ThreadPool::parallel_for(size_t n, size_t grain,
     fn(0, n);
     return;
   }
-  size_t per = (n + chunks - 1) / chunks;
+  auto job = std::make_shared<Job>();
+  job->fn = &fn;
+  job->n = n;
+  job->per = (n + chunks - 1) / chunks;
+  job->chunks = (n + job->per - 1) / job->per;  // every chunk non-empty
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (size_t c = 1; c < chunks; ++c) {
-      size_t begin = c * per;
-      size_t end = std::min(n, begin + per);
-      if (begin >= end) continue;
-      tasks_.emplace_back([&fn, begin, end] { fn(begin, end); });
-      ++pending_;
-    }
+    for (size_t c = 1; c < job->chunks; ++c) queue_.push_back(job);
   }
   wake_.notify_all();
-  fn(0, std::min(n, per));
-  std::unique_lock<std::mutex> lock(mutex_);
-  done_.wait(lock, [this] { return pending_ == 0; });
+  job->help();
+  std::unique_lock<std::mutex> lock(job->mutex);
+  job->finished.wait(lock, [&job] { return job->done == job->chunks; });
+  if (job->error) std::rethrow_exception(job->error);
 }
 
 namespace {
@@ -73,6 +103,16 @@ std::mutex g_pool_mutex;
 ThreadPool* g_pool = nullptr;  // intentionally leaked at exit: joining during teardown can deadlock
 pid_t g_pool_pid = 0;
 size_t g_requested = 0;
+
+// fork() copies a mutex in whatever state it is in. Holding g_pool_mutex across fork means
+// the child gets it unlocked (and owned by its only thread, which unlocks it), never held by
+// a thread that does not exist there.
+struct ForkGuard {
+  ForkGuard() {
+    pthread_atfork([] { g_pool_mutex.lock(); }, [] { g_pool_mutex.unlock(); },
+                   [] { g_pool_mutex.unlock(); });
+  }
+} g_fork_guard;
 
 size_t effective_size() {
   if (g_requested > 0) return g_requested;
@@ -85,8 +125,9 @@ ThreadPool& global_pool() {
   std::lock_guard<std::mutex> lock(g_pool_mutex);
   pid_t pid = getpid();
   if (g_pool == nullptr || g_pool_pid != pid || g_pool->size() != effective_size()) {
-    // The old pool is abandoned, never destroyed: in a forked child its threads do not exist,
-    // and after a resize another thread may still be running a job on it. Both are rare.
+    // The old pool is abandoned, never destroyed: in a forked child its threads do not exist
+    // (and its lock may have been copied held), and after a resize another thread may still
+    // be running a job on it. Both are rare.
     g_pool = new ThreadPool(effective_size());
     g_pool_pid = pid;
   }

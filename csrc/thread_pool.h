@@ -2,12 +2,16 @@
 //
 // One process-wide pool, created on first use. After fork() the child does not inherit the
 // parent's threads, so the pool notices a changed process id and builds a fresh one; the
-// parent's pool object is abandoned in the child (its threads do not exist there).
+// parent's pool object is abandoned in the child (its threads do not exist there), and the
+// lock that guards the process-wide pointer is held across fork() (pthread_atfork), so the
+// child never inherits it locked.
 #pragma once
 
 #include <condition_variable>
 #include <cstddef>
+#include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -24,8 +28,13 @@ class ThreadPool {
   size_t size() const { return workers_.size() + 1; }
 
   // Run fn(begin, end) over [0, n) split into at most size() contiguous chunks of at least
-  // `grain` items; the calling thread takes one chunk. Returns when every chunk is done.
+  // `grain` items. The calling thread takes chunks too, so a job finishes even when every
+  // worker is busy with another caller's job. Returns when every chunk of *this* call is done
+  // (concurrent calls do not wait for each other). An exception thrown by fn in any thread is
+  // rethrown here, after every chunk has finished; the chunks not yet started are skipped.
   void parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn);
+
+  struct Job;  // one parallel_for call: its chunks, completion count and first exception
 
  private:
   void worker_loop();
@@ -33,9 +42,9 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::condition_variable done_;
-  std::vector<std::function<void()>> tasks_;
-  size_t pending_ = 0;
+  // One entry per helper a job asked for. A helper that arrives after its job is finished
+  // finds no chunk left and drops it; shared ownership keeps the job alive until then.
+  std::deque<std::shared_ptr<Job>> queue_;
   bool stopping_ = false;
 };
 

@@ -126,7 +126,7 @@ uint64_t xxh64(const uint8_t* data, size_t len, uint64_t seed) {
 Status xxh64_file(const std::string& path, uint64_t seed, uint64_t* out, uint64_t* bytes_read) {
   FILE* f = std::fopen(path.c_str(), "rb");
   if (f == nullptr) {
-    return Status::Error(StatusCode::kIo, -1, path + ": " + std::strerror(errno));
+    return Status::Error(StatusCode::kIo, -1, path + ": " + os_error_message(errno));
   }
   std::vector<uint8_t> block(4 << 20);
   Xxh64 state(seed);
@@ -138,8 +138,9 @@ Status xxh64_file(const std::string& path, uint64_t seed, uint64_t* out, uint64_
     if (got < block.size()) break;
   }
   bool failed = std::ferror(f) != 0;
+  int read_errno = errno;  // meaningful only when failed
   std::fclose(f);
-  if (failed) return Status::Error(StatusCode::kIo, -1, path + ": read error");
+  if (failed) return Status::Error(StatusCode::kIo, -1, path + ": " + os_error_message(read_errno));
   *out = state.digest();
   *bytes_read = total;
   return Status::Ok();

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -191,3 +192,101 @@ def test_pool_works_in_a_forked_child() -> None:
                 os._exit(4)
         _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def test_xxh64_file_of_a_directory_says_why(backend: str, tmp_path) -> None:
+    with pytest.raises(NativeError, match="Is a directory"):
+        _native.xxh64_file(str(tmp_path))
+
+
+needs_native = pytest.mark.skipif("native" not in _native.available_backends(),
+                                  reason="extension not built")
+
+
+@needs_native
+@pytest.mark.parametrize("throw_at", [0, 999])  # the caller's own chunk, a helper's chunk
+def test_an_exception_in_a_pool_chunk_reaches_the_caller(throw_at: int) -> None:
+    from streamcache import _core
+
+    _native.set_num_threads(4)
+    try:
+        visited, message = _core._test_pool_job(1000, throw_at, -1)
+        assert message == f"chunk of item {throw_at}"
+        assert visited < 1000
+        assert _core._test_pool_job(1000, -1, -1) == (1000, "")  # the pool still works
+    finally:
+        _native.set_num_threads(0)
+
+
+@needs_native
+def test_a_job_does_not_wait_for_another_callers_chunks() -> None:
+    """Each parallel call completes on its own: one stuck job never holds up another."""
+    from streamcache import _core
+
+    rng = np.random.default_rng(3)
+    stride = 100_000
+    sources = _fixed_sources(rng, stride, [32])
+    rows = rng.integers(0, 32, 32).astype(np.int64)
+    out = np.empty((32, stride), np.uint8)
+    _core._set_test_gate(False)
+    stuck = threading.Thread(target=_core._test_pool_job, args=(64, -1, 63))
+    try:
+        stuck.start()
+        deadline = time.monotonic() + 60
+        while _core._set_test_gate(False) == 0:  # until the stuck chunk waits at the gate
+            assert time.monotonic() < deadline, "the pool job never reached the gate"
+            time.sleep(0.01)
+        with _native.use("native"):
+            other = threading.Thread(
+                target=_native.gather_fixed,
+                args=(sources, stride, np.zeros(32, np.int32), rows, out))
+            other.start()
+            other.join(timeout=60)
+        assert not other.is_alive(), "a parallel gather waited for another job's chunk"
+    finally:
+        _core._set_test_gate(True)
+        stuck.join()
+    assert np.array_equal(out[5], sources[0][rows[5] * stride:(rows[5] + 1) * stride])
+
+
+@needs_native
+def test_forked_children_gather_while_the_parent_is_gathering() -> None:
+    """A fork while another thread is inside the pool leaves the child no lock held."""
+    rng = np.random.default_rng(4)
+    stride = 100_000
+    sources = _fixed_sources(rng, stride, [32])
+    rows = np.arange(32, dtype=np.int64)
+    which = np.zeros(32, np.int32)
+    stop = threading.Event()
+
+    def busy() -> None:
+        out = np.empty((32, stride), np.uint8)
+        while not stop.is_set():
+            _native.gather_fixed(sources, stride, which, rows, out)
+
+    with _native.use("native"):
+        worker = threading.Thread(target=busy)
+        worker.start()
+        try:
+            for _ in range(5):
+                pid = os.fork()
+                if pid == 0:
+                    try:
+                        out = np.empty((32, stride), np.uint8)
+                        _native.gather_fixed(sources, stride, which, rows, out)
+                        os._exit(0 if np.array_equal(out[3], sources[0][3 * stride:4 * stride])
+                                 else 3)
+                    except BaseException:
+                        os._exit(4)
+                deadline = time.monotonic() + 60
+                while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+                    if time.monotonic() > deadline:
+                        os.kill(pid, 9)
+                        os.waitpid(pid, 0)
+                        pytest.fail("a forked child hung in the native pool")
+                    time.sleep(0.01)
+                assert os.WIFEXITED(done[1]) and os.WEXITSTATUS(done[1]) == 0
+        finally:
+            stop.set()
+            worker.join()
+
