@@ -5,12 +5,20 @@ thread while the caller keeps writing, so the caller's core and the encoder's ru
 parallel. ``index.json`` is published last and atomically, only by a clean ``close()``: an
 exception inside the ``with`` body (or :meth:`ShardWriter.abort`) publishes no index, so a
 half-written dataset is never readable.
+
+One writer per destination: a writer holds the destination's lease (lease.py) from its start
+to its end, a second one is refused, and the index is published only if the lease is still
+this writer's. Every shard's name carries the writer's token, so no two writers (nor two
+versions of a dataset) ever share a shard file. Replacing a dataset (``overwrite=True``)
+never destroys it first: the old version stays whole and readable until the new index is
+published, and only then are the old version's shards removed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,11 +32,16 @@ from . import storage
 from .checksum import checksum_bytes, checksum_file
 from .columns import build_column, field_from_arrow, normalize_value, to_canonical
 from .errors import DestinationError, EmptyDatasetError, SchemaError, StreamcacheError
-from .index import INDEX_NAME, DatasetIndex, ShardInfo, save_index
+from .index import INDEX_NAME, DatasetIndex, ShardInfo, load_index, save_index
+from .lease import WriterLease, new_token
 from .schema import Field, Schema, infer_schema
 
 DEFAULT_SHARD_SIZE = 64 << 20
 COMPRESSIONS = ("zstd", "lz4", None)
+
+#: The names ShardWriter gives shards (with the writer's token; without one before it had
+#: them). Only such files, in the dataset's own folder, are ever removed by an overwrite.
+_WRITER_SHARD = re.compile(r"shard-(?:[0-9a-f]{12}-)?\d{5,}\.arrow")
 
 
 @dataclass
@@ -51,12 +64,23 @@ class ShardWriter:
         shard_size: target uncompressed bytes per shard.
         compression: ``"zstd"`` (default), ``"lz4"`` or None for the Arrow IPC buffers.
         compression_level: codec level (None: the codec's default).
-        overwrite: replace a dataset already at ``dst`` (its index is removed first).
+        overwrite: replace a dataset already at ``dst``. The old version stays readable
+            until the new index is published; then the old version's shards that this
+            writer's naming produced are removed (files of other origins, such as Parquet
+            files that ``streamcache index`` described, are never removed). A reader still
+            on the old version reads it or gets a clear error once its shards are gone,
+            never rows of the new version.
         storage_options: passed to fsspec.
         max_pending: shards encoded or uploaded in the background at once.
 
+    Attributes:
+        token: this writer's random token; every shard it writes is named
+            ``shard-<token>-<number>.arrow``.
+
     Raises:
-        DestinationError: ``dst`` is not writable, or holds a dataset and not ``overwrite``.
+        DestinationError: ``dst`` is not writable, holds a dataset and not ``overwrite``,
+            or another writer is writing to it (see lease.py for what each kind of
+            destination guarantees).
         SchemaError: a sample does not match the schema (the message names the field).
 
     Thread safety: one writer is used from one thread.
@@ -81,6 +105,8 @@ class ShardWriter:
         )
         self._storage_options = storage_options
         self._fs, self._root = storage.filesystem(dst, storage_options)
+        self.token = new_token()
+        self._lease = WriterLease(self._fs, self._root, self.token)
         self._prepare_destination(overwrite)
         self.stats = WriterStats()
         self._rows: dict[str, list[Any]] = {}
@@ -107,7 +133,12 @@ class ShardWriter:
                     raise PermissionError(f"{self._root} is not writable")
             else:
                 self._fs.makedirs(self._root, exist_ok=True)
-            exists = self._fs.exists(index_path)
+            self._lease.acquire()  # before looking: a writer that just finished is seen
+            try:
+                exists = self._fs.exists(index_path)
+            except BaseException:
+                self._lease.release()
+                raise
         except PermissionError as exc:
             raise DestinationError(
                 f"cannot write to {where}: permission denied; choose a writable destination"
@@ -115,12 +146,11 @@ class ShardWriter:
         except OSError as exc:
             raise DestinationError(f"cannot write to {where}: {exc}") from exc
         if exists and not overwrite:
+            self._lease.release()
             raise DestinationError(
                 f"{where} already holds a dataset ({INDEX_NAME}); pass overwrite=True "
                 "(--overwrite) to replace it, or choose another destination"
             )
-        if exists:
-            self._fs.rm_file(index_path)  # the old index must not describe the new shards
 
     # ------------------------------------------------------------ writing
 
@@ -203,7 +233,7 @@ class ShardWriter:
         table = pa.Table.from_batches(self._parts, schema=self.schema.arrow_schema())
         batch = table.combine_chunks().to_batches()[0]
         self._parts, self._part_bytes = [], 0
-        name = f"shard-{len(self._futures):05d}.arrow"
+        name = f"shard-{self.token}-{len(self._futures):05d}.arrow"
         while len([f for f in self._futures if not f.done()]) >= self._max_pending:
             next(f for f in self._futures if not f.done()).result()
         self._raise_background_errors()
@@ -276,12 +306,14 @@ class ShardWriter:
             raise
         self._closed = True
         self._pool.shutdown(wait=True)
-        if not shards or self.schema is None:
-            raise EmptyDatasetError(
-                f"no samples were written to {self.url}; nothing was published"
-            )
-        index = DatasetIndex(self.schema, tuple(shards), created=time.time())
-        url = save_index(index, storage.unstrip(self._fs, self._root), self._storage_options)
+        try:
+            url, index, replaced = self._publish(shards)
+        except BaseException:
+            self._remove_own_shards()
+            self._lease.release()
+            raise
+        self._remove_replaced(replaced, index)
+        self._lease.release()
         self.index = DatasetIndex(index.schema, index.shards, index.fingerprint, url,
                                   index.created)
         self.stats.shards = len(shards)
@@ -289,14 +321,54 @@ class ShardWriter:
         self.stats.raw_bytes = sum(s.raw_bytes or 0 for s in shards)
         return self.index
 
+    def _publish(self, shards: list[ShardInfo]) -> tuple[str, DatasetIndex, DatasetIndex | None]:
+        """Publish the index if the lease is still ours: (its URL, it, the index it replaced)."""
+        if not shards or self.schema is None:
+            raise EmptyDatasetError(
+                f"no samples were written to {self.url}; nothing was published"
+            )
+        index = DatasetIndex(self.schema, tuple(shards), created=time.time())
+        folder = storage.unstrip(self._fs, self._root)
+        replaced = self._current_index(folder)
+        self._lease.confirm()  # the conditional publish: only while the destination is ours
+        return save_index(index, folder, self._storage_options), index, replaced
+
+    def _current_index(self, folder: str) -> DatasetIndex | None:
+        """The index about to be replaced, if there is a readable one."""
+        try:
+            return load_index(folder, self._storage_options)
+        except (StreamcacheError, OSError, ValueError):
+            return None  # none, or unreadable: nothing of it is removed
+
+    def _remove_replaced(self, old: DatasetIndex | None, new: DatasetIndex) -> None:
+        """Remove the replaced version's shards: ShardWriter-named files of this folder that
+        the new index does not list. Best effort: a file left behind is only disk space."""
+        if old is None:
+            return
+        keep = {info.path for info in new.shards}
+        for info in old.shards:
+            if info.path not in keep and _WRITER_SHARD.fullmatch(info.path):
+                with contextlib.suppress(Exception):
+                    self._fs.rm_file(storage.join(self._root, info.path))
+
+    def _remove_own_shards(self) -> None:
+        """Remove the shards this writer stored (nothing refers to them). Best effort."""
+        for future in self._futures:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                with contextlib.suppress(Exception):
+                    self._fs.rm_file(storage.join(self._root, future.result().path))
+
     def abort(self) -> None:
-        """Stop without publishing an index. Shards already stored stay, unreferenced."""
+        """Stop without publishing an index; remove the shards stored so far and give the
+        destination's lease back. A dataset that was there stays as it was."""
         if self._closed:
             return
         self._closed = True
         for future in self._futures:
             future.cancel()
         self._pool.shutdown(wait=True)
+        self._remove_own_shards()
+        self._lease.release()
 
     def __enter__(self) -> ShardWriter:
         return self
