@@ -322,6 +322,18 @@ def test_the_cache_dir_removed_mid_epoch_is_made_again(tmp_path: Path, prefetch:
     assert len(installed_files(cache_dir)) == len(index.shards)
 
 
+def test_a_symlinked_temporary_folder_is_never_removed_through(tmp_path: Path) -> None:
+    index = write_shards(tmp_path / "ds", num_shards=2)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"x")
+    (tmp_path / "cache" / "tmp").mkdir(parents=True)
+    dead = "nobootid-1-1-1"  # a token of no live process: its folder is cleaned up
+    os.symlink(outside, tmp_path / "cache" / "tmp" / dead)
+    NodeCache(index, str(tmp_path / "cache"))
+    assert (outside / "keep").read_bytes() == b"x"
+
+
 def test_a_symlinked_folder_of_the_cache_itself_is_refused(tmp_path: Path) -> None:
     index = write_shards(tmp_path / "ds", num_shards=2)
     probe = NodeCache(index, str(tmp_path / "probe"))
