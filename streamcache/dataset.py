@@ -35,6 +35,7 @@ from .batching import (
 from .cache import NodeCache, local_bytes_estimate
 from .dataset_reader import DatasetReader, ShardStore
 from .errors import CacheBudgetError
+from .fetch import FetchOptions
 from .index import DatasetIndex, load_index
 from .plan import (
     Cursor,
@@ -75,6 +76,7 @@ class StreamOptions:
     prefetch_shards: int | None = None
     prefetch_workers: int = 4
     storage_options: Mapping[str, Any] | None = None
+    fetch: FetchOptions | None = None  # timeouts and retries of shard downloads
     allow_external_paths: bool = False  # shards outside the index's folder (same protocol)
     rank: int | None = None
     world_size: int | None = None
@@ -182,6 +184,9 @@ class StreamDataset(IterableDataset):
             minimum in the message: lower ``shuffle_window`` to stream with less disk.
         prefetch_shards: shards kept ahead of the reader (default: the working set + 16);
             prefetch_workers: download threads per process.
+        fetch: how shards are downloaded: a :class:`~streamcache.fetch.FetchOptions`
+            (stall timeout, retries, backoff, concurrency); ``storage_options`` replace its
+            own. Default: a stall is 10 s without a byte, retried 4 times.
         allow_external_paths: read shards the index names outside its own folder (on the
             index's filesystem only; see :func:`streamcache.index.check_shard_paths`).
         rank, world_size: resolved when a pass starts, not when the dataset is made (so it
@@ -369,7 +374,8 @@ class StreamDataset(IterableDataset):
             os.path.join(os.path.expanduser("~"), ".cache", "streamcache")
         working_set = self.working_set_bytes() if opts.cache_limit is not None else None
         cache = NodeCache(self.index, folder, cache_limit=opts.cache_limit,
-                          working_set_bytes=working_set, storage_options=opts.storage_options)
+                          working_set_bytes=working_set, fetch_options=opts.fetch,
+                          storage_options=opts.storage_options)
         lookahead = opts.prefetch_shards or self.advice(self.cursor.epoch).working_set_shards() + 16
         return Prefetcher(cache, PrefetchOptions(workers=opts.prefetch_workers,
                                                  lookahead_shards=lookahead))

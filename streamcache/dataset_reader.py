@@ -31,7 +31,7 @@ import numpy as np
 from . import storage
 from .checksum import verify_bytes
 from .errors import RowOutOfRangeError, ShardCorruptError
-from .fetch import FetchOptions
+from .fetch import Fetcher, FetchOptions
 from .identity import (
     dataset_folder_name,
     read_record,
@@ -62,14 +62,16 @@ class FolderStore:
 
     ``verify``: hash a local shard read in place against the index's checksum before it is
     first served (once per store, and once per file version when ``folder`` is kept); False
-    checks its size only.
+    checks its size only. ``fetch``: how remote shards are read (timeouts, retries; see
+    :class:`~streamcache.fetch.FetchOptions`); ``storage_options`` replace its own.
 
     Thread safety: ``local_path`` may be called from several threads; a shard is installed
     once per store (concurrent callers wait for the first).
     """
 
     def __init__(self, index: DatasetIndex, folder: str | None = None, *,
-                 storage_options: Mapping[str, Any] | None = None, verify: bool = True) -> None:
+                 storage_options: Mapping[str, Any] | None = None, verify: bool = True,
+                 fetch: FetchOptions | None = None) -> None:
         self.index = index
         self._owned = folder is None
         self.folder = folder or tempfile.mkdtemp(prefix="streamcache-")
@@ -78,6 +80,11 @@ class FolderStore:
                                             dataset_folder_name(index, storage_options))
         os.makedirs(self._dataset_folder, exist_ok=True)
         self._storage_options = storage_options
+        fetch = fetch or FetchOptions()
+        if storage_options is not None:
+            fetch = replace(fetch, storage_options=dict(storage_options))
+        self._fetch_options = fetch
+        self._fetcher: Fetcher | None = None
         self._paths: dict[int, str] = {}
         self._locks: dict[int, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -113,7 +120,10 @@ class FolderStore:
             return target
         if info.checksum is None and identity is not None:
             write_record(record_path, {"url": url, "identity": identity})
-        data = fs.cat_file(path)
+        if storage.is_local(fs):  # never more than one byte past what the index says
+            data = fs.cat_file(path, start=0, end=info.bytes + 1)
+        else:  # timeouts, retries, bounded by the index's size
+            data = self._remote().fetch(url, size=info.bytes, checksum=info.checksum)
         if len(data) != info.bytes:
             raise ShardCorruptError(
                 f"{url} is {len(data)} bytes, the index says {info.bytes}; it is truncated or "
@@ -124,7 +134,17 @@ class FolderStore:
                     expected_rows=info.rows)
         return target
 
+    def _remote(self) -> Fetcher:
+        with self._guard:
+            if self._fetcher is None:
+                self._fetcher = Fetcher(self._fetch_options)
+            return self._fetcher
+
     def close(self) -> None:
+        with self._guard:
+            fetcher, self._fetcher = self._fetcher, None
+        if fetcher is not None:
+            fetcher.close()
         if self._owned:
             shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -139,6 +159,8 @@ class DatasetReader:
             ``local_dir``, or a temporary folder removed on close).
         allow_external_paths: read shards the index names outside its own folder (on the
             index's filesystem only; see :func:`streamcache.index.check_shard_paths`).
+        fetch: how remote shards are read by the default store (timeouts, retries; see
+            :class:`~streamcache.fetch.FetchOptions`).
 
     Thread safety: ``read_batch`` may be called from several threads.
     """
@@ -146,13 +168,15 @@ class DatasetReader:
     def __init__(self, source: str | DatasetIndex, *, fields: Sequence[str] | None = None,
                  local_dir: str | None = None, store: ShardStore | None = None,
                  storage_options: Mapping[str, Any] | None = None,
-                 max_open_shards: int = 256, allow_external_paths: bool = False) -> None:
+                 max_open_shards: int = 256, allow_external_paths: bool = False,
+                 fetch: FetchOptions | None = None) -> None:
         self.index = source if isinstance(source, DatasetIndex) else load_index(
             source, storage_options, allow_external_paths=allow_external_paths
         )
         self.schema = self.index.schema.select(fields)
         self.store: ShardStore = store or FolderStore(self.index, local_dir,
-                                                      storage_options=storage_options)
+                                                      storage_options=storage_options,
+                                                      fetch=fetch)
         rows = self.index.shard_rows
         self._starts = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(rows, out=self._starts[1:])

@@ -12,11 +12,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from servers import FaultServer
 
+from streamcache.dataset import StreamDataset
+from streamcache.dataset_reader import DatasetReader
 from streamcache.errors import StreamcacheError
 from streamcache.fetch import TEMP_SUFFIX, Fetcher, FetchError, FetchOptions, backoff_delay
+from streamcache.writer import write_dataset
 
 
 def fast(**overrides: Any) -> FetchOptions:
@@ -107,3 +111,45 @@ def test_no_temporary_is_left_after_a_refused_body(fault_server: FaultServer,
     with Fetcher(fast(retries=0)) as fetcher, pytest.raises(FetchError):
         fetcher.fetch_to_file(url, tmp_path / "x", size=10)
     assert not [p for p in os.listdir(tmp_path) if p.endswith(TEMP_SUFFIX)]
+
+
+# ------------------------------------------------------------------ options from the dataset
+
+
+def _served_dataset(server: FaultServer) -> str:
+    assert server.root is not None
+    write_dataset(({"x": np.arange(8, dtype=np.int64) + i} for i in range(64)),
+                  os.path.join(server.root, "ds"), shard_size=512)
+    return server.url_for("ds")
+
+
+def test_stream_dataset_downloads_with_the_fetch_options_it_is_given(
+    fault_server: FaultServer, tmp_path: Path
+) -> None:
+    url = _served_dataset(fault_server)
+    fault_server.faults.script("/ds/index.json", [None])
+    fault_server.faults.configure(rate=1.0, kinds=("stall",), delay_s=120.0)
+    options = FetchOptions(timeout_s=0.5, retries=1, backoff_initial_s=0.01)
+    dataset = StreamDataset(url, batch_size=4, shuffle=False, cache_dir=str(tmp_path / "c"),
+                            prefetch_workers=1, fetch=options)
+    try:
+        with pytest.raises(FetchError) as caught:
+            next(iter(dataset))
+    finally:
+        dataset.close()
+    error = caught.value
+    assert error.attempts == 2 and "timeout_s=0.5" in str(error)
+    assert error.url.startswith(url) and error.url.endswith(".arrow")
+
+
+def test_dataset_reader_downloads_with_the_fetch_options_it_is_given(
+    fault_server: FaultServer, tmp_path: Path
+) -> None:
+    url = _served_dataset(fault_server)
+    fault_server.faults.script("/ds/index.json", [None])
+    fault_server.faults.configure(rate=1.0, kinds=("stall",), delay_s=120.0)
+    options = FetchOptions(timeout_s=0.5, retries=2, backoff_initial_s=0.01)
+    with DatasetReader(url, local_dir=str(tmp_path / "c"), fetch=options) as reader, \
+            pytest.raises(FetchError) as caught:
+        reader[0]
+    assert caught.value.attempts == 3 and "timeout_s=0.5" in str(caught.value)
