@@ -137,6 +137,20 @@ def test_an_s3_object_rewritten_in_place_is_fetched_again(
     assert values(index, cache_dir, storage_options=options) == expected_values(3)
 
 
+def test_replacing_a_stale_copy_never_breaks_a_reader_that_maps_it(tmp_path: Path) -> None:
+    folder, cache_dir = tmp_path / "ds", tmp_path / "cache"
+    write_parquet_folder(folder, offset=0)
+    old = DatasetReader(build_index(str(folder)), store=NodeCache(build_index(str(folder)),
+                                                                   str(cache_dir)))
+    assert int(old.read_batch([3])["v"][0]) == 3  # shard 0 is mapped now
+    write_parquet_folder(folder, offset=9)
+    stamp = (folder / "part-00000.parquet").stat().st_mtime + 10
+    os.utime(folder / "part-00000.parquet", (stamp, stamp))
+    assert values(build_index(str(folder)), cache_dir)[3] == 12  # the copy was replaced
+    assert int(old.read_batch([3])["v"][0]) == 3  # (unlinked, not truncated: no SIGBUS)
+    old.close()
+
+
 def test_the_warm_path_asks_the_store_once_per_installed_shard_never_per_read(
         fault_server: FaultServer, tmp_path: Path) -> None:
     write_parquet_folder(Path(fault_server.root or "") / "pq", offset=0)
