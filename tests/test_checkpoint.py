@@ -408,6 +408,8 @@ def test_cli_lists_and_verifies(tmp_path: Path, capsys: pytest.CaptureFixture[st
     flip_4k_in_the_middle(data_file(tmp_path / "big"))
     assert cli_main(["checkpoints", str(tmp_path / "big"), "--verify", "1"]) == 1
     assert "is damaged" in capsys.readouterr().err
+    assert cli_main(["checkpoints", str(tmp_path / "nonexistent")]) == 1
+    assert capsys.readouterr().err.count("\n") == 1  # one clear line, no traceback
 
 
 def test_background_staging_saves_the_state_of_the_save_call(
@@ -428,7 +430,7 @@ def test_background_staging_saves_the_state_of_the_save_call(
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     state = {"train": ModelState(model, optimizer)}
-    with Checkpointer(tmp_path, async_mode="thread") as ckpt:
+    with Checkpointer(tmp_path, async_mode="thread", background_staging=True) as ckpt:
         model(torch.randn(8, 4)).sum().backward()
         expected = {k: v.clone() for k, v in model.state_dict().items()}
         started = time.perf_counter()

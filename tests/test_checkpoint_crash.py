@@ -200,3 +200,65 @@ def test_sigkill_at_random_moments_restarts_exactly(tmp_path: Path) -> None:
     for key in expected:
         assert torch.equal(final[key], expected[key]), (key, history)
     print(seed_note, history)
+
+
+# ------------------------------------------------- raw DDP objects, killed inside a save
+
+DDP_STEPS = 9
+
+
+def _train_ddp(rank: int, world: int, data: list[str], root: str, kill: list[Any] | None,
+               ready: str) -> dict[str, Any]:
+    """The state a user who knows DCP writes: the raw DDP model, optimizer and loader."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if kill is not None and kill[1] == rank:
+        _install_kill(kill[0], kill[2])
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)  # no state before its step
+    torch.manual_seed(100 + rank)
+    url, cache = data
+    loader = StreamLoader(StreamDataset(url, global_batch_size=BATCH * world, cache_dir=cache,
+                                        seed=3, infinite=True))
+    state = {"model": model, "optim": optimizer, "loader": loader}
+    with Checkpointer(root, keep_last=2) as ckpt:
+        start = ckpt.load(state) or 0
+        Path(f"{ready}-{rank}").write_text(str(start))
+        batches = iter(loader)
+        for step in range(start, DDP_STEPS):
+            x, y = features(next(batches))
+            torch.nn.functional.mse_loss(model(x), y).backward()  # DDP averages the grads
+            optimizer.step()
+            optimizer.zero_grad()
+            if (step + 1) % SAVE_EVERY == 0:
+                ckpt.save(step + 1, state)  # returns while the write is in flight
+    loader.close()
+    return {k: v.clone() for k, v in model.module.state_dict().items()}
+
+
+def _reference_then_resume(rank: int, world: int, data: list[str], reference_root: str,
+                           root: str, ready: str) -> dict[str, Any]:
+    """An uninterrupted run, then the resume of the killed one (one process start for both)."""
+    return {"reference": _train_ddp(rank, world, data, reference_root, None, f"{ready}-ref"),
+            "resumed": _train_ddp(rank, world, data, root, None, ready)}
+
+
+def test_ddp_raw_state_killed_inside_a_save_resumes_bitwise(tmp_path: Path) -> None:
+    data = [make_dataset(str(tmp_path), [37, 50, 13, 60, 40], seq=False),
+            str(tmp_path / "cache")]
+    root, ready = tmp_path / "root", str(tmp_path / "ready")
+    # rank 1 dies in its writer thread, its files of the second save (step 6) written
+    killed = RankGroup(_train_ddp, 2, args=(data, str(root), ["write", 1, 2], ready),
+                       timeout_s=90, grace_s=0.2)
+    results = killed.join()
+    assert results[1].killed and not all(r.ok for r in results), killed.describe()
+    assert max(truthful_markers(root)) == 3  # step 6 was never committed
+    runs = run_ranks(_reference_then_resume, 2, data, str(tmp_path / "ref"), str(root), ready)
+    assert [Path(f"{ready}-{rank}").read_text() for rank in range(2)] == ["3", "3"]
+    for run in runs:
+        expected, final = run.value["reference"], run.value["resumed"]
+        assert final.keys() == expected.keys()
+        for key in expected:
+            assert torch.equal(final[key], expected[key]), key

@@ -14,6 +14,7 @@ from .errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointUnsafeError,
     CheckpointWriteError,
 )
 from .layout import CheckpointInfo
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointNotFoundError",
+    "CheckpointUnsafeError",
     "CheckpointWriteError",
     "Checkpointer",
     "GlobalState",

@@ -40,7 +40,7 @@ from .layout import CheckpointInfo
 from .ranks import Ranks
 from .restore import Restorer
 from .staging import Staging
-from .state import is_global_state
+from .state import is_global_state, resolve
 from .tiers import Location
 
 log = logging.getLogger("streamcache.checkpoint")
@@ -98,9 +98,14 @@ class Checkpointer:
         seed: base seed for RNG states of ranks that did not exist when a checkpoint was saved.
         timeout: timeout of the checkpointer's collectives.
         write_threads: DCP writer threads per rank.
-        background_staging: (thread mode) copy the tensors of :class:`ModelState` entries in
-            the writer thread; ``optimizer.step()`` (and the forward of models with buffers)
-            waits until the copy is done. See :meth:`wait_staged`.
+        background_staging: (thread mode, opt-in) copy the tensors of model and optimizer
+            entries in the writer thread instead of before ``save`` returns; only
+            ``optimizer.step()`` of the state's optimizers (and the forward of its models
+            with buffers) waits for the copy. Any other in-place write before the copy is
+            done (an EMA update, a ``.data`` write, an optimizer outside the state) lands in
+            the checkpoint: a torn snapshot, unless the loop calls :meth:`wait_staged`
+            first. Off (the default), every tensor is copied to host memory before ``save``
+            returns, so nothing the loop does afterwards reaches the checkpoint.
         storage_options: fsspec options for ``root`` (credentials, endpoint).
         writer_nice: (thread mode, Linux) scheduling niceness of the writer thread (default
             19, the lowest priority), so that the background write takes the CPU time the
@@ -121,7 +126,7 @@ class Checkpointer:
         seed: int = 0,
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         write_threads: int = 1,
-        background_staging: bool = True,
+        background_staging: bool = False,
         writer_nice: int = 19,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
@@ -169,14 +174,19 @@ class Checkpointer:
     def save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Checkpoint ``state`` as ``step``; all ranks call it with the same keys.
 
-        Blocks while the state is collected and staged (async modes; with background
-        staging only the small entries are copied here) or until the checkpoint is committed
-        (sync mode). Returns False if the save was skipped (``if_busy="skip"``).
+        Blocks while the state is collected and copied to host memory (async modes; with
+        ``background_staging`` only the small entries are copied here) or until the
+        checkpoint is committed (sync mode): the checkpoint holds the values of this call,
+        whatever the loop writes into the tensors afterwards. Raw ``nn.Module`` and
+        ``Optimizer`` values are saved as :class:`ModelState` saves them (an optimizer with
+        the one module of ``state`` that holds its parameters). Returns False if the save
+        was skipped (``if_busy="skip"``).
 
         Raises:
             CheckpointWriteError: the *previous* async save failed on some rank (nothing was
                 published for it); this save was not started.
-            CheckpointError: a global state differs between ranks or is not JSON-able.
+            CheckpointError: a global state differs between ranks or is not JSON-able, or a
+                raw optimizer cannot be paired with exactly one module of ``state``.
         """
         self._check_open()
         started = time.perf_counter()
@@ -187,7 +197,8 @@ class Checkpointer:
         self.wait()
         name = layout.dir_name(step, self._ranks.run_id, self._sequence)
         self._sequence += 1
-        state_dict, global_bytes = self._collect(state)
+        entries = resolve(state)
+        state_dict, global_bytes = self._collect(entries)
         job = SaveJob(step, name, self._committer.write_base.child(name), None, global_bytes,
                       started)
         if self.async_mode is AsyncMode.SYNC:
@@ -205,7 +216,7 @@ class Checkpointer:
                 async_stager=self._staging.stager,
             )
         else:
-            now, job.stage_later = self._staging.split(state, state_dict)
+            now, job.stage_later = self._staging.split(entries, state_dict)
             job.state = self._staging.stage_now(now)
         job.blocked_s = time.perf_counter() - started
         self.last_save = SaveStats(step, job.blocked_s)
@@ -297,36 +308,43 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ internals
 
-    def _collect(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], bytes]:
-        state_dict: dict[str, Any] = {}
-        global_states: dict[str, Any] = {}
-        for key, value in state.items():
+    def _collect(self, entries: Mapping[str, Any]) -> tuple[dict[str, Any], bytes]:
+        """This rank's DCP state dict and the bytes of ``global.json`` (``entries``: resolved)."""
+        for key in entries:
             if key.startswith("_streamcache"):
                 raise CheckpointError(f"state key {key!r}: keys starting with _streamcache "
                                       "are reserved; rename it")
+        state_dict: dict[str, Any] = {}
+        global_states: dict[str, Any] = {}
+        for key, value in entries.items():
             if is_global_state(value):
                 global_states[key] = value.state_dict()
             elif isinstance(value, Stateful):
                 state_dict[key] = value.state_dict()
             else:
                 state_dict[key] = value
-        state_dict[rng.rng_key(self.rank)] = rng.encode(rng.capture())
         try:
-            global_bytes = layout.json_bytes({"version": 1, "states": global_states})
+            states_bytes = layout.json_bytes(global_states)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(
                 f"a global state is not JSON-able ({exc}); global states "
                 "(global_state=True or GlobalState) must be small JSON-able dicts"
             ) from exc
-        if global_states:
-            digests = self._ranks.all_gather(checksum_bytes(global_bytes), self._ranks.control)
-            if len(set(digests)) != 1:
-                differing = [r for r, d in enumerate(digests) if d != digests[0]]
-                raise CheckpointError(
-                    f"global states differ between ranks (ranks {differing} differ from "
-                    "rank 0); a global state must be identical on every rank: wrap only "
-                    "rank-independent state in GlobalState"
-                )
+        # one small all-gather: the ranks' global states must agree, and each rank's keys
+        # are recorded so that a load can tell a partial state from a complete one
+        gathered = self._ranks.all_gather((checksum_bytes(states_bytes), sorted(state_dict)),
+                                          self._ranks.control)
+        digests = [digest for digest, _ in gathered]
+        if len(set(digests)) != 1:
+            differing = [r for r, d in enumerate(digests) if d != digests[0]]
+            raise CheckpointError(
+                f"global states differ between ranks (ranks {differing} differ from "
+                "rank 0); a global state must be identical on every rank: wrap only "
+                "rank-independent state in GlobalState"
+            )
+        state_dict[rng.rng_key(self.rank)] = rng.encode(rng.capture())
+        global_bytes = layout.json_bytes({"version": 1, "states": global_states,
+                                          layout.K_RANK_KEYS: [keys for _, keys in gathered]})
         return state_dict, global_bytes
 
     def _run_in_thread(self, job: SaveJob) -> None:

@@ -21,7 +21,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """List (or verify) the checkpoints of ``args.root``; 0 on success.
+
+    Raises:
+        CheckpointNotFoundError: ``root`` does not exist, or holds no such checkpoint.
+        CheckpointCorruptError: the verified checkpoint is damaged.
+    """
     root = Location(args.root)
+    if not root.exists():
+        raise CheckpointNotFoundError(f"{root.url}: no such checkpoint root (nothing there)")
     if args.verify is not None:
         return verify(root, args.verify)
     infos = layout.list_checkpoints(root)

@@ -24,6 +24,7 @@ from .layout import GLOBAL_NAME, MARKER_NAME, FileEntry
 from .ranks import Ranks
 from .staging import Staging
 from .tiers import Location
+from .unpickle import SafeFileSystemReader
 
 log = logging.getLogger("streamcache.checkpoint")
 
@@ -209,7 +210,7 @@ def upload_file(target: Location, local_file: str, name: str) -> None:
 
 def dcp_files(write_dir: Location) -> set[str]:
     """Every file DCP's metadata refers to, plus the metadata and global.json themselves."""
-    metadata = dcp.FileSystemReader(write_dir.local_path()).read_metadata()
+    metadata = SafeFileSystemReader(write_dir.local_path()).read_metadata()
     storage = metadata.storage_data or {}
     paths = {info.relative_path for info in storage.values()}
     return paths | {layout.DCP_METADATA_NAME, GLOBAL_NAME}

@@ -19,3 +19,7 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class CheckpointCorruptError(CheckpointError, CorruptDataError):
     """A committed checkpoint's files contradict its commit marker (size or checksum)."""
+
+
+class CheckpointUnsafeError(CheckpointError):
+    """A checkpoint's pickle would construct more than plain values: it was not loaded."""

@@ -37,6 +37,8 @@ DCP_METADATA_NAME = ".metadata"
 # marker keys
 K_FORMAT, K_VERSION, K_STEP, K_TIME = "format", "version", "step", "time"
 K_WORLD, K_FILES, K_SIZE, K_CHECKSUM, K_BODY = "world_size", "files", "size", "checksum", "body"
+# global.json keys: the global states, and every saving rank's top-level DCP keys
+K_STATES, K_RANK_KEYS = "states", "rank_keys"
 
 _DIR_RE = re.compile(r"^step-(\d{10})-([0-9a-f]+)-(\d+)$")
 

@@ -1,11 +1,13 @@
 """Staging: copying the state to be saved into reused host buffers.
 
-Blocking staging copies everything before ``save`` returns. Background staging copies the
-tensors of :class:`ModelState` entries (the bulk of a checkpoint) in the writer thread while
+Blocking staging (the default) copies everything before ``save`` returns, so no write the
+training loop makes afterwards can reach the checkpoint. Background staging (opt-in) copies
+the tensors of model and optimizer entries (the bulk of a checkpoint) in the writer thread while
 the training loop goes on, and makes the only operations that change them wait until the
 copy is done: the optimizers' ``step`` (a step pre-hook) and, for models that have buffers
 (BatchNorm statistics change in ``forward``), the model's forward (a forward pre-hook).
-Everything else is small and is staged before ``save`` returns.
+Everything else is small and is staged before ``save`` returns. Other in-place writes (EMA,
+``.data``) are not guarded: with background staging they can tear the snapshot.
 
 Thread safety: ``stage_now``/``split`` run in the training thread, ``stage_later`` in the
 writer thread, never at the same time (a save waits for the previous one first).
@@ -22,7 +24,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from .state import ModelState
+from .state import ModelState, ModuleEntry, OptimizerEntry
+
+_MODEL_ENTRIES = (ModelState, ModuleEntry, OptimizerEntry)
 
 
 class Staging:
@@ -49,10 +53,14 @@ class Staging:
     def split(
         self, state: Mapping[str, Any], state_dict: dict[str, Any]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(stage now, stage later): later holds the guarded ModelState entries."""
+        """(stage now, stage later): later holds the guarded model and optimizer entries.
+
+        ``state`` is the resolved state (:func:`~.state.resolve`): raw modules and
+        optimizers appear as their entries.
+        """
         if not self.background:
             return state_dict, {}
-        later_keys = [k for k, v in state.items() if isinstance(v, ModelState)]
+        later_keys = [k for k, v in state.items() if isinstance(v, _MODEL_ENTRIES)]
         for key in later_keys:
             self._guard(state[key])
         later = {k: _freeze_leaves(state_dict[k]) for k in later_keys}
@@ -89,7 +97,7 @@ class Staging:
         self._hooks.clear()
         self._stager.close()
 
-    def _guard(self, model_state: ModelState) -> None:
+    def _guard(self, model_state: ModelState | ModuleEntry | OptimizerEntry) -> None:
         def before(*_: Any) -> None:
             self._staged.wait()
 

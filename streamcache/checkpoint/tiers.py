@@ -3,18 +3,52 @@
 The checkpointer always writes DCP files to a local directory (``local_dir``, or ``root``
 itself when it is local, or a private temporary directory when ``root`` is remote) and
 uploads from there, so every file is checksummed from local disk before it leaves the node.
+
+Reads from a remote location (listings, markers, checksums) retry transient errors (5xx,
+throttling, timeouts, resets; :func:`streamcache.fetch.is_transient` decides) with backoff,
+so that a flaky object store is never mistaken for a damaged checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import random
 import shutil
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import fsspec
 
 from ..checksum import checksum_bytes, checksum_file
+from ..fetch import FetchOptions, backoff_delay, is_transient
+
+log = logging.getLogger("streamcache.checkpoint")
+
+T = TypeVar("T")
+
+READ_ATTEMPTS = 8  # attempts of one remote read, about 5 s of backoff in all
+_READ_BACKOFF = FetchOptions(backoff_initial_s=0.05, backoff_max_s=2.0, jitter=0.5)
+
+
+def retrying(call: Callable[[], T], what: str) -> T:
+    """``call()``, attempted up to :data:`READ_ATTEMPTS` times while it fails transiently.
+
+    Raises:
+        the last error: a permanent one at once, a transient one after the last attempt.
+    """
+    for attempt in range(1, READ_ATTEMPTS + 1):
+        try:
+            return call()
+        except Exception as exc:
+            if attempt == READ_ATTEMPTS or not is_transient(exc):
+                raise
+            log.warning("%s: transient error, attempt %d of %d: %s: %s", what, attempt,
+                        READ_ATTEMPTS, type(exc).__name__, exc)
+            time.sleep(backoff_delay(attempt, _READ_BACKOFF, random.random()))
+    raise AssertionError("unreachable")
 
 
 class Location:
@@ -62,7 +96,8 @@ class Location:
             except FileNotFoundError:
                 return []
         try:
-            entries = self.fs.ls(self.path, detail=False, refresh=True)
+            entries = retrying(lambda: self.fs.ls(self.path, detail=False, refresh=True),
+                               f"listing {self.url}")
         except FileNotFoundError:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
@@ -84,7 +119,8 @@ class Location:
                 return {}
             return sizes
         try:
-            entries = self.fs.ls(self.path, detail=True, refresh=True)
+            entries = retrying(lambda: self.fs.ls(self.path, detail=True, refresh=True),
+                               f"listing {self.url}")
         except FileNotFoundError:
             return {}
         return {
@@ -97,13 +133,13 @@ class Location:
         if self.is_local:
             with open(self.local_path(name), "rb") as f:
                 return f.read()
-        return bytes(self.fs.cat_file(self._p(name)))
+        return bytes(retrying(lambda: self.fs.cat_file(self._p(name)), self.join(name)))
 
     def checksum(self, name: str) -> str:
         """Checksum of a file's bytes (local: streamed by the native core; remote: one GET)."""
         if self.is_local:
             return checksum_file(self.local_path(name))
-        return checksum_bytes(self.fs.cat_file(self._p(name)))
+        return checksum_bytes(retrying(lambda: self.fs.cat_file(self._p(name)), self.join(name)))
 
     def write_atomic(self, name: str, data: bytes) -> None:
         """Publish ``data`` as ``name`` all at once.
