@@ -4,6 +4,11 @@
 // holding the GIL, release it for the whole native job, never touch a Python object from a
 // pool thread, and take it back only to build the result. Errors come back as values
 // (code, item, message); streamcache/_native.py turns them into StreamcacheError subclasses.
+//
+// Array rule: every array argument is .noconvert(): it must already be a C-contiguous CPU
+// array of the exact dtype (writable for outputs), or the call raises TypeError. A converting
+// cast would copy silently: an output written into a copy is lost, and int64 values cast to
+// uint8 are truncated. streamcache/_native.py explains a refused array in words.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -12,6 +17,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <exception>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -38,6 +44,23 @@ using StatusTuple = std::tuple<int, int64_t, std::string>;
 
 StatusTuple to_tuple(const Status& s) {
   return {static_cast<int>(s.code), s.item, s.message};
+}
+
+// Runs a native job; an exception escaping it (out of memory, say) becomes a status, so Python
+// sees the project's exception family and never a bare RuntimeError.
+template <typename Job>
+Status guarded(Job job) {
+  try {
+    return job();
+  } catch (const std::exception& e) {
+    return Status::Error(StatusCode::kInternal, -1, std::string("native job failed: ") + e.what());
+  }
+}
+
+// Sizes arrive as Python ints: a negative one is an error status, like a zero one.
+Status check_positive(int64_t value, const char* name) {
+  if (value <= 0) return Status::Error(StatusCode::kInvalid, -1, std::string(name) + " must be positive");
+  return Status::Ok();
 }
 
 Span span_of(const Bytes& a) { return {a.data(), a.size()}; }
@@ -94,23 +117,27 @@ std::tuple<int, int64_t, std::string, uint64_t, uint64_t> py_xxh64_file(const st
   return {static_cast<int>(s.code), s.item, s.message, digest, bytes};
 }
 
-StatusTuple py_gather_fixed(const std::vector<Bytes>& sources, size_t stride, const Int32s& which,
+StatusTuple py_gather_fixed(const std::vector<Bytes>& sources, int64_t stride, const Int32s& which,
                             const Int64s& rows, MutAny& out) {
   Status s = check_batch(which, rows);
+  if (s.ok()) s = check_positive(stride, "stride");
   if (!s.ok()) return to_tuple(s);
   std::vector<Span> spans = spans_of(sources);
   auto* out_ptr = static_cast<uint8_t*>(out.data());
   size_t out_size = out.nbytes();
   {
     nb::gil_scoped_release release;
-    s = gather_fixed(spans, stride, which.data(), rows.data(), which.size(), out_ptr, out_size);
+    s = guarded([&] {
+      return gather_fixed(spans, static_cast<size_t>(stride), which.data(), rows.data(),
+                          which.size(), out_ptr, out_size);
+    });
   }
   return to_tuple(s);
 }
 
 std::tuple<int, int64_t, std::string, int64_t> py_var_offsets(const std::vector<Bytes>& values,
                                                               const std::vector<Int64s>& offsets,
-                                                              size_t elem_size, const Int32s& which,
+                                                              int64_t elem_size, const Int32s& which,
                                                               const Int64s& rows,
                                                               MutInt64s& out_offsets) {
   Status s = check_batch(which, rows);
@@ -120,16 +147,19 @@ std::tuple<int, int64_t, std::string, int64_t> py_var_offsets(const std::vector<
   }
   std::vector<VarSource> sources;
   if (s.ok()) sources = var_sources(values, offsets, &s);
+  if (s.ok()) s = check_positive(elem_size, "elem_size");
   if (s.ok()) {
     nb::gil_scoped_release release;
-    s = var_offsets(sources, elem_size, which.data(), rows.data(), which.size(),
-                    out_offsets.data(), &total);
+    s = guarded([&] {
+      return var_offsets(sources, static_cast<size_t>(elem_size), which.data(), rows.data(),
+                         which.size(), out_offsets.data(), &total);
+    });
   }
   return {static_cast<int>(s.code), s.item, s.message, total};
 }
 
 StatusTuple py_gather_var(const std::vector<Bytes>& values, const std::vector<Int64s>& offsets,
-                          size_t elem_size, const Int32s& which, const Int64s& rows,
+                          int64_t elem_size, const Int32s& which, const Int64s& rows,
                           const Int64s& out_offsets, MutAny& out_values) {
   Status s = check_batch(which, rows);
   if (s.ok() && out_offsets.size() != which.size() + 1) {
@@ -137,12 +167,15 @@ StatusTuple py_gather_var(const std::vector<Bytes>& values, const std::vector<In
   }
   std::vector<VarSource> sources;
   if (s.ok()) sources = var_sources(values, offsets, &s);
+  if (s.ok()) s = check_positive(elem_size, "elem_size");
   if (s.ok()) {
     auto* out_ptr = static_cast<uint8_t*>(out_values.data());
     size_t out_size = out_values.nbytes();
     nb::gil_scoped_release release;
-    s = gather_var(sources, elem_size, which.data(), rows.data(), which.size(),
-                   out_offsets.data(), out_ptr, out_size);
+    s = guarded([&] {
+      return gather_var(sources, static_cast<size_t>(elem_size), which.data(), rows.data(),
+                        which.size(), out_offsets.data(), out_ptr, out_size);
+    });
   }
   return to_tuple(s);
 }
@@ -247,19 +280,21 @@ void bind_scheduler(nb::module_& m) {
 NB_MODULE(_core, m) {
   m.doc() = "streamcache native core: checksums and row gathers (GIL released)";
 
-  m.def("xxh64", &py_xxh64, nb::arg("data"), nb::arg("seed") = 0,
+  m.def("xxh64", &py_xxh64, nb::arg("data").noconvert(), nb::arg("seed") = 0,
         "XXH64 of a contiguous byte buffer.");
   m.def("xxh64_file", &py_xxh64_file, nb::arg("path"), nb::arg("seed") = 0,
         "XXH64 of a file: (code, item, message, digest, bytes_read).");
-  m.def("gather_fixed", &py_gather_fixed, nb::arg("sources"), nb::arg("stride"),
-        nb::arg("which"), nb::arg("rows"), nb::arg("out"),
+  m.def("gather_fixed", &py_gather_fixed, nb::arg("sources").noconvert(), nb::arg("stride"),
+        nb::arg("which").noconvert(), nb::arg("rows").noconvert(), nb::arg("out").noconvert(),
         "Copy fixed-width rows into out; returns (code, item, message).");
-  m.def("var_offsets", &py_var_offsets, nb::arg("values"), nb::arg("offsets"),
-        nb::arg("elem_size"), nb::arg("which"), nb::arg("rows"), nb::arg("out_offsets"),
+  m.def("var_offsets", &py_var_offsets, nb::arg("values").noconvert(),
+        nb::arg("offsets").noconvert(), nb::arg("elem_size"), nb::arg("which").noconvert(),
+        nb::arg("rows").noconvert(), nb::arg("out_offsets").noconvert(),
         "Output offsets of a variable-width gather; returns (code, item, message, total).");
-  m.def("gather_var", &py_gather_var, nb::arg("values"), nb::arg("offsets"),
-        nb::arg("elem_size"), nb::arg("which"), nb::arg("rows"), nb::arg("out_offsets"),
-        nb::arg("out_values"), "Copy variable-width rows; returns (code, item, message).");
+  m.def("gather_var", &py_gather_var, nb::arg("values").noconvert(),
+        nb::arg("offsets").noconvert(), nb::arg("elem_size"), nb::arg("which").noconvert(),
+        nb::arg("rows").noconvert(), nb::arg("out_offsets").noconvert(),
+        nb::arg("out_values").noconvert(), "Copy variable-width rows; returns (code, item, message).");
   m.def("set_num_threads", [](size_t n) { set_global_pool_size(n); }, nb::arg("threads"),
         "Size of the native thread pool (0 = hardware concurrency).");
   m.def("get_num_threads", []() { return global_pool_size(); },

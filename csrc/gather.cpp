@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "thread_pool.h"
@@ -59,6 +60,13 @@ Status var_row(const VarSource& src, size_t elem_size, size_t i, int32_t shard, 
   return Status::Ok();
 }
 
+Status too_small(size_t out_size, size_t n, size_t row_bytes) {
+  return Status::Error(StatusCode::kInvalid, -1,
+                       "output holds " + std::to_string(out_size) + " bytes, batch needs " +
+                           std::to_string(n) + " rows of " + std::to_string(row_bytes) +
+                           " bytes");
+}
+
 Status check_shard(size_t i, int32_t shard, size_t n_sources) {
   if (shard < 0 || static_cast<size_t>(shard) >= n_sources) {
     return Status::Error(StatusCode::kOutOfRange, static_cast<int64_t>(i),
@@ -73,10 +81,8 @@ Status check_shard(size_t i, int32_t shard, size_t n_sources) {
 Status gather_fixed(const std::vector<Span>& sources, size_t stride, const int32_t* which,
                     const int64_t* rows, size_t n, uint8_t* out, size_t out_size) {
   if (stride == 0) return Status::Error(StatusCode::kInvalid, -1, "stride must be positive");
-  if (out_size < n * stride) {
-    return Status::Error(StatusCode::kInvalid, -1,
-                         "output holds " + std::to_string(out_size) + " bytes, batch needs " +
-                             std::to_string(n * stride));
+  if (n > out_size / stride) {  // out_size < n * stride, without overflowing the product
+    return too_small(out_size, n, stride);
   }
   FirstError error;
   auto body = [&](size_t begin, size_t end) {
@@ -104,6 +110,8 @@ Status gather_fixed(const std::vector<Span>& sources, size_t stride, const int32
 Status var_offsets(const std::vector<VarSource>& sources, size_t elem_size, const int32_t* which,
                    const int64_t* rows, size_t n, int64_t* out_offsets, int64_t* total) {
   if (elem_size == 0) return Status::Error(StatusCode::kInvalid, -1, "elem_size must be positive");
+  // The batch's byte size must fit the address space: a caller allocates running * elem_size.
+  const int64_t max_elems = static_cast<int64_t>(std::numeric_limits<int64_t>::max() / elem_size);
   int64_t running = 0;
   out_offsets[0] = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -113,6 +121,11 @@ Status var_offsets(const std::vector<VarSource>& sources, size_t elem_size, cons
     s = var_row(sources[static_cast<size_t>(which[i])], elem_size, i, which[i], rows[i], &begin,
                 &end);
     if (!s.ok()) return s;
+    if (end - begin > max_elems - running) {
+      return Status::Error(StatusCode::kInvalid, static_cast<int64_t>(i),
+                           "batch item " + std::to_string(i) +
+                               " makes the batch larger than 2**63 bytes");
+    }
     running += end - begin;
     out_offsets[i + 1] = running;
   }
@@ -124,33 +137,44 @@ Status gather_var(const std::vector<VarSource>& sources, size_t elem_size, const
                   const int64_t* rows, size_t n, const int64_t* out_offsets, uint8_t* out_values,
                   size_t out_size) {
   if (elem_size == 0) return Status::Error(StatusCode::kInvalid, -1, "elem_size must be positive");
-  if (n > 0 && static_cast<size_t>(out_offsets[n]) * elem_size > out_size) {
+  // Every row i writes out_offsets[i] .. out_offsets[i + 1], checked below to lie inside
+  // [0, last]; `last` elements fit the output (checked here, without overflow).
+  const int64_t last = n > 0 ? out_offsets[n] : 0;
+  if (last < 0 || static_cast<uint64_t>(last) > out_size / elem_size) {
     return Status::Error(StatusCode::kInvalid, -1,
-                         "output holds " + std::to_string(out_size) + " bytes, batch needs " +
-                             std::to_string(static_cast<size_t>(out_offsets[n]) * elem_size));
+                         "output holds " + std::to_string(out_size) + " bytes, out_offsets end at " +
+                             std::to_string(last) + " elements of " + std::to_string(elem_size) +
+                             " bytes");
   }
   FirstError error;
   auto body = [&](size_t begin, size_t end) {
     for (size_t i = begin; i < end && !error.failed(); ++i) {
+      const int64_t dst_begin = out_offsets[i], dst_end = out_offsets[i + 1];
+      if (dst_begin < 0 || dst_end < dst_begin || dst_end > last) {
+        return error.set(Status::Error(
+            StatusCode::kInvalid, static_cast<int64_t>(i),
+            "out_offsets[" + std::to_string(i) + ":" + std::to_string(i + 2) + "] = [" +
+                std::to_string(dst_begin) + ", " + std::to_string(dst_end) +
+                "] is not a non-decreasing range inside [0, " + std::to_string(last) + "]"));
+      }
       Status s = check_shard(i, which[i], sources.size());
       if (!s.ok()) return error.set(std::move(s));
       const VarSource& src = sources[static_cast<size_t>(which[i])];
       int64_t row_begin = 0, row_end = 0;
       s = var_row(src, elem_size, i, which[i], rows[i], &row_begin, &row_end);
       if (!s.ok()) return error.set(std::move(s));
-      if (row_end - row_begin != out_offsets[i + 1] - out_offsets[i]) {
+      if (row_end - row_begin != dst_end - dst_begin) {
         return error.set(Status::Error(StatusCode::kInvalid, static_cast<int64_t>(i),
                                        "out_offsets do not match the rows asked for"));
       }
       size_t bytes = static_cast<size_t>(row_end - row_begin) * elem_size;
       if (bytes > 0) {
-        std::memcpy(out_values + static_cast<size_t>(out_offsets[i]) * elem_size,
+        std::memcpy(out_values + static_cast<size_t>(dst_begin) * elem_size,
                     src.values.data + static_cast<size_t>(row_begin) * elem_size, bytes);
       }
     }
   };
-  size_t total_bytes = n > 0 ? static_cast<size_t>(out_offsets[n]) * elem_size : 0;
-  if (total_bytes < kParallelBytes) {
+  if (static_cast<size_t>(last) * elem_size < kParallelBytes) {
     body(0, n);
   } else {
     global_pool().parallel_for(n, 1, body);

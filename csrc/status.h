@@ -14,6 +14,7 @@ enum class StatusCode : int {
   kCorrupt = 2,     // a buffer whose structure contradicts itself (offsets, sizes)
   kIo = 3,          // an operating-system I/O failure
   kInvalid = 4,     // an argument that can never be valid
+  kInternal = 5,    // an unexpected failure inside native code (e.g. out of memory)
 };
 
 struct Status {

@@ -16,11 +16,12 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from . import _twin
+from ._twin import Status
 from .errors import CorruptDataError, NativeError, RowOutOfRangeError, StreamcacheError
 
 _compiled: ModuleType | None
@@ -32,6 +33,8 @@ except ImportError:  # an install without the extension; the twin still works
 CODE_OUT_OF_RANGE = 1
 CODE_CORRUPT = 2
 CODE_IO = 3
+CODE_INVALID = 4
+CODE_INTERNAL = 5
 
 _backend: ModuleType
 
@@ -89,6 +92,13 @@ def _raise(code: int, item: int, message: str) -> None:
     raise NativeError(message, code, item)
 
 
+def _refused(exc: TypeError, problem: Status | None) -> NoReturn:
+    """The extension refused an argument (it never converts arrays): say what is wrong."""
+    if problem is None:  # not an array the twin's checks know: the binding's own message
+        raise NativeError(f"invalid arguments for the native core: {exc}", CODE_INVALID) from exc
+    raise NativeError(problem[2], problem[0], problem[1]) from exc
+
+
 def xxh64(data: Any, seed: int = 0) -> int:
     """XXH64 of a contiguous buffer (bytes, memoryview, numpy array)."""
     buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
@@ -109,25 +119,54 @@ def gather_fixed(
 ) -> None:
     """Copy row ``rows[i]`` of ``sources[which[i]]`` (``stride`` bytes) into ``out``'s row i.
 
-    ``out`` is any C-contiguous array (bytes are what count: datetimes and bools too).
+    Args:
+        sources: one-dimensional C-contiguous uint8 arrays, one per shard.
+        which: C-contiguous int32 shard indices; rows: C-contiguous int64 row numbers.
+        out: any C-contiguous, writable array (bytes are what count: datetimes and bools too).
+
+    Raises:
+        RowOutOfRangeError: a row or shard that does not exist.
+        NativeError: an array of the wrong dtype, shape or layout (nothing is converted or
+            copied), or an output too small for the batch.
     """
-    if not out.flags.c_contiguous:
-        raise ValueError("out must be C-contiguous")
+    problem = _twin.array_problem("out", out, writable=True, one_d=False)
+    if problem is not None:  # checked here: a non-contiguous out would reshape into a copy
+        raise NativeError(f"gather_fixed: {problem}", CODE_INVALID)
     flat = out.reshape(-1).view(np.uint8)
-    _raise(*_backend.gather_fixed(list(sources), stride, which, rows, flat))
+    sources = list(sources)
+    try:
+        status = _backend.gather_fixed(sources, stride, which, rows, flat)
+    except TypeError as exc:
+        _refused(exc, _twin.check_fixed_args(sources, stride, which, rows, flat))
+    _raise(*status)
 
 
 def gather_var(
     values: Sequence[np.ndarray], offsets: Sequence[np.ndarray], elem_size: int,
     which: np.ndarray, rows: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Gather variable-width rows; returns (values as uint8 bytes, int64 offsets in elements)."""
+    """Gather variable-width rows; returns (values as uint8 bytes, int64 offsets in elements).
+
+    Args:
+        values: one-dimensional C-contiguous uint8 arrays, one per shard; offsets: their
+            C-contiguous int64 offsets (rows + 1 entries, in elements of ``elem_size`` bytes).
+        which: C-contiguous int32 shard indices; rows: C-contiguous int64 row numbers.
+
+    Raises:
+        RowOutOfRangeError: a row or shard that does not exist.
+        CorruptDataError: a shard's offsets do not fit its values.
+        NativeError: an array of the wrong dtype, shape or layout (nothing is converted).
+    """
     values = list(values)
     offsets = list(offsets)
     out_offsets = np.empty(len(rows) + 1, dtype=np.int64)
-    code, item, message, total = _backend.var_offsets(
-        values, offsets, elem_size, which, rows, out_offsets
-    )
+    try:
+        code, item, message, total = _backend.var_offsets(
+            values, offsets, elem_size, which, rows, out_offsets
+        )
+    except TypeError as exc:
+        _refused(exc, _twin.check_var_args("var_offsets", values, offsets, which, rows,
+                                           out_offsets))
     _raise(code, item, message)
     out_values = np.empty(int(total) * elem_size, dtype=np.uint8)
     _raise(*_backend.gather_var(values, offsets, elem_size, which, rows, out_offsets, out_values))

@@ -113,10 +113,81 @@ def _check_shard(i: int, shard: int, n_sources: int) -> Status | None:
     return None
 
 
+_INT64_MAX = (1 << 63) - 1
+Array = tuple[str, object, np.dtype | None, bool]  # name, value, exact dtype, writable
+
+
+def array_problem(name: str, array: object, dtype: np.dtype | None = None, *,
+                  writable: bool = False, one_d: bool = True) -> str | None:
+    """What makes ``array`` unfit for the native core, or None.
+
+    The extension refuses to convert arrays (``.noconvert()`` in ``csrc/bindings.cpp``): a
+    converting cast would silently copy an output, whose result is then lost, or truncate
+    int64 values to uint8. Arrays must be numpy arrays of the exact dtype, C-contiguous,
+    and writable if they are outputs.
+    """
+    if not isinstance(array, np.ndarray):
+        return f"{name} must be a numpy array, got {type(array).__name__}"
+    if dtype is not None and array.dtype != dtype:
+        return f"{name} must have dtype {dtype}, got {array.dtype}"
+    if one_d and array.ndim != 1:
+        return f"{name} must be one-dimensional, got shape {array.shape}"
+    if not array.flags.c_contiguous:
+        return f"{name} must be C-contiguous (it would be copied, and an output's copy lost)"
+    if writable and not array.flags.writeable:
+        return f"{name} must be writable"
+    return None
+
+
+def _first_problem(function: str, arrays: Sequence[Array]) -> Status | None:
+    for name, array, dtype, writable in arrays:
+        problem = array_problem(name, array, dtype, writable=writable)
+        if problem is not None:
+            return INVALID, -1, f"{function}: {problem}"
+    return None
+
+
+_U8, _I32, _I64 = np.dtype(np.uint8), np.dtype(np.int32), np.dtype(np.int64)
+
+
+def _each(name: str, arrays: Sequence[object], dtype: np.dtype) -> list[Array]:
+    if not isinstance(arrays, (list, tuple)):
+        return [(name, arrays, None, False)]  # "must be a numpy array": a list is expected
+    return [(f"{name}[{k}]", a, dtype, False) for k, a in enumerate(arrays)]
+
+
+def check_fixed_args(sources: Sequence[object], stride: int, which: object, rows: object,
+                     out: object) -> Status | None:
+    """The array checks of ``gather_fixed`` (``out`` may have any dtype and shape)."""
+    arrays = [*_each("sources", sources, _U8), ("which", which, _I32, False),
+              ("rows", rows, _I64, False)]
+    if (err := _first_problem("gather_fixed", arrays)) is not None:
+        return err
+    problem = array_problem("out", out, writable=True, one_d=False)
+    return None if problem is None else (INVALID, -1, f"gather_fixed: {problem}")
+
+
+def check_var_args(function: str, values: Sequence[object], offsets: Sequence[object],
+                   which: object, rows: object, out_offsets: object,
+                   out_values: object = None) -> Status | None:
+    """The array checks of ``var_offsets`` and (with ``out_values``) ``gather_var``."""
+    arrays = [*_each("values", values, _U8), *_each("offsets", offsets, _I64),
+              ("which", which, _I32, False), ("rows", rows, _I64, False),
+              ("out_offsets", out_offsets, _I64, out_values is None)]
+    if (err := _first_problem(function, arrays)) is not None:
+        return err
+    if out_values is None:
+        return None
+    problem = array_problem("out_values", out_values, writable=True, one_d=False)
+    return None if problem is None else (INVALID, -1, f"{function}: {problem}")
+
+
 def gather_fixed(
     sources: Sequence[np.ndarray], stride: int, which: np.ndarray, rows: np.ndarray,
     out: np.ndarray,
 ) -> Status:
+    if (err := check_fixed_args(sources, stride, which, rows, out)) is not None:
+        return err
     if len(which) != len(rows):
         return INVALID, -1, "which and rows differ in length"
     if stride <= 0:
@@ -124,7 +195,7 @@ def gather_fixed(
     out_bytes = out.reshape(-1).view(np.uint8)
     if out_bytes.size < len(rows) * stride:
         return INVALID, -1, (
-            f"output holds {out_bytes.size} bytes, batch needs {len(rows) * stride}"
+            f"output holds {out_bytes.size} bytes, batch needs {len(rows)} rows of {stride} bytes"
         )
     for i, (shard, row) in enumerate(zip(which.tolist(), rows.tolist(), strict=True)):
         if (err := _check_shard(i, shard, len(sources))) is not None:
@@ -154,14 +225,22 @@ def _var_row(
     return None, begin, end
 
 
-def _check_var_sources(
-    values: Sequence[np.ndarray], offsets: Sequence[np.ndarray],
+def _check_var_request(
+    values: Sequence[np.ndarray], offsets: Sequence[np.ndarray], elem_size: int,
+    which: np.ndarray, rows: np.ndarray, out_offsets: np.ndarray,
 ) -> Status | None:
+    """The checks var_offsets and gather_var share, in the extension's order."""
+    if len(which) != len(rows):
+        return INVALID, -1, "which and rows differ in length"
+    if out_offsets.size != len(rows) + 1:
+        return INVALID, -1, "out_offsets must hold len(rows) + 1 entries"
     if len(values) != len(offsets):
         return INVALID, -1, "values and offsets lists differ in length"
     for i, off in enumerate(offsets):
         if off.size == 0:
             return CORRUPT, i, "an offsets buffer must hold at least one entry"
+    if elem_size <= 0:
+        return INVALID, -1, "elem_size must be positive"
     return None
 
 
@@ -169,14 +248,12 @@ def var_offsets(
     values: Sequence[np.ndarray], offsets: Sequence[np.ndarray], elem_size: int,
     which: np.ndarray, rows: np.ndarray, out_offsets: np.ndarray,
 ) -> tuple[int, int, str, int]:
-    if len(which) != len(rows):
-        return INVALID, -1, "which and rows differ in length", 0
-    if out_offsets.size != len(rows) + 1:
-        return INVALID, -1, "out_offsets must hold len(rows) + 1 entries", 0
-    if (err := _check_var_sources(values, offsets)) is not None:
+    err = check_var_args("var_offsets", values, offsets, which, rows, out_offsets)
+    if err is None:
+        err = _check_var_request(values, offsets, elem_size, which, rows, out_offsets)
+    if err is not None:
         return (*err, 0)
-    if elem_size <= 0:
-        return INVALID, -1, "elem_size must be positive", 0
+    max_elems = _INT64_MAX // elem_size  # the batch's bytes must fit an int64
     running = 0
     out_offsets[0] = 0
     for i, (shard, row) in enumerate(zip(which.tolist(), rows.tolist(), strict=True)):
@@ -185,6 +262,8 @@ def var_offsets(
         err, begin, end = _var_row(values[shard], offsets[shard], elem_size, i, shard, row)
         if err is not None:
             return (*err, 0)
+        if end - begin > max_elems - running:
+            return INVALID, i, f"batch item {i} makes the batch larger than 2**63 bytes", 0
         running += end - begin
         out_offsets[i + 1] = running
     return OK, -1, "", running
@@ -194,26 +273,35 @@ def gather_var(
     values: Sequence[np.ndarray], offsets: Sequence[np.ndarray], elem_size: int,
     which: np.ndarray, rows: np.ndarray, out_offsets: np.ndarray, out_values: np.ndarray,
 ) -> Status:
-    if len(which) != len(rows):
-        return INVALID, -1, "which and rows differ in length"
-    if out_offsets.size != len(rows) + 1:
-        return INVALID, -1, "out_offsets must hold len(rows) + 1 entries"
-    if (err := _check_var_sources(values, offsets)) is not None:
+    err = check_var_args("gather_var", values, offsets, which, rows, out_offsets, out_values)
+    if err is None:
+        err = _check_var_request(values, offsets, elem_size, which, rows, out_offsets)
+    if err is not None:
         return err
     out_bytes = out_values.reshape(-1).view(np.uint8)
-    needed = int(out_offsets[-1]) * elem_size if len(rows) else 0
-    if needed > out_bytes.size:
-        return INVALID, -1, f"output holds {out_bytes.size} bytes, batch needs {needed}"
+    # Every row i writes out_offsets[i] .. out_offsets[i + 1], which must lie inside
+    # [0, last]; `last` elements must fit the output.
+    last = int(out_offsets[-1]) if len(rows) else 0
+    if last < 0 or last > out_bytes.size // elem_size:
+        return INVALID, -1, (
+            f"output holds {out_bytes.size} bytes, out_offsets end at {last} elements of "
+            f"{elem_size} bytes"
+        )
     for i, (shard, row) in enumerate(zip(which.tolist(), rows.tolist(), strict=True)):
+        dst_begin, dst_end = int(out_offsets[i]), int(out_offsets[i + 1])
+        if dst_begin < 0 or dst_end < dst_begin or dst_end > last:
+            return INVALID, i, (
+                f"out_offsets[{i}:{i + 2}] = [{dst_begin}, {dst_end}] is not a non-decreasing "
+                f"range inside [0, {last}]"
+            )
         if (err := _check_shard(i, shard, len(values))) is not None:
             return err
         err, begin, end = _var_row(values[shard], offsets[shard], elem_size, i, shard, row)
         if err is not None:
             return err
-        if end - begin != out_offsets[i + 1] - out_offsets[i]:
+        if end - begin != dst_end - dst_begin:
             return INVALID, i, "out_offsets do not match the rows asked for"
-        dst = int(out_offsets[i]) * elem_size
-        out_bytes[dst:dst + (end - begin) * elem_size] = (
+        out_bytes[dst_begin * elem_size:dst_end * elem_size] = (
             values[shard][begin * elem_size:end * elem_size]
         )
     return OK, -1, ""

@@ -127,7 +127,7 @@ def test_corrupt_offsets_raise(backend: str) -> None:
 def test_output_too_small_is_rejected(backend: str) -> None:
     sources = [np.zeros(64, np.uint8)]
     out = np.empty(8, np.uint8)
-    with pytest.raises(NativeError, match="batch needs 16"):
+    with pytest.raises(NativeError, match="batch needs 2 rows of 8 bytes"):
         _native.gather_fixed(sources, 8, np.zeros(2, np.int32), np.zeros(2, np.int64), out)
 
 
