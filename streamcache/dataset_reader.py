@@ -112,8 +112,7 @@ class FolderStore:
             return str(path)
         target = os.path.join(self._dataset_folder, _local_name(self.index, shard))
         record_path = target.removesuffix(".arrow") + ".source"
-        identity = source_identity(info, url, self._storage_options,
-                                   FetchOptions(storage_options=dict(self._storage_options or {})))
+        identity = source_identity(info, url, self._storage_options, self._fetch_options)
         if os.path.exists(target) and identity is not None and (
                 info.checksum is not None or (read_record(record_path) or {}).get(
                     "identity") == identity):
@@ -171,7 +170,7 @@ class DatasetReader:
                  max_open_shards: int = 256, allow_external_paths: bool = False,
                  fetch: FetchOptions | None = None) -> None:
         self.index = source if isinstance(source, DatasetIndex) else load_index(
-            source, storage_options, allow_external_paths=allow_external_paths
+            source, storage_options, allow_external_paths=allow_external_paths, fetch=fetch
         )
         self.schema = self.index.schema.select(fields)
         self.store: ShardStore = store or FolderStore(self.index, local_dir,
