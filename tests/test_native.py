@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -290,3 +291,17 @@ def test_forked_children_gather_while_the_parent_is_gathering() -> None:
             stop.set()
             worker.join()
 
+
+@needs_native
+def test_the_committed_stub_is_the_one_the_build_generated() -> None:
+    """streamcache/_core.pyi (what mypy reads) is nanobind's stubgen output, not hand-written."""
+    import streamcache
+    from streamcache import _core
+
+    built = Path(_core.__file__).with_name("_core.pyi")
+    committed = Path(streamcache.__file__).with_name("_core.pyi")
+    if built == committed or not built.exists():
+        pytest.skip("no separately installed stub to compare with")
+    assert committed.read_text() == built.read_text(), (
+        f"csrc/bindings.cpp changed: copy the generated {built} to streamcache/_core.pyi"
+    )
