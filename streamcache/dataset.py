@@ -211,7 +211,8 @@ class StreamDataset(IterableDataset):
         self.options = StreamOptions(**options)
         opts = self.options
         self.index = url if isinstance(url, DatasetIndex) else load_index(
-            url, opts.storage_options, allow_external_paths=opts.allow_external_paths
+            url, opts.storage_options, allow_external_paths=opts.allow_external_paths,
+            fetch=opts.fetch,
         )
         self.schema = self.index.schema.select(opts.fields)
         self._fields = {f.name: f for f in self.schema}

@@ -410,6 +410,25 @@ class Fetcher:
         self._count(bytes=len(data), objects=1)
         return data
 
+    def fetch_prefix(self, url: str, nbytes: int) -> bytes:
+        """The first ``nbytes`` bytes of the object at ``url`` (all of it if shorter), with the
+        timeouts and retries of :meth:`fetch`; nothing past them is read.
+
+        For small objects of unknown size read under a cap (an index): ask for one byte more
+        than the cap, and a longer result means a larger object.
+
+        Raises: as :meth:`fetch`.
+        """
+
+        def attempt() -> bytes:
+            parts: list[bytes] = []
+            self._transfer(url, None, parts.append, stop_at=nbytes)
+            return b"".join(parts)
+
+        data = self._with_retries(url, attempt)
+        self._count(bytes=len(data), objects=1)
+        return data
+
     def fetch_to_file(
         self,
         url: str,
@@ -571,14 +590,15 @@ class Fetcher:
         return fs, fs._strip_protocol(url)
 
     def _transfer(self, url: str, size: int | None, sink: Callable[[bytes], object],
-                  max_bytes: int | None = None) -> int:
+                  max_bytes: int | None = None, *, stop_at: int | None = None) -> int:
         """One request: stream the body into ``sink`` block by block; returns the length.
 
         Reads at most one byte past ``size`` (or ``max_bytes``): a body that goes on is
-        refused there, not read to its end.
+        refused there, not read to its end. With ``stop_at``, reads that many bytes at most
+        and judges no length.
         """
         fs, path = self._filesystem(url)
-        limit = _read_limit(size, max_bytes)
+        limit = _read_limit(size, max_bytes) if stop_at is None else stop_at
         if getattr(fs, "async_impl", False):
             total = self._transfer_async(fs, path, size, sink, limit)
         else:
@@ -590,8 +610,9 @@ class Fetcher:
                     self._check_open()
                     if limit is not None and total >= limit:
                         break
-        local = storage.is_local(fs) or "memory" in _protocols(fs)
-        _check_size(total, size, max_bytes, url, local=local)
+        if stop_at is None:
+            local = storage.is_local(fs) or "memory" in _protocols(fs)
+            _check_size(total, size, max_bytes, url, local=local)
         return total
 
     def _next_read(self, total: int, limit: int | None) -> int:
@@ -667,6 +688,32 @@ class Fetcher:
         if not self._stopping.is_set():
             with contextlib.suppress(BaseException):
                 future.result(timeout=self.options.timeout_s)
+
+
+def read_capped(url: str, limit: int, *, options: FetchOptions | None = None,
+                storage_options: Mapping[str, Any] | None = None) -> bytes:
+    """At most ``limit + 1`` bytes of a small object (an index, a side file): a result longer
+    than ``limit`` means the object is larger. Read by a short-lived :class:`Fetcher`, so it
+    has its stall timeout and retries, and a failure names ``url``.
+
+    Args:
+        options: the Fetcher's options (default: :class:`FetchOptions`'s);
+            ``storage_options`` replace theirs.
+
+    Raises:
+        FileNotFoundError: there is no object at ``url`` (not retried).
+        FetchError: any other failure, after the retries.
+    """
+    options = options or FetchOptions()
+    if storage_options is not None:
+        options = dataclasses.replace(options, storage_options=dict(storage_options))
+    with Fetcher(options) as fetcher:
+        try:
+            return fetcher.fetch_prefix(url, limit + 1)
+        except FetchError as error:
+            if error.permanent and isinstance(error.cause, FileNotFoundError):
+                raise FileNotFoundError(f"no object at {url}") from error
+            raise
 
 
 def _error_of(future: concurrent.futures.Future[Any]) -> BaseException | None:

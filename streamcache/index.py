@@ -37,6 +37,8 @@ from .errors import (
     SchemaError,
     SourceError,
 )
+from .fetch import FetchOptions
+from .fetch import read_capped as fetch_capped
 from .schema import Schema
 from .shard_table import SHARD_FORMATS, ShardInfo, ShardTable
 
@@ -370,15 +372,19 @@ def _under(path: str, root: str) -> bool:
 
 
 def load_index(url: str, storage_options: Mapping[str, Any] | None = None, *,
-               allow_external_paths: bool = False) -> DatasetIndex:
+               allow_external_paths: bool = False, fetch: FetchOptions | None = None,
+               ) -> DatasetIndex:
     """Load a dataset's index from a folder URL or an index.json URL.
 
-    ``allow_external_paths``: see :func:`check_shard_paths`.
+    ``allow_external_paths``: see :func:`check_shard_paths`. ``fetch``: the stall timeout
+    and retries of the reads (see :class:`~streamcache.fetch.FetchOptions`); a read that
+    fails raises :class:`~streamcache.fetch.FetchError` naming the URL.
     """
     target = index_url(url)
     fs, path = storage.filesystem(target, storage_options)
     try:
-        raw = read_capped(fs, path, MAX_INDEX_BYTES)
+        raw = fetch_capped(storage.unstrip(fs, path), MAX_INDEX_BYTES, options=fetch,
+                           storage_options=storage_options)
     except FileNotFoundError:
         raise IndexNotFoundError(
             f"no {INDEX_NAME} at {target}: write the dataset with ShardWriter / "
@@ -387,9 +393,8 @@ def load_index(url: str, storage_options: Mapping[str, Any] | None = None, *,
         ) from None
 
     def read(side_url: str, limit: int) -> bytes:
-        side_fs, side_path = storage.filesystem(side_url, storage_options)
         try:
-            return read_capped(side_fs, side_path, limit)
+            return fetch_capped(side_url, limit, options=fetch, storage_options=storage_options)
         except FileNotFoundError:
             raise IndexFormatError(f"{side_url}, the shard table of {target}, is missing: "
                                    "rebuild the index") from None

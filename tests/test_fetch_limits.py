@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 from servers import FaultServer
 
+from streamcache import index as index_module
 from streamcache.dataset import StreamDataset
 from streamcache.dataset_reader import DatasetReader
-from streamcache.errors import StreamcacheError
+from streamcache.errors import IndexFormatError, IndexNotFoundError, StreamcacheError
 from streamcache.fetch import TEMP_SUFFIX, Fetcher, FetchError, FetchOptions, backoff_delay
+from streamcache.index import load_index
 from streamcache.writer import write_dataset
 
 
@@ -153,3 +155,34 @@ def test_dataset_reader_downloads_with_the_fetch_options_it_is_given(
             pytest.raises(FetchError) as caught:
         reader[0]
     assert caught.value.attempts == 3 and "timeout_s=0.5" in str(caught.value)
+
+
+# ------------------------------------------------------------------ the index
+
+
+def test_index_json_is_read_with_timeouts_and_retries(fault_server: FaultServer) -> None:
+    url = _served_dataset(fault_server)
+    options = FetchOptions(timeout_s=0.5, retries=2, backoff_initial_s=0.01)
+    fault_server.faults.configure(delay_s=120.0)
+    fault_server.faults.script("/ds/index.json", ["slow", "stall"])
+    assert load_index(url, fetch=options).num_samples == 64  # the third request answers
+    assert fault_server.requests.count("/ds/index.json") == 3
+    fault_server.faults.script("/ds/index.json", ["stall"] * 3)
+    with pytest.raises(FetchError) as caught:
+        load_index(url, fetch=options)
+    error = caught.value
+    assert error.url == f"{url}/index.json" and error.attempts == 3
+    assert f"cannot fetch {url}/index.json" in str(error) and "timeout_s=0.5" in str(error)
+    with pytest.raises(IndexNotFoundError):
+        load_index(fault_server.url_for("nothing-here"), fetch=options)
+
+
+def test_an_oversized_index_is_not_read_to_its_end(fault_server: FaultServer,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    url = _served_dataset(fault_server)
+    monkeypatch.setattr(index_module, "MAX_INDEX_BYTES", 1 << 20)
+    fault_server.faults.configure(rate=1.0, kinds=("oversize",), oversize_bytes=96 << 20)
+    with pytest.raises(IndexFormatError, match="is over"):
+        load_index(url, fetch=FetchOptions(retries=0))
+    fault_server.close()
+    assert fault_server.requests.bytes_sent("/ds/index.json") < 24 << 20
