@@ -2,18 +2,35 @@
 
 Each subcommand lives in the module of the part it belongs to, which provides
 ``add_arguments(parser)`` and ``run(args) -> int``. Only the chosen subcommand's module is
-imported, so ``streamcache inspect`` does not pay for importing torch. A
-:class:`~streamcache.errors.StreamcacheError` prints one line and exits 1; bad usage exits 2.
+imported, so ``streamcache inspect`` does not pay for importing torch.
+
+A failure is one line on stderr and exit 1; bad usage exits 2. That holds for a
+:class:`~streamcache.errors.StreamcacheError` and for the storage layer's own errors beneath
+it (missing credentials, an unreachable endpoint, a missing or forbidden object), which
+:func:`storage_failure` words here, at the boundary. Any other exception is a bug and keeps
+its traceback. Output into a closed pipe (``| head``) ends quietly.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 from .errors import StreamcacheError
+
+# Exception class names (anywhere in the MRO) of the cloud clients beneath fsspec, matched by
+# name so that the CLI imports none of them.
+_CREDENTIAL_ERRORS = frozenset({"NoCredentialsError", "PartialCredentialsError",
+                                "CredentialRetrievalError", "DefaultCredentialsError",
+                                "ClientAuthenticationError"})
+_CONNECTION_ERRORS = frozenset({"EndpointConnectionError", "ConnectTimeoutError",
+                                "ConnectionClosedError", "ClientConnectorError",
+                                "ServerTimeoutError", "ConnectionError", "TimeoutError"})
+_CLIENT_ERRORS = frozenset({"ClientError", "BotoCoreError", "ClientResponseError",
+                            "HttpResponseError"})
 
 # name -> (module providing add_arguments/run, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -45,6 +62,75 @@ def _build_parser(chosen: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(text: str) -> str:
+    """``text`` with its lines joined, so that an error is one line whatever its source."""
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def _class_names(exc: BaseException) -> set[str]:
+    return {cls.__name__ for cls in type(exc).__mro__}
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what caused it (``cause`` attributes, ``__cause__``, ``__context__``)."""
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in seen and len(seen) < 16:
+        seen.append(current)
+        cause = getattr(current, "cause", None)
+        current = cause if isinstance(cause, BaseException) else (
+            current.__cause__ or current.__context__)
+    return seen
+
+
+def storage_advice(exc: BaseException) -> str | None:
+    """What to do about a credential or connection failure anywhere in ``exc``'s chain."""
+    for link in _chain(exc):
+        names = _class_names(link)
+        if names & _CREDENTIAL_ERRORS:
+            return ("no credentials were found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                    "or AWS_PROFILE (S3), GOOGLE_APPLICATION_CREDENTIALS (GCS), or the Azure "
+                    "equivalents, or use a public URL")
+        if names & _CONNECTION_ERRORS:
+            return ("the store cannot be reached: check the network, the URL and the endpoint "
+                    "(AWS_ENDPOINT_URL), then retry")
+    return None
+
+
+def storage_failure(exc: BaseException, url: str | None) -> str | None:
+    """One line about an error of the storage layer beneath streamcache (fsspec and the cloud
+    clients), or None when ``exc`` is not one (a bug: keep its traceback)."""
+    names = _class_names(exc)
+    where = f"{url}: " if url else ""
+    advice = storage_advice(exc)
+    if advice is not None:
+        return f"{where}{type(exc).__name__}: {one_line(str(exc))}; {advice}"
+    if isinstance(exc, PermissionError) or "AccessDenied" in str(exc):
+        return f"{where}permission denied: {one_line(str(exc))}"
+    if isinstance(exc, FileNotFoundError):
+        return f"{where}not found: {one_line(str(exc))}"
+    if names & _CLIENT_ERRORS or isinstance(exc, OSError):
+        return f"{where}storage error: {one_line(str(exc))}"
+    return None
+
+
+def _url_of(args: argparse.Namespace) -> str | None:
+    for name in ("url", "src", "root"):
+        value = getattr(args, name, None)
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def _quiet_broken_pipe() -> int:
+    """The reader of stdout went away (``| head``): stop without a traceback, and keep
+    Python's final flush from raising again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141  # what a shell reports for a process ended by SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
@@ -52,13 +138,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser(chosen if chosen in SUBCOMMANDS else None)
     args = parser.parse_args(args_list)
     try:
-        return int(args._run(args))
+        code = int(args._run(args))
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at exit
+        return code
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
     except StreamcacheError as exc:
-        print(f"streamcache {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        advice = storage_advice(exc)
+        return _fail(args.command, one_line(str(exc)) + (f"; {advice}" if advice else ""))
     except KeyboardInterrupt:
         print(f"streamcache {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        message = storage_failure(exc, _url_of(args))
+        if message is None:
+            raise
+        return _fail(args.command, message)
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"streamcache {command}: error: {message}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

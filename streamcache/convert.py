@@ -29,7 +29,9 @@ import pyarrow.parquet as pq
 from . import storage
 from .errors import EmptyDatasetError, SchemaError, SourceError
 from .index import INDEX_NAME, DatasetIndex, load_index
+from .progress import ProgressLine
 from .schema import Field, Schema
+from .units import parse_size, plural, size_argument
 from .writer import DEFAULT_SHARD_SIZE, ShardWriter
 
 FORMATS = ("parquet", "arrow", "jsonl", "imagefolder", "numpy")
@@ -63,19 +65,22 @@ class ConvertReport:
         return self.raw_bytes / 1e6 / self.seconds if self.seconds > 0 else float("inf")
 
     def summary(self) -> str:
-        return (f"converted {self.samples:,} samples into {self.shards} shards at {self.url}: "
+        return (f"converted {plural(self.samples, 'sample')} into {plural(self.shards, 'shard')} "
+                f"at {self.url}: "
                 f"{self.bytes_written / 1e6:.1f} MB stored ({self.raw_bytes / 1e6:.1f} MB raw) "
                 f"in {self.seconds:.2f} s, {self.samples_per_second:,.0f} samples/s, "
                 f"{self.mb_per_second:.1f} MB/s")
 
 
 class Progress:
-    """Prints a one-line progress report to a stream at most once a second."""
+    """Reports conversion progress to a stream at most once a second: a line redrawn in
+    place on a terminal, whole lines in a log (see :class:`~streamcache.progress.ProgressLine`)."""
 
     def __init__(self, stream: TextIO | None) -> None:
         self.stream = stream
         self.started = time.perf_counter()
         self._last = 0.0
+        self._line = ProgressLine(stream, "converting", unit="samples")
 
     def update(self, samples: int, raw_bytes: int) -> None:
         now = time.perf_counter()
@@ -83,13 +88,10 @@ class Progress:
             return
         self._last = now
         rate = raw_bytes / 1e6 / max(now - self.started, 1e-9)
-        self.stream.write(f"\rconverting: {samples:,} samples, {raw_bytes / 1e6:,.1f} MB, "
-                          f"{rate:,.1f} MB/s")
-        self.stream.flush()
+        self._line.update(samples, f"{raw_bytes / 1e6:,.1f} MB, {rate:,.1f} MB/s", force=True)
 
     def done(self) -> None:
-        if self.stream is not None and self._last:
-            self.stream.write("\n")
+        self._line.close()
 
 
 def _suffix_format(path: str) -> str | None:
@@ -329,25 +331,12 @@ def convert(src: str, dst: str, *, format: str | None = None,
                          writer.stats.raw_bytes, time.perf_counter() - started, index.url)
 
 
-def parse_size(text: str) -> int:
-    """``"64MB"``, ``"512KiB"``, ``"1G"`` or a plain number of bytes."""
-    units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6,
-             "mib": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30}
-    number = text.strip().lower().rstrip()
-    digits = number.rstrip("abgikm")
-    unit = number[len(digits):]
-    try:
-        return int(float(digits) * units[unit])
-    except (KeyError, ValueError):
-        raise ValueError(f"cannot read the size {text!r}; write e.g. 64MB or 1GiB") from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="file, folder or glob (any fsspec URL)")
     parser.add_argument("dst", help="destination folder (any fsspec URL)")
     parser.add_argument("--format", choices=FORMATS, help="source format (default: detect)")
     parser.add_argument("--fields", help="comma-separated fields to keep (default: all)")
-    parser.add_argument("--shard-size", default="64MB", type=parse_size,
+    parser.add_argument("--shard-size", default="64MB", type=size_argument,
                         help="target uncompressed bytes per shard (default 64MB)")
     parser.add_argument("--compression", default="zstd", choices=["zstd", "lz4", "none"])
     parser.add_argument("--overwrite", action="store_true", help="replace a dataset at DST")

@@ -12,6 +12,7 @@ import numpy as np
 
 from .dataset_reader import DatasetReader
 from .index import DatasetIndex, load_index
+from .units import plural
 
 
 def describe(index: DatasetIndex) -> dict[str, Any]:
@@ -79,7 +80,7 @@ def format_report(info: Mapping[str, Any]) -> str:
     if info["raw_bytes"] is not None:
         lines.append(f"raw          {info['raw_bytes'] / 1e6:,.2f} MB "
                      f"(ratio {info['compression_ratio']:.2f}x)")
-    lines.append(f"checksums    {info['checksums']} of {info['shards']} shards")
+    lines.append(f"checksums    {info['checksums']} of {plural(info['shards'], 'shard')}")
     lines.append("fields:")
     for f in info["fields"]:
         detail = f.get("dtype", "")

@@ -15,12 +15,27 @@ from typing import Any
 
 from fsspec.core import url_to_fs
 
-from .errors import DestinationError
+from .errors import DestinationError, StorageError, UnknownProtocolError
 
 
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
-    """The fsspec filesystem for ``url`` and the path inside it."""
-    fs, path = url_to_fs(url, **dict(storage_options or {}))
+    """The fsspec filesystem for ``url`` and the path inside it.
+
+    Raises:
+        UnknownProtocolError: fsspec knows no protocol of that name (``s4://``).
+        StorageError: the protocol's fsspec backend is not installed (e.g. s3fs).
+    """
+    try:
+        fs, path = url_to_fs(url, **dict(storage_options or {}))
+    except ValueError as exc:
+        if "Protocol not known" not in str(exc):
+            raise
+        protocol = url.split("://", 1)[0]
+        raise UnknownProtocolError(
+            f"{url}: unknown protocol {protocol}://; use a local path or one fsspec knows "
+            "(s3://, gs://, az://, http(s)://, memory://, file://)") from None
+    except ImportError as exc:
+        raise StorageError(f"{url}: {exc}") from None
     return fs, path
 
 
