@@ -172,8 +172,9 @@ def gather_fixed(
         NativeError: an array of the wrong dtype, shape or layout (nothing is converted or
             copied), or an output too small for the batch.
     """
-    problem = _twin.array_problem("out", out, writable=True, one_d=False)
-    if problem is not None:  # checked here: a non-contiguous out would reshape into a copy
+    # Checked here: a non-contiguous out would reshape into a copy, and the rows into nowhere.
+    if not isinstance(out, np.ndarray) or not (out.flags.c_contiguous and out.flags.writeable):
+        problem = _twin.array_problem("out", out, writable=True, one_d=False)
         raise NativeError(f"gather_fixed: {problem}", CODE_INVALID)
     flat = out.reshape(-1).view(np.uint8)
     sources = list(sources)

@@ -205,7 +205,7 @@ needs_native = pytest.mark.skipif("native" not in _native.available_backends(),
 
 
 @needs_native
-@pytest.mark.parametrize("throw_at", [0, 999])  # the caller's own chunk, a helper's chunk
+@pytest.mark.parametrize("throw_at", [0, 999])  # in the first chunk, in the last
 def test_an_exception_in_a_pool_chunk_reaches_the_caller(throw_at: int) -> None:
     from streamcache import _core
 
