@@ -15,6 +15,7 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
     ("demo.py", ["--samples", "20000"]),
     ("parquet_stream.py", []),
     ("image_classification.py", ["--steps", "3"]),
+    ("lightning_train.py", []),  # DDP on 2 CPU processes, stopped and resumed mid-epoch
 ])
 def test_example_runs(tmp_path, script: str, args: list[str]) -> None:
     result = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), "--workdir",
