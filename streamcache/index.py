@@ -40,7 +40,7 @@ from .errors import (
 from .fetch import FetchOptions
 from .fetch import read_capped as fetch_capped
 from .schema import Schema
-from .shard_table import SHARD_FORMATS, ShardInfo, ShardTable
+from .shard_table import SHARD_FORMATS, ShardInfo, ShardTable, shard_entry_hook
 
 INDEX_NAME = "index.json"
 FORMAT_NAME = "streamcache-index"
@@ -116,7 +116,8 @@ class DatasetIndex:
         out: dict[str, Any] = {
             "format": FORMAT_NAME,
             "version": TABLE_FORMAT_VERSION if self.has_side_table else FORMAT_VERSION,
-            "fingerprint": self.fingerprint,
+            # (recomputed: an index loaded from an older layout gets its new layout's digest)
+            "fingerprint": compute_fingerprint(self.schema, self.shards),
             "created": self.created or time.time(),
             "num_samples": self.num_samples,
             "schema": self.schema.to_json(),
@@ -155,10 +156,11 @@ def _fingerprint_table(schema: Schema, shards: ShardTable) -> str:
 
 def _fingerprint_inline(schema: Schema, shards: Sequence[ShardInfo]) -> str:
     """The fingerprint of a version-1 index (over the JSON shard list)."""
+    table = shards if isinstance(shards, ShardTable) else ShardTable.from_infos(shards)
     content = {
         "version": FORMAT_VERSION,
         "schema": schema.to_json(),
-        "shards": [[s.path, s.format, s.rows, s.bytes, s.checksum] for s in shards],
+        "shards": table.identity_rows(),
     }
     return checksum_bytes(json.dumps(content, sort_keys=True).encode())
 
@@ -232,7 +234,7 @@ def _decode_document(raw: bytes, url: str) -> dict[str, Any]:
             "streamcache index (damaged or hostile): rebuild it with `streamcache index`"
         )
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, object_hook=shard_entry_hook)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise IndexFormatError(
             f"{url} is not valid JSON ({exc}); the index is corrupt: rebuild it with "
@@ -250,28 +252,33 @@ def json_depth(raw: bytes) -> int:
     """
     data = np.frombuffer(raw, dtype=np.uint8)
     quotes = np.flatnonzero(data == ord('"'))
-    if quotes.size:  # a quote is escaped when an odd run of backslashes precedes it
-        backslash = data == ord("\\")
-        last_plain = np.maximum.accumulate(np.where(backslash, -1, np.arange(data.size)))
-        before = quotes - 1
-        run = np.where(before >= 0, before - last_plain[np.maximum(before, 0)], 0)
-        quotes = quotes[run % 2 == 0]
-    opening = (data == ord("[")) | (data == ord("{"))
-    closing = (data == ord("]")) | (data == ord("}"))
-    brackets = np.flatnonzero(opening | closing)
+    slashes = np.flatnonzero(data == ord("\\"))
+    if quotes.size and slashes.size:  # a quote is escaped by an odd run of backslashes
+        breaks = np.flatnonzero(np.diff(slashes) != 1)
+        run_starts = slashes[np.concatenate(([0], breaks + 1))]
+        run_ends = slashes[np.concatenate((breaks, [slashes.size - 1]))]
+        at = np.minimum(np.searchsorted(run_ends, quotes - 1), run_ends.size - 1)
+        ends_here = run_ends[at] == quotes - 1
+        escaped = ends_here & ((run_ends[at] - run_starts[at] + 1) % 2 == 1)
+        quotes = quotes[~escaped]
+    steps = _BRACKET_STEPS[data]
+    brackets = np.flatnonzero(steps)
     outside = np.searchsorted(quotes, brackets) % 2 == 0  # an even number of quotes before
-    brackets = brackets[outside]
-    steps = np.where(opening[brackets], 1, -1)
-    return int(np.cumsum(steps).max(initial=0))
+    return int(np.cumsum(steps[brackets[outside]], dtype=np.int64).max(initial=0))
 
 
-def _shard_table(obj: Mapping[str, Any], url: str, version: int, read: ReadCapped,
+_BRACKET_STEPS = np.zeros(256, dtype=np.int8)
+_BRACKET_STEPS[[ord("["), ord("{")]] = 1
+_BRACKET_STEPS[[ord("]"), ord("}")]] = -1
+
+
+def _shard_table(obj: dict[str, Any], url: str, version: int, read: ReadCapped,
                  ) -> ShardTable:
     key = "shards" if version == FORMAT_VERSION else "shard_table"
     if key not in obj:
         raise IndexFormatError(f"{url} is missing or has a malformed key: {key!r}")
     if version == FORMAT_VERSION:
-        return ShardTable.from_json(obj["shards"])
+        return ShardTable.from_json(obj.pop("shards"))  # (the entries are freed once read)
     side = obj["shard_table"]
     if not isinstance(side, dict):
         raise IndexFormatError(f"{url}: 'shard_table' is a {type(side).__name__}, not an object")
@@ -294,7 +301,11 @@ def _shard_table(obj: Mapping[str, Any], url: str, version: int, read: ReadCappe
     except (ChecksumMismatchError, pa.ArrowInvalid, OSError) as exc:
         raise IndexFormatError(f"{where} is not a readable shard table ({exc}): rebuild the "
                                "index") from exc
-    return ShardTable.from_arrow(table, where)
+    del data
+    shards = ShardTable.from_arrow(table, where)
+    del table
+    pa.default_memory_pool().release_unused()  # the decoded file's pages, back to the OS
+    return shards
 
 
 def _fsspec_read(url: str, limit: int) -> bytes:

@@ -33,6 +33,7 @@ MAX_NAME_CHARS = 64  # compression names
 _CHECKSUM = re.compile(r"xxh64:[0-9a-f]{16}")
 _CHECKSUM_PATTERN = r"^xxh64:[0-9a-f]{16}$"
 _UNKNOWN = -1  # raw_bytes not recorded
+_CHUNK = 65536  # shards turned into Python objects at a time when iterating
 
 ARROW_SCHEMA = pa.schema([
     pa.field("path", pa.large_string(), nullable=False),
@@ -65,34 +66,54 @@ class ShardInfo:
         }
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> ShardInfo:
+    def from_json(cls, obj: Any) -> ShardInfo:
         """A validated shard entry; :class:`IndexFormatError` names the shard and the rule."""
-        if not isinstance(obj, Mapping):
-            raise IndexFormatError(f"a shard entry is a {type(obj).__name__}, not an object")
-        path = obj.get("path")
-        if not isinstance(path, str) or not path or len(path) > MAX_PATH_CHARS or "\0" in path:
-            raise IndexFormatError(
-                f"shard path {path!r} is not a non-empty string of at most {MAX_PATH_CHARS} "
-                "characters"
-            )
-        fmt = obj.get("format")
-        if fmt not in SHARD_FORMATS:
-            raise IndexFormatError(
-                f"shard {path!r} has unknown format {fmt!r}; known: {list(SHARD_FORMATS)}"
-            )
-        checksum = obj.get("checksum")
-        if checksum is not None and not (isinstance(checksum, str)
-                                         and _CHECKSUM.fullmatch(checksum)):
-            raise IndexFormatError(
-                f"shard {path!r} has checksum {checksum!r}; expected 'xxh64:' and 16 hex digits"
-            )
-        compression = obj.get("compression")
-        if compression is not None and not (isinstance(compression, str)
-                                            and len(compression) <= MAX_NAME_CHARS):
-            raise IndexFormatError(f"shard {path!r} has a malformed compression {compression!r}")
-        return cls(path, str(fmt), _count(obj.get("rows"), path, "rows"),
-                   _count(obj.get("bytes"), path, "bytes"), checksum, compression,
-                   _count(obj.get("raw_bytes"), path, "raw_bytes", optional=True))
+        return cls(*validated_row(obj))
+
+
+class ShardRow(tuple[Any, ...]):
+    """A validated shard entry as a plain tuple of :class:`ShardInfo`'s fields (compact: a
+    JSON index of a million shards is parsed into these, not into dicts)."""
+
+    __slots__ = ()
+
+
+def validated_row(obj: Any) -> ShardRow:
+    """Check one JSON shard entry: (path, format, rows, bytes, checksum, compression,
+    raw_bytes), each of the right type and range, or :class:`IndexFormatError`."""
+    if type(obj) is not dict and not isinstance(obj, Mapping):
+        raise IndexFormatError(f"a shard entry is a {type(obj).__name__}, not an object")
+    path = obj.get("path")
+    if type(path) is not str or not path or len(path) > MAX_PATH_CHARS or "\0" in path:
+        raise IndexFormatError(
+            f"shard path {path!r} is not a non-empty string of at most {MAX_PATH_CHARS} "
+            "characters"
+        )
+    fmt = obj.get("format")
+    if fmt not in SHARD_FORMATS:
+        raise IndexFormatError(
+            f"shard {path!r} has unknown format {fmt!r}; known: {list(SHARD_FORMATS)}"
+        )
+    checksum = obj.get("checksum")
+    if checksum is not None and not (type(checksum) is str and _CHECKSUM.fullmatch(checksum)):
+        raise IndexFormatError(
+            f"shard {path!r} has checksum {checksum!r}; expected 'xxh64:' and 16 hex digits"
+        )
+    compression = obj.get("compression")
+    if compression is not None and not (type(compression) is str
+                                        and len(compression) <= MAX_NAME_CHARS):
+        raise IndexFormatError(f"shard {path!r} has a malformed compression {compression!r}")
+    return ShardRow((path, fmt, _count(obj.get("rows"), path, "rows"),
+                     _count(obj.get("bytes"), path, "bytes"), checksum, compression,
+                     _count(obj.get("raw_bytes"), path, "raw_bytes", optional=True)))
+
+
+def shard_entry_hook(obj: dict[str, Any]) -> Any:
+    """A ``json.loads`` object hook: each shard entry becomes a validated :class:`ShardRow` as
+    soon as it is parsed (so the parse holds no dict per shard)."""
+    if "path" in obj and "rows" in obj and "format" in obj:
+        return validated_row(obj)
+    return obj
 
 
 def _count(value: Any, path: str, key: str, *, optional: bool = False) -> Any:
@@ -148,27 +169,31 @@ class ShardTable(Sequence[ShardInfo]):
     @classmethod
     def from_infos(cls, infos: Iterable[ShardInfo]) -> ShardTable:
         """A table of already-built shard entries (each is validated)."""
-        shards = [ShardInfo.from_json(s.to_json()) for s in infos]
-        return cls(
-            pa.array([s.path for s in shards], pa.large_string()),
-            np.array([SHARD_FORMATS.index(s.format) for s in shards], np.uint8),
-            np.array([s.rows for s in shards], np.int64),
-            np.array([s.bytes for s in shards], np.int64),
-            pa.array([s.checksum for s in shards], pa.string()),
-            pa.array([s.compression for s in shards], pa.string()),
-            np.array([_UNKNOWN if s.raw_bytes is None else s.raw_bytes for s in shards],
-                     np.int64),
-        )
+        return cls.from_rows([validated_row(s.to_json()) for s in infos])
 
     @classmethod
     def from_json(cls, entries: Any) -> ShardTable:
-        """A table from the ``shards`` list of an index document (validated)."""
+        """A table from the ``shards`` list of an index document (dicts, or rows made by
+        :func:`shard_entry_hook`; validated)."""
         if not isinstance(entries, list):
             raise IndexFormatError(f"'shards' is a {type(entries).__name__}, not a list")
         if len(entries) > MAX_SHARDS:
             raise IndexFormatError(f"the index lists {len(entries)} shards; at most "
                                    f"{MAX_SHARDS} are supported")
-        return cls.from_infos(ShardInfo.from_json(entry) for entry in entries)
+        return cls.from_rows([e if isinstance(e, ShardRow) else validated_row(e)
+                              for e in entries])
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[ShardRow]) -> ShardTable:
+        paths, formats, counts, sizes, checksums, compressions, raw = (
+            zip(*rows, strict=True) if rows else ((),) * 7)
+        return cls(
+            pa.array(paths, pa.large_string()),
+            np.array([SHARD_FORMATS.index(f) for f in formats], np.uint8),
+            np.array(counts, np.int64), np.array(sizes, np.int64),
+            pa.array(checksums, pa.string()), pa.array(compressions, pa.string()),
+            np.array([_UNKNOWN if r is None else r for r in raw], np.int64),
+        )
 
     @classmethod
     def from_arrow(cls, table: pa.Table, where: str) -> ShardTable:
@@ -233,7 +258,24 @@ class ShardTable(Sequence[ShardInfo]):
         )
 
     def __iter__(self) -> Iterator[ShardInfo]:
-        return (self[k] for k in range(len(self)))
+        for start in range(0, len(self), _CHUNK):
+            for path, fmt, rows, nbytes, checksum, compression, raw in zip(
+                    *self._columns(start, start + _CHUNK), strict=True):
+                yield ShardInfo(path, fmt, rows, nbytes, checksum, compression,
+                                None if raw == _UNKNOWN else raw)
+
+    def _columns(self, start: int, stop: int) -> list[list[Any]]:
+        """Python lists of every column over shards [start, stop), in ShardInfo's order."""
+        codes = self._formats[start:stop].tolist()
+        return [self._paths[start:stop].to_pylist(), [SHARD_FORMATS[c] for c in codes],
+                self.rows[start:stop].tolist(), self.nbytes[start:stop].tolist(),
+                self._checksums[start:stop].to_pylist(),
+                self._compressions[start:stop].to_pylist(),
+                self._raw_bytes[start:stop].tolist()]
+
+    def identity_rows(self) -> list[list[Any]]:
+        """[path, format, rows, bytes, checksum] per shard (what a version-1 index digests)."""
+        return [list(row) for row in zip(*self._columns(0, len(self))[:5], strict=True)]
 
     def paths(self) -> pa.Array:
         """Every shard's path (a large_string array)."""
@@ -273,15 +315,16 @@ def _exact_sum(values: np.ndarray) -> int:
 
 
 def _strings_digest(column: pa.Array) -> str:
-    """A checksum of a string column: lengths (-1 for null) and the concatenated characters."""
+    """A checksum of a string column: lengths (-1 for null) and the concatenated characters
+    (digested in place, without a copy)."""
     lengths = pc.binary_length(column).cast(pa.int64()).fill_null(-1).to_numpy()
     filled = column.fill_null("").cast(pa.large_string())
     offsets = np.frombuffer(filled.buffers()[1], dtype=np.int64)[
         filled.offset:filled.offset + len(filled) + 1]
     values = filled.buffers()[2]
-    data = b"" if values is None or not len(filled) else \
-        values.to_pybytes()[int(offsets[0]):int(offsets[-1])]
-    return checksum_bytes(lengths.tobytes() + data)
+    data = b"" if values is None or not len(filled) else memoryview(values)[
+        int(offsets[0]):int(offsets[-1])]
+    return checksum_bytes((checksum_bytes(lengths) + checksum_bytes(data)).encode())
 
 
 def _check_arrow_columns(columns: Mapping[str, pa.Array], where: str) -> None:
@@ -312,4 +355,5 @@ def _check_arrow_columns(columns: Mapping[str, pa.Array], where: str) -> None:
         raise IndexFormatError(f"{where}: a compression name is malformed")
 
 
-__all__ = ["MAX_SHARDS", "SHARD_FORMATS", "ShardInfo", "ShardTable"]
+__all__ = ["MAX_SHARDS", "SHARD_FORMATS", "ShardInfo", "ShardRow", "ShardTable", "shard_entry_hook",
+           "validated_row"]
