@@ -606,6 +606,7 @@ def build_index(url: str, *, fields: Sequence[str] | None = None, checksums: boo
     target = output or storage.unstrip(fs, root)
     if output is not None and storage.filesystem(output, storage_options)[1].rstrip("/") != root:
         # the index lives elsewhere: name every file by its full URL
+        _check_same_filesystem(output, storage.unstrip(fs, root), storage_options)
         shards = [replace(s, path=storage.unstrip(fs, storage.join(root, s.path))) for s in shards]
     if checksums:
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
@@ -619,6 +620,19 @@ def build_index(url: str, *, fields: Sequence[str] | None = None, checksums: boo
     else:
         index = replace(index, url=index_url(target))
     return index
+
+
+def _check_same_filesystem(output: str, files: str,
+                           storage_options: Mapping[str, Any] | None) -> None:
+    out_fs, out_path = storage.filesystem(output, storage_options)
+    out_protocol, files_protocol = (_split_url(storage.unstrip(out_fs, out_path))[0],
+                                    _split_url(files)[0])
+    if out_protocol != files_protocol:
+        raise SourceError(
+            f"an index at {output} ({out_protocol}://) could not name files on "
+            f"{files_protocol}:// ({files}): an index names shards on its own filesystem "
+            "only; write the index beside the files, or copy them"
+        )
 
 
 def _with_checksum(fs: Any, root: str, shard: ShardInfo) -> ShardInfo:
@@ -650,6 +664,9 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     print(f"indexed {len(index.shards)} files, {index.num_samples} rows, "
           f"{index.total_bytes / 1e6:.1f} MB in {elapsed:.2f} s -> {index.url}")
+    if any(storage.is_absolute_url(s.path) for s in index.shards):
+        print("its files lie outside the index's folder: read it with "
+              "allow_external_paths=True (StreamDataset, DatasetReader, load_index)")
     return 0
 
 

@@ -14,10 +14,11 @@ import pytest
 from test_index_limits import rewrite_index
 
 from streamcache.checksum import checksum_bytes
+from streamcache.cli import main as cli_main
 from streamcache.dataset import StreamDataset
 from streamcache.dataset_reader import DatasetReader
-from streamcache.errors import IndexFormatError
-from streamcache.index import load_index
+from streamcache.errors import IndexFormatError, SourceError
+from streamcache.index import build_index, load_index
 from streamcache.loader import StreamLoader
 from streamcache.writer import write_dataset
 
@@ -136,3 +137,15 @@ def test_paths_that_stay_inside_need_no_option(tmp_path: Path) -> None:
     rewrite_index(folder, edit)
     with DatasetReader(folder, local_dir=str(tmp_path / "c")) as reader:
         assert reader.read_batch(np.arange(20))["x"].tolist() == list(range(20))
+
+
+def test_an_index_is_not_written_where_it_could_not_name_its_files(tmp_path: Path,
+                                                                   capsys: Any) -> None:
+    folder = str(tmp_path / "ds")
+    _write(folder, 0)
+    os.remove(os.path.join(folder, "index.json"))
+    with pytest.raises(SourceError, match=r"could not name files on file://"):
+        build_index(folder, output="memory://index-paths/elsewhere")
+    assert cli_main(["index", folder, "--output", str(tmp_path / "idx")]) == 0
+    assert "read it with allow_external_paths=True" in capsys.readouterr().out
+    assert load_index(str(tmp_path / "idx"), allow_external_paths=True).num_samples == 20
