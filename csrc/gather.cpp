@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <string>
 
 #include "thread_pool.h"
@@ -18,18 +19,30 @@ std::string row_message(size_t i, int32_t shard, int64_t row) {
          " row " + std::to_string(row);
 }
 
-// The first error found by any chunk wins; the others stop early.
+// The error of the lowest failing batch item, as a serial loop would report it. A chunk stops
+// once an error before its current item is known, so the chunk that holds the lowest failing
+// item always reaches it, and the result does not depend on thread timing.
 class FirstError {
  public:
-  bool failed() const { return failed_.load(std::memory_order_relaxed); }
-  void set(Status s) {
-    bool expected = false;
-    if (failed_.compare_exchange_strong(expected, true)) status_ = std::move(s);
+  bool before(size_t i) const { return first_.load(std::memory_order_relaxed) < i; }
+  void set(Status s) {  // s.item is the failing batch item
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t item = static_cast<size_t>(s.item);
+    if (item < first_.load(std::memory_order_relaxed)) {
+      first_.store(item, std::memory_order_relaxed);
+      status_ = std::move(s);
+    }
   }
-  Status take() { return failed() ? std::move(status_) : Status::Ok(); }
+  // Called after every chunk has finished.
+  Status take() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return first_.load(std::memory_order_relaxed) == kNone ? Status::Ok() : std::move(status_);
+  }
 
  private:
-  std::atomic<bool> failed_{false};
+  static constexpr size_t kNone = std::numeric_limits<size_t>::max();
+  std::mutex mutex_;
+  std::atomic<size_t> first_{kNone};
   Status status_;
 };
 
@@ -86,7 +99,7 @@ Status gather_fixed(const std::vector<Span>& sources, size_t stride, const int32
   }
   FirstError error;
   auto body = [&](size_t begin, size_t end) {
-    for (size_t i = begin; i < end && !error.failed(); ++i) {
+    for (size_t i = begin; i < end && !error.before(i); ++i) {
       Status s = check_shard(i, which[i], sources.size());
       if (!s.ok()) return error.set(std::move(s));
       const Span& src = sources[static_cast<size_t>(which[i])];
@@ -148,7 +161,7 @@ Status gather_var(const std::vector<VarSource>& sources, size_t elem_size, const
   }
   FirstError error;
   auto body = [&](size_t begin, size_t end) {
-    for (size_t i = begin; i < end && !error.failed(); ++i) {
+    for (size_t i = begin; i < end && !error.before(i); ++i) {
       const int64_t dst_begin = out_offsets[i], dst_end = out_offsets[i + 1];
       if (dst_begin < 0 || dst_end < dst_begin || dst_end > last) {
         return error.set(Status::Error(

@@ -312,3 +312,35 @@ def test_core_and_twin_agree_on_shifted_out_offsets(lengths: list[int], shift: i
     assert native_status == twin_status
     if native_status[0] == 0:
         assert shift == 0 and np.array_equal(native_out, twin_out)
+
+
+@pytest.mark.parametrize("bad", [(15, 16), (0, 31), (3, 20, 21), (31,)])
+def test_a_parallel_gather_reports_the_first_bad_item_like_the_twin(bad: tuple[int, ...]) -> None:
+    """Batches over a megabyte are split over the pool; the error is still the lowest item's."""
+    rng = np.random.default_rng(sum(bad))
+    stride, n = 100_000, 32  # 3.2 MB: the parallel path
+    sources = [rng.integers(0, 256, 32 * stride, dtype=np.uint8)]
+    which, rows = np.zeros(n, np.int32), rng.integers(0, 32, n).astype(np.int64)
+    rows[list(bad)] = 32
+    outcome = _same_on_every_backend(lambda: _native.gather_fixed(
+        sources, stride, which, rows, np.empty((n, stride), np.uint8)))
+    assert outcome[3] == bad[0], outcome
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [(15, 16), (0, 30), (3, 20, 21), (30,)])
+def test_a_parallel_var_gather_reports_the_first_bad_item_like_the_twin(
+        bad: tuple[int, ...]) -> None:
+    from streamcache import _core
+
+    stride, n = 100_000, 32
+    values = [np.random.default_rng(sum(bad)).integers(0, 256, n * stride, dtype=np.uint8)]
+    offsets = [np.arange(0, n * stride + 1, stride, dtype=np.int64)]
+    which, rows = np.zeros(n, np.int32), np.arange(n, dtype=np.int64)
+    out_offsets = offsets[0].copy()
+    for item in bad:  # the output ranges of these items end before they begin
+        out_offsets[item + 1] = out_offsets[item] - 1
+    statuses = [gather(values, offsets, 1, which, rows, out_offsets, np.empty(n * stride, np.uint8))
+                for gather in (_core.gather_var, _twin.gather_var)]
+    assert statuses[0] == statuses[1]
+    assert statuses[0][:2] == (INVALID, bad[0])
