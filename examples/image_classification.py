@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 import sys
@@ -57,10 +58,16 @@ def loader_for(url: str, cache: str, rank: int, world: int, workers: int) -> Str
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--workdir", default=None, help="keep the files here (default: a "
+                                                        "temporary folder, removed)")
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args(argv)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="streamcache-images-")
+    with (contextlib.nullcontext(args.workdir) if args.workdir else
+          tempfile.TemporaryDirectory(prefix="streamcache-images-")) as workdir:
+        return run(workdir, args.steps)
+
+
+def run(workdir: str, steps: int) -> int:
     images, shards, cache = (os.path.join(workdir, d) for d in ("images", "shards", "cache"))
     make_image_folder(images)
     print(convert(images, shards, overwrite=True).summary())
@@ -78,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            if step % 10 == 0 or step == args.steps - 1:
+            if step % 10 == 0 or step == steps - 1:
                 print(f"step {step:3d}  loss {loss.item():.4f}")
-            if step == args.steps - 1:
+            if step == steps - 1:
                 break
 
     def first_step_images(world: int, workers: int) -> dict[int, torch.Tensor]:

@@ -3,9 +3,17 @@
 # that the data order and the loss curve continue exactly where the checkpoint left them.
 #
 #   bash examples/kill_and_resume.sh [WORKDIR]
+#
+# Its files (dataset, node cache, checkpoints, logs) go to WORKDIR, or to a temporary folder
+# that is removed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-work=${1:-$(mktemp -d /tmp/streamcache-kill-XXXX)}
+if [ $# -ge 1 ]; then
+  work=$1
+else
+  work=$(mktemp -d "${TMPDIR:-/tmp}/streamcache-kill-XXXX")
+  trap 'rm -rf "$work"' EXIT
+fi
 steps=60
 mkdir -p "$work"
 export OMP_NUM_THREADS=1
@@ -14,7 +22,8 @@ python examples/train_ddp.py --prepare --data "$work/data"
 run() {  # run NPROC LOGNAME [extra args]
   local nproc=$1 log=$2; shift 2
   torchrun --standalone --nproc_per_node="$nproc" examples/train_ddp.py --data "$work/data" \
-    --ckpt "$work/$log.ckpt" --steps $steps --step-log "$work/$log.log" "$@"
+    --ckpt "$work/$log.ckpt" --cache-dir "$work/cache" --steps $steps \
+    --step-log "$work/$log.log" "$@"
 }
 
 echo "== reference: 2 processes, uninterrupted"

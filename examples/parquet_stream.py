@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -38,9 +39,15 @@ def write_with_pandas(folder: str, files: int = 4, rows: int = 2500) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--workdir", default=None, help="keep the files here (default: a "
+                                                        "temporary folder, removed)")
     args = parser.parse_args(argv)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="streamcache-parquet-")
+    with (contextlib.nullcontext(args.workdir) if args.workdir else
+          tempfile.TemporaryDirectory(prefix="streamcache-parquet-")) as workdir:
+        return run(workdir)
+
+
+def run(workdir: str) -> int:
     data = os.path.join(workdir, "pandas-parquet")
     write_with_pandas(data)
     index = build_index(data)  # footers only: the files stay as pandas wrote them

@@ -31,3 +31,21 @@ def test_train_ddp_without_a_dataset_says_to_prepare_one(tmp_path) -> None:
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--prepare" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("command", [
+    [os.path.join(EXAMPLES, "demo.py"), "--samples", "20000"],
+    ["-m", "streamcache", "bench", "--demo", "--steps", "5"],
+])
+def test_demos_leave_no_files_behind(tmp_path, command: list[str]) -> None:
+    temp, home = tmp_path / "tmp", tmp_path / "home"
+    temp.mkdir()
+    home.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp), "HOME": str(home)}
+    env.pop("STREAMCACHE_CACHE_DIR", None)
+    result = subprocess.run([sys.executable, *command], capture_output=True, text=True,
+                            timeout=240, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert str(temp) in result.stdout + result.stderr  # it says where its files were
+    leftovers = [str(p) for p in (*temp.rglob("*"), *home.rglob("*"))]
+    assert leftovers == [], leftovers
