@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import default_collate
 
 from .errors import TransformError
 from .plan.bijection import derive_key, derive_keys
@@ -93,10 +94,9 @@ def check_transform_output(value: Any, transform: Callable[..., Any], option: st
         return value
     raise TransformError(
         f"{option} {transform_name(transform)} returned a {type(value).__name__} for {what}; "
-        f"it must return a dict of fields (e.g. {{'image': tensor, 'label': 3}}), which "
-        "the loader collates into the batch"
-        + (" (turn it into another structure with collate_fn=)" if option == "transform"
-           else ""))
+        f"it must return a dict of fields (e.g. {{'image': tensor, 'label': 3}})"
+        + (", which the default collate batches (to return something else, pass a collate_fn "
+           "that batches it)" if option == "transform" else ", which becomes the batch"))
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
@@ -149,7 +149,7 @@ def split_samples(arrays: Mapping[str, Any], fields: Mapping[str, Field]) -> lis
 
 def apply_sample_transform(arrays: Mapping[str, Any], fields: Mapping[str, Field],
                            transform: Callable[[dict[str, Any]], Any],
-                           collate: Callable[[list[Any]], Any]) -> Any:
+                           collate: Callable[[list[Any]], Any] | None = None) -> Any:
     """Run ``transform`` on every sample (each with its ``__id__`` and ``__seed__``), collate.
 
     Each call runs with the global RNGs seeded from its sample's ``__seed__`` (the caller
@@ -157,19 +157,23 @@ def apply_sample_transform(arrays: Mapping[str, Any], fields: Mapping[str, Field
     ``numpy.random`` or ``torch.rand`` gives a sample the same result on any world size,
     worker count, batch size or resume. ``__id__`` (and ``__padding__``) are put back on the
     collated batch when the transform dropped them, so every batch can be checked against
-    the plan.
+    the plan. ``collate`` None means torch's ``default_collate``, for which the transform
+    must return dicts; a custom ``collate`` batches whatever the transform returns.
 
     Raises:
-        TransformError: the transform returned something other than a dict.
+        TransformError: with the default collate, the transform returned no dict.
     """
     samples = split_samples(arrays, fields)
     seeds = global_rng_seeds(np.asarray(arrays[SEED_KEY], dtype=np.uint64))
     outputs = []
     for sample, seed in zip(samples, seeds, strict=True):
         seed_global_rngs(seed)
-        outputs.append(check_transform_output(transform(sample), transform, "transform",
-                                              f"the sample with __id__ {sample[ID_KEY]}"))
-    batch = collate(outputs)
+        output = transform(sample)
+        if collate is None:
+            check_transform_output(output, transform, "transform",
+                                   f"the sample with __id__ {sample[ID_KEY]}")
+        outputs.append(output)
+    batch = (collate or default_collate)(outputs)
     if isinstance(batch, dict):
         for key in (ID_KEY, PADDING_KEY):
             if key in arrays and key not in batch:
@@ -199,8 +203,10 @@ def apply_batch_transform(arrays: dict[str, Any],
 
 
 def empty_like(batch: Any) -> Any:
-    """The same structure as a collated ``batch`` with no samples: tensors and arrays keep
-    their dtype and trailing shape with a leading 0, lists and tuples become empty."""
+    """A collated batch of one sample, emptied: tensors and arrays keep their dtype and
+    trailing shape with a leading 0, dicts and namedtuples keep their keys; a list or tuple
+    of one item is that sample's entry and becomes empty, a longer one is a structure (such
+    as ``(inputs, targets)``) and is emptied item by item."""
     if isinstance(batch, (torch.Tensor, np.ndarray)):
         return batch[:0] if batch.ndim else batch
     if isinstance(batch, Mapping):
@@ -208,5 +214,6 @@ def empty_like(batch: Any) -> Any:
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
         return type(batch)(*(empty_like(value) for value in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)()
+        items = [] if len(batch) == 1 else [empty_like(value) for value in batch]
+        return items if isinstance(batch, list) else tuple(items)
     return batch

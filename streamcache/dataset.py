@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from torch.utils.data import IterableDataset, default_collate, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from .advice import ShardAdvice, working_set_bound
 from .batching import (
@@ -163,7 +163,8 @@ class StreamDataset(IterableDataset):
         fields: the fields to read (default: all).
         ragged: variable-length fields as ``"padded"`` tensors plus ``<name>_lengths``, or as
             ``"offsets"`` (values plus ``<name>_offsets``).
-        transform: per-sample callable ``sample -> dict``; each sample has ``__id__`` and
+        transform: per-sample callable ``sample -> dict`` (with ``collate_fn``: anything it
+            batches); each sample has ``__id__`` and
             ``__seed__`` (use ``numpy.random.default_rng(sample["__seed__"])``), and each call
             runs with the global RNGs (``random``, ``numpy.random``, torch's CPU generator)
             seeded from that sample alone, so its output does not depend on the world size,
@@ -437,7 +438,7 @@ class StreamDataset(IterableDataset):
         samples_arrays[SEED_KEY] = [int(s) for s in arrays[SEED_KEY]]
         assert opts.transform is not None
         return apply_sample_transform(samples_arrays, self._fields, opts.transform,
-                                      opts.collate_fn or default_collate)
+                                      opts.collate_fn)
 
     def _first_of_step(self, ref: StepRef) -> dict[str, Any]:
         """The raw arrays of the step's first sample: the template of an empty batch (a

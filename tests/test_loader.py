@@ -472,6 +472,21 @@ def test_split_tail_with_a_transform_gives_every_rank_a_well_formed_batch(
     assert sorted(ids.tolist()) == list(range(200))
 
 
+def _inputs_and_targets(samples: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor([float(s["x"]) for s in samples]),
+            torch.tensor([s["__id__"] for s in samples]))
+
+
+def test_split_tail_keeps_the_structure_of_a_custom_collate(data: tuple[str, str]) -> None:
+    url, cache = data
+    with loader(url, cache, rank=0, world=3, global_batch_size=66, tail="split",
+                transform=lambda s: s, collate_fn=_inputs_and_targets) as it:
+        batches = list(it)
+    inputs, ids = batches[-1]
+    assert len(batches) == 4 and inputs.shape == ids.shape == (0,)
+    assert inputs.dtype == torch.float32 and ids.dtype == torch.int64
+
+
 def test_worker_processes_do_not_draw_from_the_loop_rng(data: tuple[str, str]) -> None:
     url, cache = data
     torch.manual_seed(5)
