@@ -31,6 +31,7 @@ import sys
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 
 from streamcache import StreamDataset, StreamLoader
@@ -166,6 +167,7 @@ def _done(tmp: str, tag: str) -> list[dict[str, int]]:
     return results
 
 
+@pytest.mark.timeout(600)  # three jobs of two processes; about a minute on an idle machine
 def test_lightning_ddp_killed_mid_epoch_resumes_exactly(tmp_path) -> None:
     from loader_helpers import make_dataset
 
