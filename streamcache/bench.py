@@ -362,6 +362,7 @@ def run(args: argparse.Namespace) -> int:
         results = _bench_from_args(args, url, cache_dir)
     if args.plot:
         plot_bench(results, args.plot)
+        print(f"plot: {args.plot}")
     return 0
 
 

@@ -39,17 +39,17 @@ def require_matplotlib() -> Any:
 
 
 def rate_curve(result: BenchResult, window: int = RATE_WINDOW_STEPS,
-               ) -> tuple[list[float], list[float]]:
-    """(seconds, samples/s) of ``result``, each rate over the last ``window`` steps."""
-    times, rates = [], []
+               ) -> tuple[list[int], list[float]]:
+    """(step, samples/s) of ``result``, each rate over the last ``window`` steps."""
+    steps, rates = [], []
     timeline = result.timeline
     for i in range(1, len(timeline)):
         j = max(0, i - window)
         elapsed = timeline[i].at_s - timeline[j].at_s
         if elapsed > 0:
-            times.append(timeline[i].at_s)
+            steps.append(timeline[i].step)
             rates.append((timeline[i].samples - timeline[j].samples) / elapsed)
-    return times, rates
+    return steps, rates
 
 
 def hit_ratio_curve(result: BenchResult) -> tuple[list[int], list[float]]:
@@ -66,34 +66,43 @@ def hit_ratio_curve(result: BenchResult) -> tuple[list[int], list[float]]:
 
 
 def plot_bench(results: Sequence[BenchResult], path: str) -> None:
-    """Throughput over time, time waited per step, and the cache hit ratio, one panel each,
-    for every run of ``streamcache bench`` that finished; written to ``path``."""
+    """Throughput, time waited per step, and the cache hit ratio against the step, one panel
+    each, for every run of ``streamcache bench`` that finished; written to ``path``."""
     plt = require_matplotlib()
     finished = [r for r in results if r.error is None and r.timeline]
-    figure, (rate_ax, wait_ax, hit_ax) = plt.subplots(3, 1, figsize=(9, 10))
+    figure, (rate_ax, wait_ax, hit_ax) = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
     for result in finished:
-        rate_ax.plot(*rate_curve(result), label=result.name)
+        rate_ax.plot(*rate_curve(result), label=f"{result.name}: "
+                     f"{result.samples_per_s:,.0f} samples/s")
         wait_ax.plot([s.step for s in result.timeline],
-                     [s.waited_s * 1e3 for s in result.timeline], label=result.name, lw=0.8)
-    rate_ax.set(title="Throughput", xlabel="seconds since start",
-                ylabel=f"samples/s (over {RATE_WINDOW_STEPS} steps)")
-    wait_ax.set(title="Time the loop waited for each batch", xlabel="step", ylabel="ms")
-    steps, ratios = hit_ratio_curve(finished[0]) if finished else ([], [])
-    if steps:
-        hit_ax.plot(steps, [100 * r for r in ratios], color="tab:green")
-        hit_ax.set_ylim(0, 105)
-    else:
-        hit_ax.text(0.5, 0.5, "no cache counters", ha="center", va="center",
-                    transform=hit_ax.transAxes)
-    hit_ax.set(title="Cache hit ratio (streamcache, cumulative)", xlabel="step", ylabel="%")
-    for ax in (rate_ax, wait_ax):
-        if finished:
+                     [s.waited_s * 1e3 for s in result.timeline], lw=0.8,
+                     label=f"{result.name}: {result.waited_s:.2f} s in all")
+    rate_ax.set_yscale("log")
+    rate_ax.set(title="Throughput", ylabel=f"samples/s (last {RATE_WINDOW_STEPS} steps, log)")
+    wait_ax.set(title="Time the training loop waited for each batch", ylabel="ms")
+    _draw_hits(hit_ax, finished[0] if finished else None)
+    for ax in (rate_ax, wait_ax, hit_ax):
+        if ax is not hit_ax and finished:
             ax.legend(loc="best")
-        ax.grid(alpha=0.3)
-    hit_ax.grid(alpha=0.3)
+        ax.grid(alpha=0.3, which="both")
+    hit_ax.set_xlabel("step")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def _draw_hits(ax: Any, result: BenchResult | None) -> None:
+    steps, ratios = hit_ratio_curve(result) if result is not None else ([], [])
+    ax.set(title="Cache hit ratio (shard lookups so far, streamcache)", ylabel="%")
+    if not steps or result is None:
+        ax.text(0.5, 0.5, "no cache counters", ha="center", va="center", transform=ax.transAxes)
+        return
+    last = result.timeline[-1]
+    ax.plot(steps, [100 * r for r in ratios], color="tab:green",
+            label=f"{last.cache_hits} hits of {(last.cache_hits or 0) + (last.cache_misses or 0)}"
+                  " lookups")
+    ax.set_ylim(0, 105)
+    ax.legend(loc="lower right")
 
 
 def plot_goodput(report: GoodputReport, save_cost: float, restart_cost: float,

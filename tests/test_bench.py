@@ -60,3 +60,25 @@ def test_a_failing_baseline_keeps_the_streamcache_result(tmp_path) -> None:
     assert results[1].error is not None and "datetime" in results[1].error
     text = format_results(results)
     assert "torch DataLoader: failed" in text and "ratio" not in text
+
+
+def test_cli_plot_draws_throughput_waiting_and_hits(tmp_path, capsys) -> None:
+    url = make_dataset(str(tmp_path), [60, 40])
+    path = tmp_path / "bench.png"
+    assert main(["bench", url, "--batch-size", "5", "--compare", "--cache-dir",
+                 str(tmp_path / "c"), "--plot", str(path)]) == 0
+    assert path.read_bytes().startswith(b"\x89PNG") and path.stat().st_size > 20_000
+    assert f"plot: {path}" in capsys.readouterr().out
+
+
+def test_timeline_feeds_the_plots(tmp_path) -> None:
+    from streamcache.plots import hit_ratio_curve, rate_curve
+
+    url = make_dataset(str(tmp_path), [60, 40])
+    (result,) = run_bench(url, batch_size=5, cache_dir=str(tmp_path / "c"))
+    assert [s.step for s in result.timeline] == list(range(1, 21))
+    assert result.timeline[-1].samples == 100
+    steps, ratios = hit_ratio_curve(result)
+    assert steps and all(0.0 <= r <= 1.0 for r in ratios)
+    rate_steps, rates = rate_curve(result)
+    assert rate_steps == list(range(2, 21)) and all(r > 0 for r in rates)
