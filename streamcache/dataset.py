@@ -49,6 +49,7 @@ from .plan import (
 from .plan import sample_seeds as plan_sample_seeds
 from .plan.order import DEFAULT_WINDOW
 from .prefetch import Prefetcher, PrefetchOptions
+from .schedule import Schedule, StepRef
 from .topology import resolve_topology
 
 
@@ -91,63 +92,6 @@ class StreamOptions:
         TailPolicy(self.tail)
         if self.fields is not None:
             object.__setattr__(self, "fields", tuple(self.fields))
-
-
-@dataclass(frozen=True)
-class StepRef:
-    """One global step: its epoch, the segment it belongs to and its index there."""
-
-    epoch: int
-    segment: EpochSegment
-    step: int
-    number: int  # global step number counted from the schedule's start
-
-
-class Schedule:
-    """The steps of one rank from a cursor on: the rest of its epoch, then (infinite) whole
-    epochs. Made when a pass starts, with the topology resolved then.
-
-    Raises:
-        PlanError: impossible batch and world sizes, or an epoch that holds no step at all
-            (fewer samples than a global batch with tail "drop"): it would yield nothing,
-            every epoch, without a word.
-    """
-
-    def __init__(self, cursor: Cursor, global_batch: int, rank: int, world_size: int,
-                 tail: TailPolicy, infinite: bool) -> None:
-        self.cursor = cursor
-        self.rank = rank
-        self.first = cursor.segment(global_batch, world_size, tail)
-        self.full = EpochSegment(cursor.num_samples, 0, global_batch, world_size, tail)
-        self.infinite = infinite
-        if self.full.num_steps == 0:
-            raise PlanError(
-                f"an epoch of {cursor.num_samples} samples holds no step of a global batch of "
-                f"{global_batch} with tail=\"drop\": no step can ever be formed. Use a global "
-                f"batch of at most {cursor.num_samples} samples, or tail=\"pad\" or "
-                "tail=\"split\" to read the short epoch as one step"
-            )
-
-    def segments(self) -> Iterator[tuple[int, EpochSegment, int]]:
-        """(epoch, segment, number of its first step): the first, then (infinite) full ones."""
-        number, epoch, segment = 0, self.cursor.epoch, self.first
-        while True:
-            yield epoch, segment, number
-            if not self.infinite:
-                return
-            number += segment.num_steps
-            epoch, segment = epoch + 1, self.full
-
-    def cursor_after(self, steps_done: int) -> Cursor:
-        """The cursor once ``steps_done`` global steps of this schedule are consumed."""
-        cursor, segment = self.cursor, self.first
-        if not self.infinite:
-            return cursor.advanced(segment, steps_done)
-        while steps_done >= segment.num_steps:
-            steps_done -= segment.num_steps
-            cursor = cursor.advanced(segment, segment.num_steps)
-            segment = self.full
-        return cursor.advanced(segment, steps_done)
 
 
 class StreamDataset(IterableDataset):
@@ -232,8 +176,6 @@ class StreamDataset(IterableDataset):
             self._check_budget(opts.cache_limit)
         self._reader: DatasetReader | None = None
         self._reader_pid = -1
-
-    # ------------------------------------------------------------ the plan
 
     # ------------------------------------------------------------ the topology
 

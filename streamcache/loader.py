@@ -28,9 +28,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from .dataset import Schedule, StepRef, StreamDataset
+from .dataset import StreamDataset
 from .plan import Cursor, CursorMismatchError, RankBatch
 from .plan.bijection import derive_key
+from .schedule import Schedule, StepRef
 
 STATE_VERSION = 1
 WORKER_MODES = ("auto", "process", "thread")
@@ -149,7 +150,9 @@ class _LoaderIterator:
         except StopIteration:
             self._finish()
             raise
-        except BaseException:
+        except BaseException as error:
+            if not isinstance(error, Exception):  # Ctrl-C: stop downloads, even stalled ones
+                self._loader.dataset.close()
             self.close()
             raise
         self._steps += 1
