@@ -130,6 +130,11 @@ def field_from_arrow(arrow_field: pa.Field) -> Field:
     if FIELD_METADATA_KEY in meta:
         return Field.from_json(json.loads(meta[FIELD_METADATA_KEY]))
     name, t = arrow_field.name, arrow_field.type
+    hf_array = _hf_array(arrow_field)
+    if hf_array is not None:
+        return Field.tensor(name, hf_array[1], hf_array[0])
+    if _is_hf_media(t):
+        return Field(name, "bytes")
     if pa.types.is_boolean(t):
         return Field.tensor(name, "bool")
     if pa.types.is_integer(t) or pa.types.is_floating(t):
@@ -166,6 +171,62 @@ def field_from_arrow(arrow_field: pa.Field) -> Field:
     )
 
 
+# Hugging Face ``datasets`` types: ArrayND (an extension type over nested lists, with its shape
+# and dtype in the extension metadata, also when ``datasets`` is not imported) and the
+# Image/Audio features (a struct of the encoded ``bytes`` and a ``path``).
+_HF_ARRAY_PREFIX = "datasets.features.features.Array"
+_EXTENSION_NAME = b"ARROW:extension:name"
+_EXTENSION_METADATA = b"ARROW:extension:metadata"
+
+
+def _hf_array(arrow_field: pa.Field) -> tuple[tuple[int, ...], str] | None:
+    """(shape, dtype) of a Hugging Face ArrayND column, else None."""
+    t = arrow_field.type
+    if isinstance(t, pa.ExtensionType):
+        name, meta = t.extension_name, t.__arrow_ext_serialize__()
+    else:
+        field_meta = arrow_field.metadata or {}
+        name = field_meta.get(_EXTENSION_NAME, b"").decode("utf-8", "replace")
+        meta = field_meta.get(_EXTENSION_METADATA, b"")
+    if not name.startswith(_HF_ARRAY_PREFIX):
+        return None
+    try:
+        shape, dtype = json.loads(meta)
+        valid = all(type(d) is int and d > 0 for d in shape) and isinstance(dtype, str)
+    except (ValueError, TypeError):
+        valid = False
+    if not valid:
+        raise SchemaError(
+            f"column {arrow_field.name!r} is a Hugging Face array of shape/dtype {meta!r}; "
+            "streamcache reads fixed shapes only: leave it out with fields=[...] (--fields)"
+        )
+    return tuple(shape), dtype
+
+
+def _is_hf_media(t: pa.DataType) -> bool:
+    return (pa.types.is_struct(t) and [t.field(i).name for i in range(t.num_fields)]
+            == ["bytes", "path"] and pa.types.is_binary(t.field(0).type))
+
+
+def _nested_to_fixed(field: Field, array: pa.Array) -> pa.Array:
+    """Nested lists of a fixed shape (Hugging Face ArrayND) as the field's fixed-size list."""
+    values: pa.Array = array
+    for dim in field.shape:
+        if not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)
+                or pa.types.is_fixed_size_list(values.type)):
+            raise TypeError(f"values of {array.type} are not nested {len(field.shape)} deep")
+        lengths = pc.list_value_length(values)
+        if lengths.null_count or (len(lengths) and not (
+                pc.min(lengths).as_py() == dim == pc.max(lengths).as_py())):
+            raise TypeError(f"not every row has the shape {list(field.shape)}")
+        values = pc.list_flatten(values)
+    target = field.arrow_type()
+    if not pa.types.is_fixed_size_list(target):
+        raise TypeError(f"a {field.dtype} tensor is not stored as a fixed-size list")
+    return pa.FixedSizeListArray.from_arrays(pc.cast(values, target.value_type),
+                                             int(np.prod(field.shape)))
+
+
 def to_canonical(field: Field, array: pa.Array | pa.ChunkedArray, *, where: str) -> pa.Array:
     """Cast one column of foreign (or compressed-and-decoded) data to its canonical array.
 
@@ -173,6 +234,16 @@ def to_canonical(field: Field, array: pa.Array | pa.ChunkedArray, *, where: str)
     """
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks() if array.num_chunks != 1 else array.chunk(0)
+    if isinstance(array, pa.ExtensionArray):
+        array = array.storage
+    if field.kind == "bytes" and _is_hf_media(array.type) and not array.null_count:
+        encoded = array.flatten()[0]  # the "bytes" child, offset and validity applied
+        if encoded.null_count:
+            raise SchemaError(
+                f"{where}: column {field.name!r} refers to {encoded.null_count} files by path "
+                "only; embed their bytes in the dataset before indexing"
+            )
+        array = encoded
     if array.null_count:
         raise SchemaError(
             f"{where}: column {field.name!r} holds {array.null_count} nulls; streamcache fields "
@@ -184,6 +255,10 @@ def to_canonical(field: Field, array: pa.Array | pa.ChunkedArray, *, where: str)
             array = array.dictionary_decode()
         if array.type.equals(target):
             result = array
+        elif field.kind == "tensor" and field.shape and not pa.types.is_fixed_size_list(
+                array.type) and (pa.types.is_list(array.type)
+                                 or pa.types.is_large_list(array.type)):
+            result = _nested_to_fixed(field, array)
         elif pa.types.is_fixed_size_binary(target) and field.kind == "tensor":
             result = _raw_fixed(field, array)
         else:

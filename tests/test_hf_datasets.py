@@ -3,6 +3,7 @@ are, with the real ``datasets`` library."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -11,12 +12,14 @@ from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
 import pytest
 
 from streamcache.cli import main as cli_main
 from streamcache.dataset import StreamDataset
 from streamcache.dataset_reader import DatasetReader
-from streamcache.errors import SourceError
+from streamcache.errors import SchemaError, SourceError
 from streamcache.index import build_index, load_index
 from streamcache.loader import StreamLoader
 
@@ -108,3 +111,63 @@ def test_example_runs(tmp_path: Path) -> None:
                              "--rows", "600"], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "streamed 600 rows exactly once, identical to datasets' own rows" in result.stdout
+
+
+def _png() -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (4, 3), (200, 10, 10)).save(out, format="PNG")
+    return out.getvalue()
+
+
+_READ_WITHOUT_DATASETS = """
+import sys
+from streamcache.index import build_index
+from streamcache.dataset_reader import DatasetReader
+folder = sys.argv[1]
+index = build_index(folder)
+print({f.name: (f.kind, f.dtype, list(f.shape)) for f in index.schema})
+with DatasetReader(folder, local_dir=sys.argv[2]) as reader:
+    batch = reader.read_batch([2, 0])
+    print(batch["grid"].tolist(), [len(b) for b in batch["image"]])
+assert "datasets" not in sys.modules
+"""
+
+
+def test_image_and_array_features(tmp_path: Path) -> None:
+    png = _png()
+    features = datasets.Features({"image": datasets.Image(), "grid": datasets.Array2D(
+        shape=(2, 3), dtype="float32"), "id": datasets.Value("int64")})
+    grids = [np.arange(6, dtype=np.float32).reshape(2, 3) + i for i in range(3)]
+    datasets.Dataset.from_dict({"image": [{"bytes": png, "path": None}] * 3, "grid": grids,
+                                "id": [0, 1, 2]}, features=features).save_to_disk(
+        str(tmp_path / "saved"))
+    index = build_index(str(tmp_path / "saved"))
+    kinds = {f.name: (f.kind, f.dtype, f.shape) for f in index.schema}
+    assert kinds["image"] == ("bytes", None, ()) and kinds["grid"] == ("tensor", "float32", (2, 3))
+    with DatasetReader(str(tmp_path / "saved"), local_dir=str(tmp_path / "c")) as reader:
+        row = reader[1]
+        assert row["image"] == png and row["grid"].tolist() == grids[1].tolist()
+    # a process that never imports datasets sees the array as plain nested lists + metadata
+    result = subprocess.run([sys.executable, "-c", _READ_WITHOUT_DATASETS,
+                             str(tmp_path / "saved"), str(tmp_path / "c2")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "'grid': ('tensor', 'float32', [2, 3])" in result.stdout
+    assert f"{[grids[2].tolist(), grids[0].tolist()]} {[len(png), len(png)]}" in result.stdout
+
+
+def test_images_by_path_only_are_refused_with_a_reason(tmp_path: Path) -> None:
+    # (save_to_disk embeds image files; a stream written by other tools may not)
+    media = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    table = pa.table({"image": pa.array([{"bytes": b"x", "path": None},
+                                         {"bytes": None, "path": "/elsewhere/y.png"}], media),
+                      "id": pa.array([0, 1], pa.int64())})
+    (tmp_path / "data").mkdir()
+    with ipc.new_stream(str(tmp_path / "data" / "part.arrow"), table.schema) as writer:
+        writer.write_table(table)
+    assert build_index(str(tmp_path / "data")).schema["image"].kind == "bytes"
+    with DatasetReader(str(tmp_path / "data"), local_dir=str(tmp_path / "c")) as reader, \
+            pytest.raises(SchemaError, match="refers to 1 files by path only; embed their bytes"):
+        reader[0]
