@@ -524,6 +524,20 @@ def test_global_rng_transforms_do_not_depend_on_the_world_size(data: tuple[str, 
         assert all(np.array_equal(one[i], other[i]) for i in one)
 
 
+def test_transforms_never_reseed_the_cuda_generators(data: tuple[str, str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA generators belong to the training loop (dropout) and are not restored after a
+    transform, so seeding for transforms must not touch them (torch.manual_seed would)."""
+    url, cache = data
+    calls: list[int] = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", calls.append)
+    monkeypatch.setattr(torch.cuda, "manual_seed", calls.append)
+    for option in ({"transform": _global_draws}, {"batch_transform": _batch_draws}):
+        with loader(url, cache, global_batch_size=40, **option) as it:
+            assert len(list(it)) == 5
+    assert calls == []
+
+
 def _batch_draws(batch: dict[str, Any]) -> dict[str, Any]:
     return {**batch, "draws": np.random.random(len(batch["x"]))}
 
