@@ -215,6 +215,10 @@ def parse_index(raw: bytes, url: str, *, allow_external_paths: bool = False,
             f"{url}: the recorded fingerprint {recorded} does not match its content "
             f"({actual}); the index was edited or damaged: rebuild it"
         )
+    stated = obj.get("num_samples", index.num_samples)
+    if stated != index.num_samples or type(stated) is not int:
+        raise IndexFormatError(f"{url} says num_samples={stated!r}, its shards hold "
+                               f"{index.num_samples}; the index was edited or damaged: rebuild it")
     check_shard_paths(index, allow_external_paths=allow_external_paths)
     if index.num_samples == 0:
         raise EmptyDatasetError(f"the dataset at {url} has no samples")
@@ -304,6 +308,9 @@ def _shard_table(obj: dict[str, Any], url: str, version: int, read: ReadCapped,
     del data
     shards = ShardTable.from_arrow(table, where)
     del table
+    if side.get("shards", len(shards)) != len(shards):
+        raise IndexFormatError(f"{url} says its shard table holds {side.get('shards')!r} "
+                               f"shards, {where} holds {len(shards)}: rebuild the index")
     pa.default_memory_pool().release_unused()  # the decoded file's pages, back to the OS
     return shards
 

@@ -238,3 +238,20 @@ def test_a_side_file_index_on_s3(s3_bucket: Any, monkeypatch, tmp_path: Path) ->
     assert len(index.shards) >= 3 and index.url.startswith("s3://")
     with DatasetReader(index, local_dir=str(tmp_path / "c"), storage_options=options) as reader:
         assert reader.read_batch(np.arange(30))["x"].tolist() == list(range(30))
+
+
+def test_the_stated_sample_count_must_match(dataset: str) -> None:
+    def edit(obj: dict[str, Any]) -> None:
+        obj["num_samples"] = 2**64
+    rewrite_index(dataset, edit)
+    with pytest.raises(IndexFormatError, match=r"says num_samples=18446744073709551616, its "
+                                               r"shards hold 40"):
+        load_index(dataset)
+
+
+def test_the_stated_shard_count_must_match(large_dataset: str) -> None:
+    obj = json.loads(Path(large_dataset, "index.json").read_text())
+    obj["shard_table"]["shards"] += 1
+    Path(large_dataset, "index.json").write_text(json.dumps(obj))
+    with pytest.raises(IndexFormatError, match="says its shard table holds"):
+        load_index(large_dataset)
