@@ -41,6 +41,7 @@ from .fetch import FetchOptions
 from .fetch import read_capped as fetch_capped
 from .schema import Schema
 from .shard_table import SHARD_FORMATS, ShardInfo, ShardTable, shard_entry_hook
+from .units import plural
 
 INDEX_NAME = "index.json"
 FORMAT_NAME = "streamcache-index"
@@ -669,7 +670,7 @@ def run(args: argparse.Namespace) -> int:
     index = build_index(args.url, fields=fields, checksums=args.checksum, output=args.output,
                         threads=args.threads)
     elapsed = time.perf_counter() - started
-    print(f"indexed {len(index.shards)} files, {index.num_samples} rows, "
+    print(f"indexed {plural(len(index.shards), 'file')}, {plural(index.num_samples, 'row')}, "
           f"{index.total_bytes / 1e6:.1f} MB in {elapsed:.2f} s -> {index.url}")
     if any(storage.is_absolute_url(s.path) for s in index.shards):
         print("its files lie outside the index's folder: read it with "

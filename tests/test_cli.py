@@ -107,3 +107,13 @@ def test_cache_limit_and_shard_size_read_sizes_alike(tmp_path, capsys) -> None:
 def test_bench_without_a_url_is_one_line(capsys) -> None:
     assert main(["bench"]) == 1
     assert "--demo" in capsys.readouterr().err
+
+
+def test_counts_are_singular_for_one(tmp_path, capsys) -> None:
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    pq.write_table(pa.table({"x": np.arange(1)}), folder / "a.parquet")
+    assert main(["index", str(folder)]) == 0
+    assert "indexed 1 file, 1 row," in capsys.readouterr().out
+    assert main(["convert", str(folder), str(tmp_path / "out"), "--quiet"]) == 0
+    assert "converted 1 sample into 1 shard at" in capsys.readouterr().out
