@@ -16,7 +16,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import numpy as np
 import pyarrow as pa
@@ -137,6 +137,7 @@ class ShardTable(Sequence[ShardInfo]):
     """
 
     __slots__ = ("_checksums", "_compressions", "_digest", "_formats", "_paths", "_raw_bytes",
+                 "_strings",
                  "nbytes", "rows", "total_rows")
 
     def __init__(self, paths: pa.Array, formats: np.ndarray, rows: np.ndarray,
@@ -150,6 +151,8 @@ class ShardTable(Sequence[ShardInfo]):
         self._compressions = compressions.cast(pa.string())
         self._raw_bytes = _frozen(raw_bytes)
         self._digest: str | None = None
+        self._strings = tuple(_StringColumn(c) for c in
+                              (self._paths, self._checksums, self._compressions))
         count = len(self._paths)
         if count > MAX_SHARDS:
             raise IndexFormatError(f"the index lists {count} shards; at most {MAX_SHARDS} are "
@@ -252,8 +255,8 @@ class ShardTable(Sequence[ShardInfo]):
         k = range(len(self))[index]  # IndexError for a shard that does not exist
         raw = int(self._raw_bytes[k])
         return ShardInfo(
-            self._paths[k].as_py(), SHARD_FORMATS[self._formats[k]], int(self.rows[k]),
-            int(self.nbytes[k]), self._checksums[k].as_py(), self._compressions[k].as_py(),
+            cast(str, self._strings[0][k]), SHARD_FORMATS[self._formats[k]], int(self.rows[k]),
+            int(self.nbytes[k]), self._strings[1][k], self._strings[2][k],
             None if raw == _UNKNOWN else raw,
         )
 
@@ -299,6 +302,28 @@ class ShardTable(Sequence[ShardInfo]):
     def __reduce__(self) -> tuple[Any, ...]:
         return (ShardTable, (self._paths, self._formats, self.rows, self.nbytes,
                              self._checksums, self._compressions, self._raw_bytes))
+
+
+class _StringColumn:
+    """Fast access to one string of an Arrow string column (numpy views of its buffers; a
+    pyarrow scalar per access would cost several microseconds)."""
+
+    __slots__ = ("_data", "_nulls", "_offsets")
+
+    def __init__(self, column: pa.Array) -> None:
+        column = column.cast(pa.large_string())
+        buffers = column.buffers()
+        self._offsets = np.frombuffer(buffers[1], dtype=np.int64)[
+            column.offset:column.offset + len(column) + 1] if buffers[1] is not None else \
+            np.zeros(1, np.int64)
+        self._data = memoryview(buffers[2]) if buffers[2] is not None else memoryview(b"")
+        self._nulls = (pc.is_null(column).to_numpy(zero_copy_only=False)
+                       if column.null_count else None)
+
+    def __getitem__(self, k: int) -> str | None:
+        if self._nulls is not None and self._nulls[k]:
+            return None
+        return str(self._data[self._offsets[k]:self._offsets[k + 1]], "utf-8")
 
 
 def _frozen(values: np.ndarray) -> np.ndarray:

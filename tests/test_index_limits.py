@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -255,3 +256,21 @@ def test_the_stated_shard_count_must_match(large_dataset: str) -> None:
     Path(large_dataset, "index.json").write_text(json.dumps(obj))
     with pytest.raises(IndexFormatError, match="says its shard table holds"):
         load_index(large_dataset)
+
+
+def test_shard_table_is_a_sequence_of_shard_infos() -> None:
+    infos = [index_module.ShardInfo(f"s{k}.arrow", "arrow", k, 10 * k,
+                                    None if k % 2 else f"xxh64:{k:016x}",
+                                    None if k % 3 else "zstd", None if k % 4 else 7 * k)
+             for k in range(9)]
+    table = index_module.ShardTable.from_infos(infos)
+    assert len(table) == 9 and list(table) == infos and table[-1] == infos[-1]
+    assert [table[k] for k in range(9)] == infos and list(table[2:5]) == infos[2:5]
+    assert table.total_rows == 36 and table.rows.tolist() == list(range(9))
+    assert not table.rows.flags.writeable
+    copy = pickle.loads(pickle.dumps(table))
+    assert copy == table and list(copy) == infos
+    assert index_module.ShardTable.from_arrow(table.to_arrow(), "t") == table
+    assert table != index_module.ShardTable.from_infos(infos[:8])
+    with pytest.raises(IndexError):
+        table[9]
