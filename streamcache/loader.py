@@ -22,7 +22,7 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -64,9 +64,12 @@ class _NativeBatches:
                                         thread_name_prefix="streamcache-loader")
         self._pending: collections.deque[tuple[StepRef, Future[Any]]] = collections.deque()
         self._closed = False
+        self._stopped = False
         self._fill()
 
     def _work(self, ref: StepRef, part: RankBatch) -> Any:
+        if self._stopped:  # interrupted: no read may start (it would open a new reader)
+            raise CancelledError("the loader was interrupted")
         arrays = self._dataset.read_step(ref, part)
         if self._dataset.transformed:
             return arrays  # finished on the consumer thread
@@ -92,10 +95,17 @@ class _NativeBatches:
             return _pinned(batch) if self._pin else batch
         return result
 
+    def stop(self) -> None:
+        """Start no more reads; reads already running end with their reader (close() waits)."""
+        self._stopped = True
+        for _, future in self._pending:
+            future.cancel()
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._stopped = True
         for _, future in self._pending:
             future.cancel()
         self._pending.clear()
@@ -151,13 +161,22 @@ class _LoaderIterator:
             self._finish()
             raise
         except BaseException as error:
-            if not isinstance(error, Exception):  # Ctrl-C: stop downloads, even stalled ones
-                self._loader.dataset.close()
+            if not isinstance(error, Exception):
+                self._interrupt()
             self.close()
             raise
         self._steps += 1
         self._loader.dataset.cursor = self._schedule.cursor_after(self._steps)
         return batch
+
+    def _interrupt(self) -> None:
+        """Ctrl-C (or another BaseException) in the loop: start no more reads, then close
+        the dataset's reader, whose downloads, stalled ones included, end at once, so that
+        close() does not wait for them."""
+        stop = getattr(self._source, "stop", None)
+        if stop is not None:
+            stop()
+        self._loader.dataset.close()
 
     def _finish(self) -> None:
         # The epoch's steps are all consumed (or there were none): the cursor moves to the

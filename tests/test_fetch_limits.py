@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import os
 import random
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +191,47 @@ def test_an_oversized_index_is_not_read_to_its_end(fault_server: FaultServer,
         load_index(url, fetch=FetchOptions(retries=0))
     fault_server.close()
     assert fault_server.requests.bytes_sent("/ds/index.json") < 24 << 20
+
+
+# ------------------------------------------------------------------ Ctrl-C
+
+
+_LOOP = textwrap.dedent("""
+    import sys
+    from streamcache import StreamDataset, StreamLoader
+    dataset = StreamDataset(sys.argv[1], batch_size=4, cache_dir=sys.argv[2])
+    print("loading", flush=True)
+    try:
+        for batch in StreamLoader(dataset):
+            pass
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(0)
+    sys.exit(1)
+""")
+
+
+def test_ctrl_c_reaches_the_loop_while_a_download_is_stalled(
+    fault_server: FaultServer, tmp_path: Path
+) -> None:
+    url = _served_dataset(fault_server)
+    fault_server.faults.script("/ds/index.json", [None] * 4)
+    fault_server.faults.configure(rate=1.0, kinds=("stall",), delay_s=600.0)
+    shards = [name for name in os.listdir(os.path.join(str(fault_server.root), "ds"))
+              if name.endswith(".arrow")]
+    loop = subprocess.Popen([sys.executable, "-c", _LOOP, url, str(tmp_path / "cache")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not any(fault_server.requests.bytes_sent(f"/ds/{name}") for name in shards):
+            assert loop.poll() is None, loop.communicate()
+            time.sleep(0.02)  # until a shard's download has begun (and stalled midway)
+        loop.send_signal(signal.SIGINT)
+        # a stalled download is given up after about a minute with the defaults; Ctrl-C must
+        # not wait for that
+        out, err = loop.communicate(timeout=30)
+    finally:
+        if loop.poll() is None:
+            loop.kill()
+            loop.communicate()
+    assert loop.returncode == 0, err
+    assert "interrupted" in out
