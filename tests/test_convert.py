@@ -139,7 +139,7 @@ def test_inspect(tmp_path) -> None:
 def test_cli_end_to_end(tmp_path, capsys) -> None:
     pq.write_table(pa.table({"v": [1, 2, 3]}), tmp_path / "a.parquet")
     assert main(["index", str(tmp_path)]) == 0
-    assert "indexed 1 files, 3 rows" in capsys.readouterr().out
+    assert "indexed 1 file, 3 rows" in capsys.readouterr().out
     assert main(["convert", str(tmp_path / "a.parquet"), str(tmp_path / "out"), "--quiet"]) == 0
     assert "converted 3 samples" in capsys.readouterr().out
     assert main(["inspect", str(tmp_path / "out"), "--json"]) == 0
