@@ -37,6 +37,7 @@ from . import layout, rng
 from .commit import Committer, SaveJob
 from .errors import CheckpointError
 from .layout import CheckpointInfo
+from .lease import Lease
 from .ranks import Ranks
 from .restore import Restorer
 from .staging import Staging
@@ -107,6 +108,11 @@ class Checkpointer:
             first. Off (the default), every tensor is copied to host memory before ``save``
             returns, so nothing the loop does afterwards reaches the checkpoint.
         storage_options: fsspec options for ``root`` (credentials, endpoint).
+        lease_ttl: seconds the lease on ``root`` lives without renewal (see ``lease.py``):
+            a second job writing the same root is refused; a job that died stops blocking
+            a restart on its node at once, elsewhere after this long.
+        job_id: an id shared by the restarts of one job, which may take the lease of an
+            earlier attempt at once (default: torchrun's ``TORCHELASTIC_RUN_ID`` when set).
         writer_nice: (thread mode, Linux) scheduling niceness of the writer thread (default
             19, the lowest priority), so that the background write takes the CPU time the
             training loop leaves idle; 0 writes at the training's priority.
@@ -128,6 +134,8 @@ class Checkpointer:
         write_threads: int = 1,
         background_staging: bool = False,
         writer_nice: int = 19,
+        lease_ttl: float = 60.0,
+        job_id: str | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         if keep_last < 1:
@@ -161,6 +169,12 @@ class Checkpointer:
         self._committer = Committer(self._ranks, self.root, write_base, keep_last,
                                     write_threads, self._staging, self._private_tmp is not None)
         self._restorer = Restorer(self._ranks, self.root, write_base, seed)
+        if job_id is None and os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
+            job_id = os.environ["TORCHELASTIC_RUN_ID"]
+        self._lease = Lease(self.root, lease_ttl, job_id) if self.rank == 0 else None
+        self._leased = False
+        live = layout.live_timeline(layout.read_timelines(self.root)) if self.rank == 0 else ""
+        self._timeline: str = self._ranks.broadcast(live, self._ranks.control)
         self._thread: threading.Thread | None = None
         self._job: SaveJob | None = None
         self._closed = False
@@ -189,6 +203,7 @@ class Checkpointer:
                 raw optimizer cannot be paired with exactly one module of ``state``.
         """
         self._check_open()
+        self._ensure_lease()
         started = time.perf_counter()
         if self._job is not None and self.if_busy is IfBusy.SKIP:
             busy = self._thread is not None and self._thread.is_alive()
@@ -200,7 +215,7 @@ class Checkpointer:
         entries = resolve(state)
         state_dict, global_bytes = self._collect(entries)
         job = SaveJob(step, name, self._committer.write_base.child(name), None, global_bytes,
-                      started)
+                      started, timeline=self._timeline)
         if self.async_mode is AsyncMode.SYNC:
             job.state = state_dict
             self._committer.run(job)
@@ -254,11 +269,16 @@ class Checkpointer:
     def load(self, state: dict[str, Any], step: int | None = None) -> int | None:
         """Load the newest complete checkpoint (or ``step``) into ``state`` in place.
 
-        Stateful entries get ``load_state_dict``; plain values are replaced in ``state``
-        (DCP loads the keys ``state`` has); this rank's RNG states are restored (or derived
-        from ``seed`` if this rank did not exist). Every file is verified against the
-        marker's checksums first; a damaged newest checkpoint is refused and the previous
-        complete one is loaded instead. All ranks call it.
+        Stateful entries get ``load_state_dict``, raw modules and optimizers are set as
+        :class:`ModelState` sets them, plain values are replaced in ``state``; this rank's
+        RNG states are restored (or derived from ``seed`` if this rank did not exist). The
+        newest checkpoint is that of the live timeline's history: ``load(step=N)`` of an
+        older checkpoint is a rollback and starts a new timeline (the checkpoints after it
+        are abandoned: kept, not loaded by a plain ``load``, not counted by retention).
+        Every file is verified against the marker's checksums first (transient read errors
+        are retried); a proven-damaged newest checkpoint is refused and the previous complete
+        one is loaded instead. Nothing is applied unless ``state`` and the checkpoint hold
+        the same values. All ranks call it.
 
         Returns:
             The step loaded, or None when ``root`` holds no complete checkpoint (and ``step``
@@ -267,10 +287,19 @@ class Checkpointer:
         Raises:
             CheckpointNotFoundError: ``step`` was given and has no complete checkpoint.
             CheckpointCorruptError: every candidate failed verification.
+            CheckpointError: the state and the checkpoint do not hold the same values, reads
+                kept failing, or (a rollback) another job holds the lease on ``root``.
+            CheckpointUnsafeError: a pickle in the checkpoint is more than plain values.
         """
         self._check_open()
         self.wait()
-        return self._restorer.load(state, step)
+        loaded = self._restorer.load(state, step)
+        if loaded is None:
+            return None
+        info, rollback = loaded
+        if rollback:
+            self._start_timeline(info)
+        return info.step
 
     def latest(self) -> CheckpointInfo | None:
         """The newest complete checkpoint under ``root`` (cheap check), or None. Any rank."""
@@ -290,6 +319,8 @@ class Checkpointer:
             self._closed = True
             if self._staging is not None:
                 self._staging.close()
+            if self._lease is not None:
+                self._lease.close()
             self._ranks.close()
             if self._private_tmp is not None:
                 Location(self._private_tmp).remove_tree()
@@ -332,9 +363,13 @@ class Checkpointer:
             ) from exc
         # one small all-gather: the ranks' global states must agree, and each rank's keys
         # are recorded so that a load can tell a partial state from a complete one
-        gathered = self._ranks.all_gather((checksum_bytes(states_bytes), sorted(state_dict)),
-                                          self._ranks.control)
-        digests = [digest for digest, _ in gathered]
+        lease_problem = self._lease.problem() if self._lease is not None else None
+        gathered = self._ranks.all_gather(
+            (checksum_bytes(states_bytes), sorted(state_dict), lease_problem),
+            self._ranks.control)
+        if gathered[0][2] is not None:
+            raise CheckpointError(f"{gathered[0][2]}; this save was not started")
+        digests = [digest for digest, _, _ in gathered]
         if len(set(digests)) != 1:
             differing = [r for r, d in enumerate(digests) if d != digests[0]]
             raise CheckpointError(
@@ -344,8 +379,37 @@ class Checkpointer:
             )
         state_dict[rng.rng_key(self.rank)] = rng.encode(rng.capture())
         global_bytes = layout.json_bytes({"version": 1, "states": global_states,
-                                          layout.K_RANK_KEYS: [keys for _, keys in gathered]})
+                                          layout.K_RANK_KEYS: [keys for _, keys, _ in gathered]})
         return state_dict, global_bytes
+
+    def _ensure_lease(self) -> None:
+        """Take the lease on ``root`` before this job's first write (collective)."""
+        if self._leased:
+            return
+        problem = None
+        if self._lease is not None:
+            try:
+                self._lease.acquire()
+            except CheckpointError as exc:
+                problem = str(exc)
+        problem = self._ranks.broadcast(problem, self._ranks.control)
+        if problem is not None:
+            raise CheckpointError(problem)
+        self._leased = True
+
+    def _start_timeline(self, info: CheckpointInfo) -> None:
+        """Record a rollback to ``info``: later saves form a new timeline forking there."""
+        self._ensure_lease()
+        new_id = ""
+        if self.rank == 0:
+            timelines = layout.read_timelines(self.root)
+            new_id = f"{self._ranks.run_id}-{len(timelines) + 1}"
+            timelines.append(layout.Timeline(new_id, info.timeline, info.step, info.name))
+            layout.write_timelines(self.root, timelines)
+            log.warning("rolled back to step %d: later saves form timeline %s; the checkpoints "
+                        "after it on the previous timeline are abandoned (kept, not loaded)",
+                        info.step, new_id)
+        self._timeline = self._ranks.broadcast(new_id, self._ranks.control)
 
     def _run_in_thread(self, job: SaveJob) -> None:
         if self.writer_nice and hasattr(os, "setpriority"):

@@ -33,15 +33,20 @@ def run(args: argparse.Namespace) -> int:
     if args.verify is not None:
         return verify(root, args.verify)
     infos = layout.list_checkpoints(root)
+    timelines = layout.read_timelines(root)
     print(f"{'step':>10}  {'time (UTC)':19}  {'size':>10}  {'ranks':>5}  status  name")
     for info in infos:
         when = (datetime.datetime.fromtimestamp(info.time, datetime.timezone.utc)
                 .strftime("%Y-%m-%d %H:%M:%S") if info.time else "-")
         size = _human(info.size) if info.size is not None else "-"
-        status = "complete" if info.complete else f"partial ({info.problem})"
+        status = f"partial ({info.problem})"
+        if info.complete:
+            status = ("complete" if layout.in_history(info, timelines)
+                      else "complete, abandoned by a rollback (loaded only by its step)")
         print(f"{info.step:>10}  {when:19}  {size:>10}  {info.world_size or '-':>5}  "
               f"{status}  {info.name}")
-    newest = next((i for i in reversed(infos) if i.complete), None)
+    newest = next((i for i in reversed(infos)
+                   if i.complete and layout.in_history(i, timelines)), None)
     print(f"latest complete: {newest.step if newest else 'none'}")
     return 0
 

@@ -46,6 +46,7 @@ class SaveJob:
     stage_later: dict[str, Any] | None = None
     error: CheckpointWriteError | None = None
     durable_s: float | None = None
+    timeline: str = ""
 
 
 @dataclass
@@ -155,17 +156,24 @@ class Committer:
         if missing:
             claimed = {rank: sorted(files) for rank, (files, _) in enumerate(gathered)}
             return f"files written by DCP but claimed by no rank: {missing} (claimed: {claimed})"
-        marker = layout.new_marker(job.step, self.ranks.world_size, merged)
+        marker = layout.new_marker(job.step, self.ranks.world_size, merged, job.timeline)
         layout.write_marker(self.root.child(job.name), marker)
         return None
 
     def _after_commit(self, job: SaveJob) -> None:
-        """Retention on root (rank 0) and on this rank's local tier; failures only log."""
+        """Retention on root (rank 0) and on this rank's local tier; failures only log.
+
+        Counts only the live timeline's history (this job's); checkpoints of abandoned
+        timelines are neither counted nor deleted.
+        """
         try:
             keep_names: list[str] = []
             if self.ranks.rank == 0:
-                complete = layout.complete_newest_first(self.root)
-                keep_names = [info.name for info in complete[: self.keep_last]] + [job.name]
+                every = layout.complete_newest_first(self.root, everywhere=True)
+                timelines = layout.read_timelines(self.root)
+                history = [i.name for i in every if layout.in_history(i, timelines)]
+                abandoned = [i.name for i in every if i.name not in history]
+                keep_names = [*history[: self.keep_last], job.name, *abandoned]
             keep = set(self.ranks.broadcast(keep_names, self.ranks.writer))
             if self.ranks.rank == 0:
                 prune(self.root, keep, job.step)

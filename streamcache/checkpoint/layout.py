@@ -8,12 +8,20 @@ Layout under ``root`` (any fsspec URL)::
         .metadata                    DCP metadata (written by DCP's coordinator)
         global.json                  global (rank-independent) states, e.g. the loader cursor
         COMMIT.json                  the commit marker, published last and atomically
+    TIMELINES.json                   the timelines started by rollbacks (absent until one)
+    LEASE.json                       the lease of the job that writes the root (lease.py)
 
 A directory without a valid ``COMMIT.json`` is a partial save and is never loaded. The marker
 lists every file with its size and checksum and carries a checksum of its own body, so a
 truncated or edited marker is as invalid as a missing one. Finding the newest complete
 checkpoint costs one listing of ``root`` plus one marker read and one directory listing per
 candidate, newest first; it never lists every checkpoint's files.
+
+Timelines: ``load(step=N)`` of an older checkpoint (a rollback) starts a new timeline that
+forks at that checkpoint; saves carry their timeline in the marker. The *history* of the
+live (newest) timeline is its own checkpoints plus, up the chain of forks, each parent's
+checkpoints up to the fork point. ``latest``, a plain load and retention see only that
+history; checkpoints of abandoned timelines stay on disk, listed, never loaded by default.
 """
 
 from __future__ import annotations
@@ -31,12 +39,17 @@ from .tiers import Location
 FORMAT = "streamcache.checkpoint"
 VERSION = 1
 MARKER_NAME = "COMMIT.json"
+TIMELINES_NAME = "TIMELINES.json"
 GLOBAL_NAME = "global.json"
 DCP_METADATA_NAME = ".metadata"
 
 # marker keys
 K_FORMAT, K_VERSION, K_STEP, K_TIME = "format", "version", "step", "time"
 K_WORLD, K_FILES, K_SIZE, K_CHECKSUM, K_BODY = "world_size", "files", "size", "checksum", "body"
+K_TIMELINE = "timeline"  # optional marker key: the timeline id ("" for the first timeline)
+# TIMELINES.json keys
+K_TIMELINES, K_ID, K_PARENT, K_FORK_STEP, K_FORK_NAME = (
+    "timelines", "id", "parent", "fork_step", "fork_name")
 # global.json keys: the global states, and every saving rank's top-level DCP keys
 K_STATES, K_RANK_KEYS = "states", "rank_keys"
 
@@ -70,6 +83,7 @@ class Marker:
     time: float
     world_size: int
     files: dict[str, FileEntry]
+    timeline: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -87,6 +101,8 @@ class Marker:
                 for name, e in sorted(self.files.items())
             },
         }
+        if self.timeline:
+            body[K_TIMELINE] = self.timeline
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
         return json.dumps({K_BODY: body, K_CHECKSUM: checksum_bytes(canonical)}, indent=1).encode()
 
@@ -105,7 +121,8 @@ class Marker:
                 str(name): FileEntry(int(e[K_SIZE]), str(e[K_CHECKSUM]))
                 for name, e in body[K_FILES].items()
             }
-            return Marker(int(body[K_STEP]), float(body[K_TIME]), int(body[K_WORLD]), files)
+            return Marker(int(body[K_STEP]), float(body[K_TIME]), int(body[K_WORLD]), files,
+                          str(body.get(K_TIMELINE, "")))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointCorruptError(
                 f"{where}: commit marker is unreadable ({exc}); the checkpoint is not trusted, "
@@ -127,9 +144,15 @@ class CheckpointInfo:
     problem: str | None = None
     marker: Marker | None = None
 
+    @property
+    def timeline(self) -> str:
+        return self.marker.timeline if self.marker is not None else ""
 
-def new_marker(step: int, world_size: int, files: dict[str, FileEntry]) -> Marker:
-    return Marker(step=step, time=time.time(), world_size=world_size, files=files)
+
+def new_marker(step: int, world_size: int, files: dict[str, FileEntry],
+               timeline: str = "") -> Marker:
+    return Marker(step=step, time=time.time(), world_size=world_size, files=files,
+                  timeline=timeline)
 
 
 def scan(root: Location) -> list[tuple[int, str, int, str]]:
@@ -194,29 +217,93 @@ def list_checkpoints(root: Location) -> list[CheckpointInfo]:
     return [check_cheaply(root, name) for _, name, _, _ in scan(root)]
 
 
-def complete_newest_first(root: Location, step: int | None = None) -> list[CheckpointInfo]:
-    """Every complete checkpoint (optionally only of ``step``), newest first.
+def complete_newest_first(root: Location, step: int | None = None, *,
+                          everywhere: bool = False) -> list[CheckpointInfo]:
+    """Complete checkpoints of the live timeline's history (optionally only of ``step``),
+    newest first; with ``everywhere``, those of every timeline.
 
-    Costs one listing of ``root`` plus a cheap check of each directory: used by ``load``
-    (which needs fallbacks) and retention; :func:`latest` stops at the first complete one.
+    Costs one listing of ``root``, one read of ``TIMELINES.json`` and a cheap check of each
+    directory: used by ``load`` (which needs fallbacks) and retention.
     """
+    timelines = read_timelines(root)
     result = []
     for found_step, name, _, _ in reversed(scan(root)):
         if step is not None and found_step != step:
             continue
         info = check_cheaply(root, name)
-        if info.complete:
+        if info.complete and (everywhere or in_history(info, timelines)):
             result.append(info)
     return result
 
 
 def latest(root: Location) -> CheckpointInfo | None:
-    """The newest complete checkpoint under ``root``, or None."""
+    """The newest complete checkpoint of the live timeline's history under ``root``, or None.
+
+    Stops at the first one, newest first.
+    """
+    timelines = read_timelines(root)
     for _, name, _, _ in reversed(scan(root)):
         info = check_cheaply(root, name)
-        if info.complete:
+        if info.complete and in_history(info, timelines):
             return info
     return None
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A timeline started by a rollback: it forks from ``parent`` at ``fork_name``."""
+
+    id: str
+    parent: str
+    fork_step: int
+    fork_name: str
+
+
+def read_timelines(root: Location) -> list[Timeline]:
+    """The timelines of ``root``, oldest first ([]: only the first timeline, id "").
+
+    Raises:
+        CheckpointCorruptError: the file exists but is not a valid list of timelines.
+    """
+    try:
+        data = root.read_bytes(TIMELINES_NAME)
+    except FileNotFoundError:
+        return []
+    try:
+        return [Timeline(str(t[K_ID]), str(t[K_PARENT]), int(t[K_FORK_STEP]),
+                         str(t[K_FORK_NAME])) for t in json.loads(data)[K_TIMELINES]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointCorruptError(
+            f"{root.join(TIMELINES_NAME)} is unreadable ({exc}); it records which "
+            "checkpoints a rollback abandoned: restore it, or delete it to treat every "
+            "checkpoint as one timeline again"
+        ) from exc
+
+
+def write_timelines(root: Location, timelines: list[Timeline]) -> None:
+    """Publish the timelines atomically (only the lease holder writes them)."""
+    body = {K_TIMELINES: [{K_ID: t.id, K_PARENT: t.parent, K_FORK_STEP: t.fork_step,
+                           K_FORK_NAME: t.fork_name} for t in timelines]}
+    root.write_atomic(TIMELINES_NAME, json.dumps(body, indent=1).encode())
+
+
+def live_timeline(timelines: list[Timeline]) -> str:
+    return timelines[-1].id if timelines else ""
+
+
+def in_history(info: CheckpointInfo, timelines: list[Timeline]) -> bool:
+    """Whether ``info`` is in the history of the live timeline (see the module doc)."""
+    by_id = {t.id: t for t in timelines}
+    current = live_timeline(timelines)
+    cap: Timeline | None = None  # the fork by which the history left ``current``
+    for _ in range(len(timelines) + 1):
+        if info.timeline == current:
+            return cap is None or info.step < cap.fork_step or info.name == cap.fork_name
+        if current not in by_id:
+            return False
+        cap = by_id[current]
+        current = cap.parent
+    return False
 
 
 def write_marker(location: Location, marker: Marker) -> None:

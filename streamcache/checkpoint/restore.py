@@ -45,9 +45,22 @@ class Restorer:
     def tiered(self) -> bool:
         return self.write_base.url != self.root.url
 
-    def load(self, state: dict[str, Any], step: int | None) -> int | None:
-        names = [info.name for info in layout.complete_newest_first(self.root, step)]
-        candidates: list[str] = self.ranks.broadcast(names, self.ranks.control)
+    def load(self, state: dict[str, Any],
+             step: int | None) -> tuple[CheckpointInfo, bool] | None:
+        """Load the newest complete checkpoint of the live history (or of ``step``).
+
+        ``step`` is looked for in the live timeline's history first, then in abandoned
+        timelines. Returns the checkpoint loaded and whether loading it is a rollback (it
+        is not the newest of the live history), or None when there is none.
+        """
+        plan: tuple[list[str], str | None] = ([], None)
+        if self.ranks.rank == 0:
+            found = (layout.complete_newest_first(self.root, step) or
+                     layout.complete_newest_first(self.root, step, everywhere=True))
+            newest = layout.latest(self.root) if step is not None else None
+            plan = ([info.name for info in found], newest.name if newest else None)
+        names, newest_name = self.ranks.broadcast(plan, self.ranks.control)
+        candidates: list[str] = names
         if not candidates:
             if step is None:
                 return None
@@ -66,7 +79,7 @@ class Restorer:
                     break
                 continue
             self.load_from(source, info, state)
-            return info.step
+            return info, step is not None and info.name != newest_name
         raise CheckpointCorruptError(
             "no loadable checkpoint: " + "; ".join(problems) + ". The files do not match "
             "their commit markers; restore them from a backup or delete these directories"
