@@ -30,7 +30,7 @@ import numpy as np
 
 from . import storage
 from .checksum import verify_bytes
-from .errors import RowOutOfRangeError, ShardCorruptError
+from .errors import RowOutOfRangeError, ShardCorruptError, ShardNotFoundError, StreamcacheError
 from .fetch import Fetcher, FetchOptions
 from .identity import (
     dataset_folder_name,
@@ -220,7 +220,17 @@ class DatasetReader:
             return ShardReader(self.store.local_path(shard), self.schema, expected_rows=rows)
         except FileNotFoundError:
             pass  # evicted by another process between being handed out and being mapped
-        return ShardReader(self.store.local_path(shard), self.schema, expected_rows=rows)
+        try:
+            return ShardReader(self.store.local_path(shard), self.schema, expected_rows=rows)
+        except FileNotFoundError as error:
+            if isinstance(error, StreamcacheError):
+                raise
+            raise ShardNotFoundError(
+                f"shard {shard} of {self.index.root} ({self.index.shard_url(shard)}) cannot be "
+                "found: the dataset was replaced or removed after its index was loaded (a "
+                "ShardWriter with overwrite=True removes the old version's shards once the new "
+                "index is published); load the dataset again"
+            ) from error
 
     def read_batch(self, ids: Sequence[int] | np.ndarray) -> dict[str, np.ndarray | Ragged]:
         """The samples ``ids`` as batch arrays, in the order given."""

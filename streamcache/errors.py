@@ -36,6 +36,10 @@ class ChecksumMismatchError(ShardCorruptError):
     """A shard's bytes do not hash to the checksum its index records."""
 
 
+class ShardNotFoundError(StreamcacheError, FileNotFoundError):
+    """A shard the index lists is gone (the dataset was replaced or removed after loading)."""
+
+
 class IndexNotFoundError(StreamcacheError, FileNotFoundError):
     """There is no index.json where a dataset was expected."""
 

@@ -23,7 +23,7 @@ import pytest
 from servers import S3Bucket
 
 from streamcache.dataset_reader import DatasetReader
-from streamcache.errors import DestinationError, StreamcacheError
+from streamcache.errors import DestinationError, ShardNotFoundError
 from streamcache.index import load_index
 from streamcache.lease import LEASE_NAME
 from streamcache.writer import ShardWriter, write_dataset
@@ -200,12 +200,16 @@ def test_a_reader_of_the_old_version_never_gets_new_rows(tmp_path: Path) -> None
             assert int(reader[0]["x"]) == 0  # the first shard is open; the others are not
             write_dataset(({"x": 1000 + i} for i in range(60)), url, shard_size=64,
                           overwrite=True, compression=compression)
+            errors = 0
             for i in range(60):
                 try:
                     value = int(reader[i]["x"])
-                except (StreamcacheError, FileNotFoundError):
+                except ShardNotFoundError as error:
+                    assert "replaced or removed" in str(error) and url in str(error)
+                    errors += 1
                     continue  # a clear error is fine; a row of the new version is not
                 assert value == i
+            assert errors > 0  # the old version's shards are gone once the new is published
 
 
 def test_overwrite_never_removes_files_the_writer_did_not_make(tmp_path: Path) -> None:
