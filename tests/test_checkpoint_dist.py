@@ -259,3 +259,34 @@ def test_elastic_reload_2_to_m(saved_by_two_ranks: tuple[Path, list[Any]],
             assert value["draws"] == draws()
     if new_world == 3:
         assert loaded[2]["draws"] != loaded[1]["draws"]
+
+
+# ---------------------------------------------------------------- raw FSDP2 objects
+
+
+def _raw_fsdp2_round_trip(rank: int, world: int, tmp: str) -> dict[str, bool]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, optimizer = small_model(1, mesh)
+    for _ in range(2):
+        model(torch.randn(4, 8) + rank).square().mean().backward()  # FSDP reduces grads
+        optimizer.step()
+        optimizer.zero_grad()
+    with Checkpointer(tmp, async_mode="thread") as ckpt:
+        ckpt.save(2, {"model": model, "optim": optimizer})
+        fresh, fresh_optimizer = small_model(9, mesh)  # never stepped: empty state
+        assert ckpt.load({"model": fresh, "optim": fresh_optimizer}) == 2
+    return {
+        "weights": all(torch.equal(a, b) for a, b in zip(
+            full(model.state_dict()).values(), full(fresh.state_dict()).values(), strict=True)),
+        "optimizer": all(torch.equal(a, b) for a, b in zip(
+            optimizer_fulls(ModelState(model, optimizer)).values(),
+            optimizer_fulls(ModelState(fresh, fresh_optimizer)).values(), strict=True)),
+        "sharded": isinstance(fresh[0].weight, torch.distributed.tensor.DTensor),
+    }
+
+
+def test_raw_fsdp2_model_and_optimizer_round_trip(tmp_path: Path) -> None:
+    for result in run_ranks(_raw_fsdp2_round_trip, 2, str(tmp_path)):
+        assert result.value == {"weights": True, "optimizer": True, "sharded": True}
