@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from . import storage
 from .errors import EmptyDatasetError, SchemaError, SourceError
-from .index import INDEX_NAME, DatasetIndex, load_index
+from .index import HF_SIDE_FILES, INDEX_NAME, DatasetIndex, load_index
 from .progress import ProgressLine
 from .schema import Field, Schema
 from .units import parse_size, plural, size_argument
@@ -103,9 +103,10 @@ def _suffix_format(path: str) -> str | None:
 
 
 def _is_side_file(path: str) -> bool:
-    """Files beside the data that are never data: hidden, ``_SUCCESS``-style, ``index.json``."""
+    """Files beside the data that are never data: hidden, ``_SUCCESS``-style, ``index.json``,
+    and the JSON files Hugging Face ``save_to_disk`` writes beside its Arrow files."""
     name = posixpath.basename(path.rstrip("/"))
-    return name.startswith((".", "_")) or name == INDEX_NAME
+    return name.startswith((".", "_")) or name == INDEX_NAME or name in HF_SIDE_FILES
 
 
 def detect_format(fs: Any, path: str) -> str:

@@ -489,6 +489,7 @@ def discover_files(url: str, storage_options: Mapping[str, Any] | None = None,
 
 HF_STATE = "state.json"  # beside the Arrow files of a Hugging Face `save_to_disk` folder
 HF_DATASET_DICT = "dataset_dict.json"  # beside the split folders of a saved DatasetDict
+HF_SIDE_FILES = (HF_STATE, "dataset_info.json", HF_DATASET_DICT)  # never data
 _MAX_SIDE_JSON_BYTES = 16 << 20
 
 

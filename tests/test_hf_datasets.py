@@ -17,6 +17,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 from streamcache.cli import main as cli_main
+from streamcache.convert import convert
 from streamcache.dataset import StreamDataset
 from streamcache.dataset_reader import DatasetReader
 from streamcache.errors import SchemaError, SourceError
@@ -171,3 +172,12 @@ def test_images_by_path_only_are_refused_with_a_reason(tmp_path: Path) -> None:
     with DatasetReader(str(tmp_path / "data"), local_dir=str(tmp_path / "c")) as reader, \
             pytest.raises(SchemaError, match="refers to 1 files by path only; embed their bytes"):
         reader[0]
+
+
+def test_convert_skips_the_json_side_files(tmp_path: Path) -> None:
+    folder = str(tmp_path / "saved")
+    _hf(25).save_to_disk(folder, num_shards=2)
+    report = convert(folder, str(tmp_path / "out"))
+    assert report.samples == 25
+    with DatasetReader(str(tmp_path / "out"), local_dir=str(tmp_path / "c")) as reader:
+        assert sorted(reader.read_batch(np.arange(25))["id"].tolist()) == list(range(25))
