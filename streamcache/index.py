@@ -1,11 +1,18 @@
 """The dataset index: ``index.json`` beside the shards.
 
 It lists every shard (path relative to the index, format, rows, bytes, checksum), the schema
-and a fingerprint of the whole, under a format version. Loading is strict: a missing key, an
-unknown version or a fingerprint that does not match the content is a clear error.
+and a fingerprint of the whole, under a format version. From :data:`SHARD_TABLE_MIN_SHARDS`
+shards on, the shard list is a Parquet side file beside it (format version 2); in memory it is
+always a columnar :class:`~streamcache.shard_table.ShardTable`.
 
-:func:`build_index` makes an index for Parquet or Arrow IPC files written by anyone, reading
-only their footers (in parallel), so existing data streams without conversion.
+An index is untrusted input. Loading is strict: a missing key, an unknown version, a value of
+the wrong type or range, a document over :data:`MAX_INDEX_BYTES` or nested deeper than
+:data:`MAX_JSON_DEPTH`, a fingerprint that does not match the content, or a shard path outside
+the index's folder (see :func:`check_shard_paths`) is an :class:`IndexFormatError`.
+
+:func:`build_index` makes an index for Parquet or Arrow IPC files (or streams, such as Hugging
+Face ``save_to_disk`` writes) by anyone, reading only their footers (in parallel), so existing
+data streams without conversion.
 """
 
 from __future__ import annotations
