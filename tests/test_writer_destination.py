@@ -136,6 +136,33 @@ def test_two_writer_processes_one_destination(destination: tuple[str, Any],
     assert _ids(url, options) == list(range(40))
 
 
+def test_of_two_writer_processes_started_together_exactly_one_writes(
+    destination: tuple[str, Any], tmp_path: Path
+) -> None:
+    url, options = destination
+    writers = {base: _start_writer(url, options, base, tmp_path) for base in (0, 1000)}
+    refused: list[int] = []
+    deadline = time.monotonic() + 120  # (a safety net against a hang, not a measurement)
+    while not refused:  # the loser exits at once; the winner waits for its go
+        refused = [base for base, process in writers.items() if process.poll() is not None]
+        if time.monotonic() > deadline:
+            for process in writers.values():
+                process.kill()
+                process.communicate()
+            raise AssertionError("both writers are running: neither was refused")
+        time.sleep(0.02)
+    [loser] = refused
+    [winner] = [base for base in writers if base != loser]
+    out, err = writers[loser].communicate(timeout=60)
+    assert writers[loser].returncode == 3, err
+    assert "is being written by writer" in out
+    _wait_for(tmp_path / f"ready-{winner}", writers[winner])
+    (tmp_path / f"go-{winner}").touch()
+    _, err = writers[winner].communicate(timeout=120)
+    assert writers[winner].returncode == 0, err
+    assert _ids(url, options) == list(range(winner, winner + 40))
+
+
 def test_a_lease_left_by_a_killed_writer_is_taken_over(destination: tuple[str, Any],
                                                        tmp_path: Path) -> None:
     url, options = destination
