@@ -290,3 +290,30 @@ def _raw_fsdp2_round_trip(rank: int, world: int, tmp: str) -> dict[str, bool]:
 def test_raw_fsdp2_model_and_optimizer_round_trip(tmp_path: Path) -> None:
     for result in run_ranks(_raw_fsdp2_round_trip, 2, str(tmp_path)):
         assert result.value == {"weights": True, "optimizer": True, "sharded": True}
+
+
+# ---------------------------------------------------------------- timelines on two ranks
+
+
+def _rollback(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    model, optimizer = small_model(0)
+    with Checkpointer(tmp, async_mode="thread") as ckpt:
+        for step in (1, 2, 3):
+            train_step(model, optimizer, rank)
+            ckpt.save(step, {"train": ModelState(model, optimizer), "loader": Cursor(step)})
+        cursor = Cursor()
+        rolled_back = ckpt.load({"train": ModelState(model, optimizer), "loader": cursor}, 1)
+        ckpt.save(2, {"train": ModelState(model, optimizer), "loader": Cursor(20)})
+    with Checkpointer(tmp, async_mode="sync") as ckpt:
+        resumed = Cursor()
+        step = ckpt.load({"train": ModelState(*small_model(5)), "loader": resumed})
+        latest = ckpt.latest()
+    return {"rolled_back": (rolled_back, cursor.samples_consumed),
+            "resumed": (step, resumed.samples_consumed),
+            "new_timeline": latest is not None and latest.timeline != ""}
+
+
+def test_a_rollback_on_two_ranks_starts_one_timeline(tmp_path: Path) -> None:
+    for result in run_ranks(_rollback, 2, str(tmp_path)):
+        assert result.value == {"rolled_back": (1, 1), "resumed": (2, 20),
+                                "new_timeline": True}

@@ -55,8 +55,9 @@ class Restorer:
         """
         plan: tuple[list[str], str | None] = ([], None)
         if self.ranks.rank == 0:
-            found = (layout.complete_newest_first(self.root, step) or
-                     layout.complete_newest_first(self.root, step, everywhere=True))
+            found = layout.complete_newest_first(self.root, step)
+            if not found and step is not None:  # asked for by its step: an abandoned one
+                found = layout.complete_newest_first(self.root, step, everywhere=True)
             newest = layout.latest(self.root) if step is not None else None
             plan = ([info.name for info in found], newest.name if newest else None)
         names, newest_name = self.ranks.broadcast(plan, self.ranks.control)
