@@ -47,7 +47,7 @@ from .errors import (
 from .fetch import FetchOptions
 from .fetch import read_capped as fetch_capped
 from .schema import Schema
-from .shard_table import SHARD_FORMATS, ShardInfo, ShardTable, shard_entry_hook
+from .shard_table import MAX_SHARDS, SHARD_FORMATS, ShardInfo, ShardTable, shard_entry_hook
 from .units import plural
 
 INDEX_NAME = "index.json"
@@ -56,7 +56,8 @@ FORMAT_VERSION = 1  # shards listed in index.json
 TABLE_FORMAT_VERSION = 2  # shards in a Parquet side file (large indexes)
 READ_VERSIONS = (FORMAT_VERSION, TABLE_FORMAT_VERSION)
 MAX_INDEX_BYTES = 256 << 20  # index.json; a larger shard table belongs in a side file
-MAX_SHARD_TABLE_BYTES = 4 << 30
+MAX_SHARD_TABLE_BYTES = 4 << 30  # the side file as stored
+MAX_SHARD_TABLE_DECODED = 16 << 30  # and decoded (checked from its metadata, before decoding)
 MAX_JSON_DEPTH = 32  # an index nests 4 deep; deeper is hostile or damaged
 SHARD_TABLE_MIN_SHARDS = 10_000  # from this many shards on, the table is a Parquet side file
 SHARD_TABLE_PREFIX = "_streamcache-shards-"  # '_': data tools (Spark, pyarrow) skip it
@@ -309,6 +310,13 @@ def _shard_table(obj: dict[str, Any], url: str, version: int, read: ReadCapped,
                                "table was rewritten or damaged: rebuild the index")
     try:
         verify_bytes(data, checksum, what=where)
+        meta = pq.read_metadata(pa.BufferReader(data))
+        decoded = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        if meta.num_rows > MAX_SHARDS or decoded > MAX_SHARD_TABLE_DECODED:
+            raise IndexFormatError(
+                f"{where} holds {meta.num_rows} shards in {decoded} bytes decoded, over the cap "
+                f"of {MAX_SHARDS} shards or {MAX_SHARD_TABLE_DECODED} bytes: rebuild the index"
+            )
         table = pq.read_table(pa.BufferReader(data))
     except (ChecksumMismatchError, pa.ArrowInvalid, OSError) as exc:
         raise IndexFormatError(f"{where} is not a readable shard table ({exc}): rebuild the "

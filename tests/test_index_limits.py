@@ -274,3 +274,11 @@ def test_shard_table_is_a_sequence_of_shard_infos() -> None:
     assert table != index_module.ShardTable.from_infos(infos[:8])
     with pytest.raises(IndexError):
         table[9]
+
+
+def test_a_side_file_over_the_decoded_cap_is_refused_before_decoding(large_dataset: str,
+                                                                      monkeypatch) -> None:
+    monkeypatch.setattr(index_module, "MAX_SHARD_TABLE_DECODED", 100)
+    with pytest.raises(IndexFormatError, match=r"bytes decoded, over the cap of 2147483647 "
+                                               r"shards or 100 bytes"):
+        load_index(large_dataset)
