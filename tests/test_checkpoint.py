@@ -1,7 +1,9 @@
 """Checkpointer in one process: round trip, commit protocol, corruption, retention, tiers, S3.
 
 Multi-process behaviour (elastic reload, writer failure on one rank, SIGKILL at random
-moments) is in test_checkpoint_dist.py and test_checkpoint_crash.py.
+moments) is in test_checkpoint_dist.py and test_checkpoint_crash.py; raw objects, strict
+loads and torn snapshots in test_checkpoint_state.py; timelines and the lease in
+test_checkpoint_timeline.py; crafted pickles and transient errors in test_checkpoint_restore.py.
 """
 
 from __future__ import annotations

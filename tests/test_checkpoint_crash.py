@@ -11,6 +11,9 @@ restarted. Every time:
 - every commit marker on disk is truthful (all its files present with their checksums);
 - the restart loads the newest checkpoint whose marker is truthful, never a partial one;
 - the final weights are bitwise equal to those of an uninterrupted run.
+
+A second test does the same with the raw state a DCP user writes (``{"model": ddp_model,
+"optim": optimizer, "loader": loader}``), killed inside a background save.
 """
 
 from __future__ import annotations

@@ -2,9 +2,12 @@
 
 One save runs in five phases; only the first two block the training loop:
 
-1. *collect* (caller's thread): ``state_dict()`` of every entry, RNG states, global states
-   (checked identical on all ranks);
-2. *stage* (caller's thread, async modes): copy tensors into reused host buffers;
+1. *collect* (caller's thread): ``state_dict()`` of every entry (raw modules and optimizers
+   through DCP's ``get_*_state_dict``), RNG states, global states (checked identical on all
+   ranks);
+2. *stage* (caller's thread, async modes): copy tensors into reused host buffers, so later
+   writes to the live tensors never reach the checkpoint (opt-in: model and optimizer
+   tensors in the writer thread, see ``background_staging``);
 3. *write* (background): DCP writes each rank's files to a local directory;
 4. *upload* (background, tiered or remote roots): each rank checksums its files and copies
    them to ``root``;
@@ -86,7 +89,9 @@ class Checkpointer:
 
     Every rank constructs it (in the same order relative to other process-group creations)
     and calls ``save``/``load``/``wait``/``close`` the same number of times. Without an
-    initialized ``torch.distributed`` it works as a single process.
+    initialized ``torch.distributed`` it works as a single process. One job at a time writes
+    a root: the first save takes a lease on it (``lease_ttl``, ``job_id``); loading alone
+    does not.
 
     Args:
         root: where checkpoints live: a local path or any fsspec URL (``s3://...``).
