@@ -126,6 +126,7 @@ class WriterLease:
 
     def read(self) -> LeaseHolder | None:
         """The current holder (None: no lease, or one that is not readable as a lease)."""
+        self._fs.invalidate_cache(self.path)  # a listing cached by fsspec may be stale
         try:
             with self._fs.open(self.path, "rb") as f:
                 raw = f.read(_MAX_LEASE_BYTES + 1)
@@ -174,6 +175,7 @@ class WriterLease:
                 f.flush()
                 os.fsync(f.fileno())
             return True
+        self._fs.invalidate_cache(self.path)
         if self._fs.exists(self.path):  # also where conditional writes are silently ignored
             return False
         try:

@@ -135,6 +135,7 @@ class ShardWriter:
                 self._fs.makedirs(self._root, exist_ok=True)
             self._lease.acquire()  # before looking: a writer that just finished is seen
             try:
+                self._fs.invalidate_cache(self._root)  # a cached listing may be stale
                 exists = self._fs.exists(index_path)
             except BaseException:
                 self._lease.release()
