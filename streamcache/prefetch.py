@@ -246,9 +246,9 @@ class Prefetcher:
     def close(self) -> None:
         """Stop the threads and close the cache; returns within about ``poll_s + 2`` s.
 
-        Downloads waiting for a slot or a retry fail at once (the Fetcher is closed). A
-        thread blocked in a read that is not moving is left to its Fetcher's ``timeout_s``
-        (it is a daemon thread, and it ends as soon as that read returns).
+        Downloads waiting for a slot or a retry fail at once (the Fetcher is closed), and
+        so do remote reads in flight, stalled ones included (the Fetcher cancels them); a
+        read of a local file ends with its current block.
         """
         with self._lock:
             if self._closed:
