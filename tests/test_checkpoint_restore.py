@@ -133,6 +133,19 @@ def test_five_503s_while_verifying_are_retried_not_taken_for_damage(
     assert "transient error" in caplog.text and "refusing" not in caplog.text
 
 
+def test_503s_while_dcp_reads_the_data_are_retried(s3_bucket: Any,
+                                                     s3_fault_proxy: Any) -> None:
+    root, models = saved_on_s3(s3_bucket, [1, 2])
+    # the verification's read passes; the three reads after it (DCP's) fail
+    s3_fault_proxy.faults.script(data_path(s3_bucket, root, 2), [None, "error", "error", "error"])
+    options = s3_bucket.storage_options(via=s3_fault_proxy.url)
+    loaded = torch.nn.Linear(64, 64)
+    with Checkpointer(root, storage_options=options, async_mode="sync") as ckpt:
+        assert ckpt.load({"model": loaded}) == 2
+    assert s3_fault_proxy.faults.injected["error"] == 3
+    assert torch.equal(loaded.weight, models[2].weight)
+
+
 def test_reads_failing_past_the_retries_raise_instead_of_falling_back(
     s3_bucket: Any, s3_fault_proxy: Any
 ) -> None:

@@ -20,9 +20,11 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from .errors import CheckpointUnsafeError
+from .tiers import retrying
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # (module, name) of everything a DCP .metadata pickle may construct
@@ -99,7 +101,15 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
 
 
 class SafeFsspecReader(_SafeMetadataMixin, FsspecReader):
-    """DCP's fsspec reader, reading metadata without running code."""
+    """DCP's fsspec reader, reading metadata without running code.
+
+    A transient error while reading this rank's data (an object store's 5xx) is retried:
+    reading again overwrites the same tensors and values, and no collective runs inside.
+    """
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        read = super().read_data
+        return retrying(lambda: read(plan, planner), f"reading {self.path}")
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
