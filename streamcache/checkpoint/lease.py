@@ -31,6 +31,7 @@ import time
 import uuid
 from typing import Any
 
+from ..lease import LeaseHolder
 from .errors import CheckpointError
 from .tiers import Location
 
@@ -125,7 +126,10 @@ class Lease:
             return True
         if self.job_id is not None and current.get(K_JOB) == self.job_id:
             return True
-        return current.get(K_HOST) == socket.gethostname() and not _pid_alive(current.get(K_PID))
+        pid = current.get(K_PID)
+        holder = LeaseHolder(str(current.get(K_TOKEN)), str(current.get(K_HOST)),
+                             pid if isinstance(pid, int) else 0, 0.0)
+        return holder.is_dead_here()  # the same liveness test as the shard writer's lease
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
@@ -172,15 +176,3 @@ def _renewed(before: dict[str, Any], now: dict[str, Any]) -> bool:
 def _holder(lease: dict[str, Any]) -> str:
     job = f" (job {lease[K_JOB]})" if lease.get(K_JOB) else ""
     return f"process {lease.get(K_PID)} on {lease.get(K_HOST)}{job}"
-
-
-def _pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
