@@ -204,8 +204,9 @@ class Checkpointer:
         Raises:
             CheckpointWriteError: the *previous* async save failed on some rank (nothing was
                 published for it); this save was not started.
-            CheckpointError: a global state differs between ranks or is not JSON-able, or a
-                raw optimizer cannot be paired with exactly one module of ``state``.
+            CheckpointError: a global state differs between ranks or is not JSON-able, a
+                raw optimizer cannot be paired with exactly one module of ``state``, or
+                another live job holds (or took over) the lease on ``root``.
         """
         self._check_open()
         self._ensure_lease()
