@@ -196,9 +196,13 @@ class WriterLease:
             except FileNotFoundError:
                 return
             moved = self._read_local(aside)
-            os.unlink(aside)
             if moved is not None and moved.token != stale.token:
-                raise self._busy(moved)  # a live writer's lease replaced it meanwhile
+                # a live writer's lease replaced the stale one meanwhile: put it back
+                with contextlib.suppress(FileExistsError):
+                    os.link(aside, self.path)
+                os.unlink(aside)
+                raise self._busy(moved)
+            os.unlink(aside)
             return
         current = self.read()
         if current is not None and current.token == stale.token:
