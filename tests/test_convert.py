@@ -185,3 +185,14 @@ def test_side_files_are_not_taken_as_data(tmp_path) -> None:
     pq.write_table(pa.table({"v": [1, 2, 3]}), tmp_path / "src" / "a.parquet")
     (tmp_path / "src" / "_SUCCESS").write_text("")
     assert detect_format(LocalFileSystem(), str(tmp_path / "src")) == "parquet"
+
+
+def test_cli_converts_a_folder_it_has_indexed(tmp_path, capsys) -> None:
+    (tmp_path / "src").mkdir()
+    for k in range(2):
+        pq.write_table(pa.table({"v": [k * 10 + i for i in range(10)]}),
+                       tmp_path / "src" / f"{k}.parquet")
+    assert main(["index", str(tmp_path / "src")]) == 0
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--quiet"]) == 0
+    assert "converted 20 samples" in capsys.readouterr().out
+    assert [r["v"] for r in _read_all(str(tmp_path / "out"))] == list(range(20))
