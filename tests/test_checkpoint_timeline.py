@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -146,3 +147,18 @@ def test_a_restart_with_the_same_job_id_takes_the_lease_at_once(tmp_path: Path) 
     with Checkpointer(tmp_path, async_mode="sync", job_id="job-7") as ckpt:
         ckpt.save(1, state_at(1))
     assert not (tmp_path / lease.LEASE_NAME).exists()  # released by close
+
+
+def test_a_holder_whose_lease_was_taken_over_fails_its_next_save(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, async_mode="sync", lease_ttl=0.6) as ckpt:
+        ckpt.save(1, state_at(1))
+        foreign_lease(tmp_path, ttl_s=0.6)  # another job took over while this one stalled
+        deadline = time.monotonic() + 30
+        while ckpt._lease is not None and ckpt._lease.problem() is None:
+            assert time.monotonic() < deadline, "the renewal thread never noticed"
+            time.sleep(0.05)
+        with pytest.raises(CheckpointError, match="took over the lease"):
+            ckpt.save(2, state_at(2))
+    assert json.loads((tmp_path / lease.LEASE_NAME).read_text())["token"] == "other"
+    with Checkpointer(tmp_path, async_mode="sync") as reader:
+        assert [i.step for i in reader.list()] == [1]
