@@ -119,6 +119,7 @@ class ShardWriter:
         self._pool = ThreadPoolExecutor(max_workers=self._max_pending,
                                         thread_name_prefix="streamcache-writer")
         self._closed = False
+        self._publishing = False
         self.index: DatasetIndex | None = None
 
     # ------------------------------------------------------------ destination
@@ -310,7 +311,8 @@ class ShardWriter:
         try:
             url, index, replaced = self._publish(shards)
         except BaseException:
-            self._remove_own_shards()
+            if not self._publishing:  # after a failed PUT the index may be there: keep all
+                self._remove_own_shards()
             self._lease.release()
             raise
         self._remove_replaced(replaced, index)
@@ -332,6 +334,7 @@ class ShardWriter:
         folder = storage.unstrip(self._fs, self._root)
         replaced = self._current_index(folder)
         self._lease.confirm()  # the conditional publish: only while the destination is ours
+        self._publishing = True
         return save_index(index, folder, self._storage_options), index, replaced
 
     def _current_index(self, folder: str) -> DatasetIndex | None:
