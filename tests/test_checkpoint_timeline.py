@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -162,3 +163,17 @@ def test_a_holder_whose_lease_was_taken_over_fails_its_next_save(tmp_path: Path)
     assert json.loads((tmp_path / lease.LEASE_NAME).read_text())["token"] == "other"
     with Checkpointer(tmp_path, async_mode="sync") as reader:
         assert [i.step for i in reader.list()] == [1]
+
+
+def test_the_lease_on_an_s3_root(s3_bucket: Any) -> None:
+    root = s3_bucket.url(f"lease-{uuid.uuid4().hex}")
+    options = s3_bucket.storage_options()
+    with Checkpointer(root, async_mode="sync", storage_options=options) as first:
+        first.save(1, state_at(1))
+        with Checkpointer(root, async_mode="sync", storage_options=options) as second:
+            with pytest.raises(CheckpointError, match="being written by another job"):
+                second.save(2, state_at(2))
+            assert loaded_step(second) == (1, 1)  # reading needs no lease
+    with Checkpointer(root, async_mode="sync", storage_options=options) as third:
+        third.save(2, state_at(2))  # close gave the lease back
+        assert [i.step for i in third.list()] == [1, 2]

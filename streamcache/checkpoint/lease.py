@@ -76,7 +76,12 @@ class Lease:
         watched_since = time.monotonic()
         while True:
             current = self._read()
-            if current is None or self._may_take(current):
+            if current is None:
+                if self.root.create_new(LEASE_NAME, self._body()):
+                    break
+                continue  # another job created it first: look at it
+            if self._may_take(current):
+                self._write()
                 break
             if current.get(K_HOST) == socket.gethostname() and current.get(K_PID) == os.getpid():
                 raise self._refused(current, "by another Checkpointer of this process")
@@ -90,9 +95,9 @@ class Lease:
             elif time.monotonic() - watched_since > float(current.get(K_TTL, self.ttl_s)):
                 log.warning("taking over the lease of %s, not renewed for %.0f s",
                             _holder(current), time.monotonic() - watched_since)
+                self._write()
                 break
             time.sleep(min(1.0, self.ttl_s / 6))
-        self._write()
         time.sleep(min(0.2, self.ttl_s / 10))  # let a concurrent writer's PUT land, then check
         current = self._read()
         if current is None or current.get(K_TOKEN) != self.token:
@@ -145,11 +150,14 @@ class Lease:
                 log.warning("could not renew the lease of %s: %s", self.root.url, exc)
 
     def _write(self) -> None:
+        self.root.write_atomic(LEASE_NAME, self._body())
+
+    def _body(self) -> bytes:
+        """This job's lease, one renewal later than the last one written."""
         self._renewals += 1
-        body = {K_TOKEN: self.token, K_JOB: self.job_id, K_HOST: socket.gethostname(),
-                K_PID: os.getpid(), K_RENEWALS: self._renewals, K_TTL: self.ttl_s,
-                "time": time.time()}
-        self.root.write_atomic(LEASE_NAME, json.dumps(body).encode())
+        return json.dumps({K_TOKEN: self.token, K_JOB: self.job_id, K_HOST: socket.gethostname(),
+                           K_PID: os.getpid(), K_RENEWALS: self._renewals, K_TTL: self.ttl_s,
+                           "time": time.time()}).encode()
 
     def _read(self) -> dict[str, Any] | None:
         try:

@@ -159,6 +159,33 @@ class Location:
         os.replace(tmp, final)
         fsync_dir(self.path)
 
+    def create_new(self, name: str, data: bytes) -> bool:
+        """Create ``name`` holding ``data`` only if it does not exist; False if it does.
+
+        Atomic locally (``O_EXCL``) and on stores with conditional writes (fsspec's
+        ``mode="create"``); elsewhere a check and a write, which two callers can both pass.
+        """
+        if self.is_local:
+            try:
+                fd = os.open(self.local_path(name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            return True
+        self.fs.invalidate_cache(self._p(name))  # a listing cached by fsspec may be stale
+        if self.exists(name):
+            return False
+        try:
+            self.fs.pipe_file(self._p(name), data, mode="create")
+        except FileExistsError:
+            return False
+        except (TypeError, NotImplementedError, ValueError):  # no conditional writes here
+            self.fs.pipe_file(self._p(name), data)
+        return True
+
     def put_file(self, local_file: str, name: str) -> None:
         """Copy a local file into this location as ``name`` (durable for local targets)."""
         if not self.is_local:
