@@ -177,3 +177,17 @@ def test_the_lease_on_an_s3_root(s3_bucket: Any) -> None:
     with Checkpointer(root, async_mode="sync", storage_options=options) as third:
         third.save(2, state_at(2))  # close gave the lease back
         assert [i.step for i in third.list()] == [1, 2]
+
+
+def test_a_job_that_takes_the_lease_later_saves_into_the_live_timeline(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, async_mode="sync") as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, state_at(step))
+    waiting = Checkpointer(tmp_path, async_mode="sync")  # made before the rollback below
+    try:
+        with Checkpointer(tmp_path, async_mode="sync") as other:
+            assert loaded_step(other, 1) == (1, 1)  # a rollback, then this job ends
+        waiting.save(2, state_at(22))
+        assert loaded_step(waiting) == (2, 22)
+    finally:
+        waiting.close()

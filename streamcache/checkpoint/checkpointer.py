@@ -392,16 +392,19 @@ class Checkpointer:
         """Take the lease on ``root`` before this job's first write (collective)."""
         if self._leased:
             return
-        problem = None
+        problem, live = None, self._timeline
         if self._lease is not None:
             try:
                 self._lease.acquire()
+                # the live timeline as of now: a job that held the lease before may have
+                # rolled back since this one was constructed
+                live = layout.live_timeline(layout.read_timelines(self.root))
             except CheckpointError as exc:
                 problem = str(exc)
-        problem = self._ranks.broadcast(problem, self._ranks.control)
+        problem, live = self._ranks.broadcast((problem, live), self._ranks.control)
         if problem is not None:
             raise CheckpointError(problem)
-        self._leased = True
+        self._leased, self._timeline = True, live
 
     def _start_timeline(self, info: CheckpointInfo) -> None:
         """Record a rollback to ``info``: later saves form a new timeline forking there."""
