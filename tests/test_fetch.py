@@ -224,10 +224,8 @@ def test_a_short_body_is_caught_by_the_size_and_names_the_cause(
 
 def test_a_missing_object_fails_at_once_with_a_clear_error(fault_server: FaultServer) -> None:
     url = fault_server.url_for("no/such/shard")
-    started = time.monotonic()
     with Fetcher(fast(backoff_initial_s=5.0)) as fetcher, pytest.raises(FetchError) as caught:
         fetcher.fetch(url, size=10)
-    assert time.monotonic() - started < 4.0  # a retry would wait 5 s first
     error = caught.value
     assert (error.url, error.attempts, error.permanent) == (url, 1, True)
     assert isinstance(error.cause, FileNotFoundError)
@@ -250,10 +248,9 @@ def test_a_server_slower_than_the_timeout_is_retried_then_fails_clearly(
 ) -> None:
     url = fault_server.put("obj", payload(6))
     fault_server.faults.configure(rate=1.0, kinds=("slow",), delay_s=5.0)
-    started = time.monotonic()
     with Fetcher(fast(timeout_s=0.2, retries=2)) as fetcher, pytest.raises(FetchError) as caught:
         fetcher.fetch(url)
-    assert time.monotonic() - started < 3.0
+    # each attempt ended at its timeout: a slow body delivered in full would have succeeded
     assert caught.value.attempts == 3 and not caught.value.permanent
     assert "timeout_s=0.2" in str(caught.value)
     assert fault_server.requests.count("/obj") == 3
@@ -334,10 +331,9 @@ def test_close_stops_threads_and_interrupts_a_backoff(fault_server: FaultServer)
     waiting.start()
     while fault_server.requests.count("/obj") == 0:
         time.sleep(0.01)
-    started = time.monotonic()
     fetcher.close()
-    waiting.join(timeout=5)
-    assert time.monotonic() - started < 2.0
+    waiting.join(timeout=10)  # the backoff is 30 s: only close() ends it this soon
+    assert not waiting.is_alive()
     assert isinstance(outcome[0], StreamcacheError) and "closed" in str(outcome[0])
     assert not [t for t in threading.enumerate() if t.name.startswith("streamcache-fetch")]
     with pytest.raises(StreamcacheError, match="closed"):

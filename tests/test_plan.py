@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import pickle
 import threading
-import time
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -155,11 +155,16 @@ def test_windows_bound_where_samples_come_from() -> None:
 
 def test_large_dataset_random_access_is_cheap() -> None:
     rows = np.full(10**6, 1000, dtype=np.int64)  # 1e9 samples
-    start = time.perf_counter()
-    order = EpochOrder(rows, 42, 3)
-    first = order.sample_ids(0, 1)
-    last = order.sample_ids(order.num_samples - 1, order.num_samples)
-    assert time.perf_counter() - start < 5.0
+    tracemalloc.start()  # numpy reports its buffers to tracemalloc
+    try:
+        order = EpochOrder(rows, 42, 3)
+        first = order.sample_ids(0, 1)
+        last = order.sample_ids(order.num_samples - 1, order.num_samples)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # per-shard tables only (about 70 MB here); the permutation itself would be 8 GB
+    assert peak_bytes < 1 << 30
     assert 0 <= first[0] < 10**9 and 0 <= last[0] < 10**9
     middle = order.sample_ids(5 * 10**8, 5 * 10**8 + 3 * BLOCK + 7)
     assert np.unique(middle).size == middle.size

@@ -61,6 +61,15 @@ def stall_every_shard(server: FaultServer, index: DatasetIndex) -> None:
         server.faults.script(f"/ds/{shard.path}", ["stall"] * 10)
 
 
+def wait_until_idle(prefetcher: Prefetcher) -> None:
+    """Return once nothing is queued or downloading (bounded: a hang fails the test)."""
+    scheduler = prefetcher.scheduler
+    deadline = time.monotonic() + 30
+    while scheduler.queued() or scheduler.inflight_bytes():
+        assert time.monotonic() < deadline, "the prefetcher never went idle"
+        time.sleep(0.005)
+
+
 def prefetch_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("streamcache-prefetch")]
 
@@ -142,10 +151,12 @@ def test_prefetch_keeps_the_reader_from_waiting(fault_server: FaultServer,
         options = PrefetchOptions(workers=4, lookahead_shards=lookahead)
         with Prefetcher(cache, options) as prefetcher, \
                 DatasetReader(index, store=prefetcher) as reader:
-            run_epoch(reader, prefetcher, order, usage, compute_s=0.01)
+            # a loop that computes long enough for the prefetcher to catch up every step
+            run_epoch(reader, prefetcher, order, usage,
+                      on_step=lambda p=prefetcher: wait_until_idle(p))
             waits[lookahead] = prefetcher.stats
-    assert waits[8].wait_s < waits[1].wait_s / 2, waits
-    assert waits[8].misses < waits[1].misses
+    # one shard ahead leaves the reader waiting at shard changes; eight ahead does not
+    assert waits[8].misses < waits[1].misses, waits
 
 
 def test_lookahead_bounds_what_is_fetched(fault_server: FaultServer, tmp_path: Path) -> None:
@@ -153,10 +164,8 @@ def test_lookahead_bounds_what_is_fetched(fault_server: FaultServer, tmp_path: P
     cache = NodeCache(index, str(tmp_path / "cache"))
     with Prefetcher(cache, PrefetchOptions(lookahead_shards=3)) as prefetcher:
         prefetcher.update([5, 2, 9, 0, 1], [0, 10, 20, 30, 40])
-        deadline = time.monotonic() + 10
-        while prefetcher.stats.tasks_done < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.1)
+        wait_until_idle(prefetcher)
+        assert prefetcher.stats.tasks_done == 3
         assert sorted(shard_gets(fault_server)) == sorted(
             f"/ds/{index.shards[k].path}" for k in (5, 2, 9))
         assert prefetcher.local_path(5) == cache.shard_path(5)
@@ -173,10 +182,8 @@ def test_a_missing_shard_reaches_the_reader_with_its_type(
     cache = NodeCache(index, str(tmp_path / "cache"), fetch_options=FAST_RETRIES)
     with Prefetcher(cache) as prefetcher:
         prefetcher.update([1, 2], [0, 5])
-        started = time.monotonic()
         with pytest.raises(FetchError, match=index.shards[1].path):
             prefetcher.local_path(1)
-        assert time.monotonic() - started < 5
         assert prefetcher.local_path(2) == cache.shard_path(2)
         assert prefetcher.stats.tasks_failed >= 1
 
@@ -186,17 +193,15 @@ def test_close_stops_every_thread_promptly_even_mid_download(
     index = serve_dataset(fault_server)
     stall_every_shard(fault_server, index)
     earlier = set(prefetch_threads())  # other tests' prefetchers may still be winding down
-    cache = NodeCache(index, str(tmp_path / "cache"), fetch_options=FetchOptions(timeout_s=1.0))
+    # neither the read timeout nor the server's 30 s stall ends a download within the wait
+    # below: only close() cancelling the stalled reads does
+    cache = NodeCache(index, str(tmp_path / "cache"), fetch_options=FetchOptions(timeout_s=60.0))
     prefetcher = Prefetcher(cache, PrefetchOptions(workers=3))
     prefetcher.update(list(range(6)), list(range(6)))
     while len(shard_gets(fault_server)) < 3:
         time.sleep(0.01)
-    started = time.monotonic()
     prefetcher.close()
-    # close() waits a bounded time; a thread stuck in a stalled read leaves when the read
-    # times out (the Fetcher's timeout_s), sees the stop and ends
-    assert time.monotonic() - started < 5
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 15  # a bound on waiting, not a measure
     while set(prefetch_threads()) - earlier and time.monotonic() < deadline:
         time.sleep(0.05)
     assert set(prefetch_threads()) - earlier == set()
@@ -233,6 +238,7 @@ def test_a_forked_child_gets_its_own_scheduler_and_threads(
 def test_the_interpreter_exits_cleanly_with_a_prefetcher_left_open(
         fault_server: FaultServer, tmp_path: Path) -> None:
     stall_every_shard(fault_server, serve_dataset(fault_server))
+    fault_server.faults.configure(delay_s=300.0)  # stalls that outlast the timeout below
     script = (
         "import sys, time\n"
         "from streamcache import load_index\n"
@@ -244,10 +250,8 @@ def test_the_interpreter_exits_cleanly_with_a_prefetcher_left_open(
         "time.sleep(0.5)\n"
         "print('leaving')\n"
     )
-    started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", script, fault_server.url_for("ds/index.json"),
-                           str(tmp_path / "cache")], capture_output=True, text=True, timeout=60)
+                           str(tmp_path / "cache")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "leaving" and "Traceback" not in done.stderr
-    assert time.monotonic() - started < 30
     assert not any((tmp_path / "cache" / "tmp").iterdir())

@@ -71,36 +71,51 @@ def test_submit_leaves_ready_and_inflight_alone_and_retries_failed() -> None:
     assert s.state(4) == SHARD_UNKNOWN and s.counters().bytes_evicted == 123
 
 
+def wait_for_misses(s: Scheduler, misses: int) -> None:
+    """Return once ``misses`` counted waits have begun: the waiter is inside ``wait``.
+
+    A counted wait bumps ``misses`` under the scheduler's lock before it blocks, so a thread
+    that sees the count and then takes the lock (any call) finds the waiter blocked.
+    """
+    deadline = time.monotonic() + 10  # a bound on waiting only
+    while s.counters().misses < misses:
+        assert time.monotonic() < deadline, "the waiter never entered wait()"
+        time.sleep(0.001)
+
+
 def test_wait_blocks_until_complete_and_counts_hits_misses_and_time() -> None:
     s = Scheduler(1 << 20)
     assert s.wait(9, 0, count_access=True) == (WAIT_NOT_SCHEDULED, "")
     s.submit(9, 0, 1)
+    before = time.perf_counter()
     assert s.wait(9, 0.01) == (WAIT_TIMEOUT, "")
     task = s.next_task(0)
 
     def finish() -> None:
-        time.sleep(0.2)
+        wait_for_misses(s, 2)  # the first wait above was a miss too
         s.complete(task, True, 10)
 
     worker = threading.Thread(target=finish)
     worker.start()
-    assert s.wait(9, 5.0, count_access=True) == (WAIT_READY, "")
-    worker.join()
+    assert s.wait(9, 30.0, count_access=True) == (WAIT_READY, "")
+    away_s = time.perf_counter() - before
+    worker.join(10)
     assert s.wait(9, 5.0, count_access=True) == (WAIT_READY, "")
     counters = s.counters()
     assert (counters.hits, counters.misses, counters.tasks_done) == (1, 2, 1)
-    assert 0.15 < counters.wait_s < 2.0
+    # both blocked waits are counted, and never more than the time the caller spent in them
+    assert 0 < counters.wait_s <= away_s + 1e-3
 
 
 def test_mark_ready_unqueues_and_wakes_waiters() -> None:
     s = Scheduler(1 << 20)
     s.submit(2, 0, 1)
     results: list[tuple[int, str]] = []
-    waiter = threading.Thread(target=lambda: results.append(s.wait(2, 5.0)))
+    waiter = threading.Thread(target=lambda: results.append(s.wait(2, 30.0, count_access=True)))
     waiter.start()
-    time.sleep(0.05)
+    wait_for_misses(s, 1)
     s.mark_ready(2)
-    waiter.join(5)
+    waiter.join(10)
     assert results == [(WAIT_READY, "")]
     assert s.queued() == 0 and s.next_task(0) == TASK_TIMEOUT
 
@@ -110,16 +125,15 @@ def test_stop_wakes_every_blocked_call_at_once() -> None:
     s.submit(1, 0, 1)
     assert s.next_task(0) == 1  # in flight, never completed
     results: list[object] = []
-    threads = [threading.Thread(target=lambda: results.append(s.wait(1, -1))),
+    threads = [threading.Thread(target=lambda: results.append(s.wait(1, -1, count_access=True))),
                threading.Thread(target=lambda: results.append(s.next_task(-1)))]
     for thread in threads:
         thread.start()
-    time.sleep(0.1)
-    started = time.monotonic()
+    wait_for_misses(s, 1)
     s.stop()
     for thread in threads:
-        thread.join(5)
-    assert time.monotonic() - started < 1.0
+        thread.join(10)  # both wait forever unless stop() wakes them
+    assert not any(thread.is_alive() for thread in threads)
     assert sorted(map(str, results)) == sorted(map(str, [(WAIT_STOPPED, ""), TASK_STOPPED]))
     assert s.stopped() and not s.submit(3, 0, 1) and s.next_task(-1) == TASK_STOPPED
 
