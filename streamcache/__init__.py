@@ -10,6 +10,7 @@ from .errors import (
     CacheBudgetError,
     CacheError,
     ChecksumMismatchError,
+    ConfigError,
     CorruptDataError,
     DestinationError,
     EmptyDatasetError,
@@ -48,8 +49,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time these load laz
         CheckpointWriteError,
     )
     from .dataset import StreamDataset, StreamOptions
-    from .fetch import FetchError
+    from .fetch import FetchError, FetchOptions
     from .loader import StreamLoader
+    from .prefetch import PrefetchOptions
     from .replicas.loader import ReplicaError
 
 # The torch-facing parts (and the fetcher, which imports aiohttp) are imported on first use,
@@ -66,6 +68,8 @@ _LAZY = {
     "CheckpointCorruptError": "streamcache.checkpoint.errors",
     "CheckpointUnsafeError": "streamcache.checkpoint.errors",
     "FetchError": "streamcache.fetch",
+    "FetchOptions": "streamcache.fetch",
+    "PrefetchOptions": "streamcache.prefetch",
     "ReplicaError": "streamcache.replicas.loader",
 }
 
@@ -80,6 +84,7 @@ def __getattr__(name: str) -> object:
     globals()[name] = value
     return value
 
+
 __all__ = [
     "CacheBudgetError",
     "CacheError",
@@ -90,6 +95,7 @@ __all__ = [
     "CheckpointWriteError",
     "Checkpointer",
     "ChecksumMismatchError",
+    "ConfigError",
     "CorruptDataError",
     "CursorMismatchError",
     "DatasetIndex",
@@ -97,6 +103,7 @@ __all__ = [
     "DestinationError",
     "EmptyDatasetError",
     "FetchError",
+    "FetchOptions",
     "Field",
     "GoodputError",
     "IndexFormatError",
@@ -106,6 +113,7 @@ __all__ = [
     "PlanError",
     "PositionOutOfRangeError",
     "PrefetchError",
+    "PrefetchOptions",
     "Ragged",
     "ReplicaError",
     "RowOutOfRangeError",

@@ -9,11 +9,12 @@ global sample ids in ``__id__``. Progress is a :class:`~streamcache.plan.Cursor`
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal, get_args
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
@@ -34,14 +35,13 @@ from .batching import (
 )
 from .cache import NodeCache, local_bytes_estimate
 from .dataset_reader import DatasetReader, ShardStore
-from .errors import CacheBudgetError
+from .errors import CacheBudgetError, ConfigError
 from .fetch import FetchOptions
 from .index import DatasetIndex, load_index
 from .plan import (
     Cursor,
     EpochOrder,
     EpochSegment,
-    PlanError,
     RankBatch,
     ShuffleOptions,
     TailPolicy,
@@ -52,46 +52,98 @@ from .prefetch import Prefetcher, PrefetchOptions
 from .schedule import Schedule, StepRef
 from .topology import resolve_topology
 
+TailMode = Literal["drop", "pad", "split"]
+RaggedMode = Literal["padded", "offsets"]
+WindowUnit = Literal["samples", "shards"]
+TAIL_MODES: tuple[TailMode, ...] = get_args(TailMode)
+WINDOW_UNITS: tuple[WindowUnit, ...] = get_args(WindowUnit)
 
-@dataclass(frozen=True)
+
+@dataclasses.dataclass(frozen=True)
 class StreamOptions:
-    """Everything that configures a :class:`StreamDataset` (see its docstring)."""
+    """Everything that configures a :class:`StreamDataset`, checked when it is made (the
+    fields are the dataset's keyword arguments; see its docstring).
+
+    Raises:
+        ConfigError: a value an option cannot take, or two options that exclude each other;
+            the message names the option and the values it accepts.
+    """
 
     batch_size: int | None = None
     global_batch_size: int | None = None
     shuffle: bool = True
     shuffle_window: int = DEFAULT_WINDOW
-    shuffle_window_unit: str = "samples"
+    shuffle_window_unit: WindowUnit = "samples"
     seed: int = 0
-    tail: str = "drop"
-    fields: tuple[str, ...] | None = None
-    ragged: str = "padded"
+    tail: TailMode = "drop"
+    fields: Sequence[str] | None = None
+    ragged: RaggedMode = "padded"
     pad_value: int | float = 0
     transform: Callable[[dict[str, Any]], Any] | None = None
     batch_transform: Callable[[dict[str, Any]], Any] | None = None
     collate_fn: Callable[[list[Any]], Any] | None = None
     with_seeds: bool = False
     infinite: bool = False
-    cache_dir: str | None = None
+    cache_dir: str | os.PathLike[str] | None = None
     cache_limit: int | None = None
-    prefetch_shards: int | None = None
-    prefetch_workers: int = 4
     storage_options: Mapping[str, Any] | None = None
-    fetch: FetchOptions | None = None  # timeouts and retries of shard downloads
+    fetch: FetchOptions | None = None  # timeouts, retries, requests in flight
+    prefetch: PrefetchOptions | None = None  # download threads, shards kept ahead
     allow_external_paths: bool = False  # shards outside the index's folder (same protocol)
     rank: int | None = None
     world_size: int | None = None
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.global_batch_size is None):
-            raise PlanError("give exactly one of batch_size (per rank) and global_batch_size")
-        if self.ragged not in RAGGED_MODES:
-            raise PlanError(f"ragged must be one of {RAGGED_MODES}, not {self.ragged!r}")
-        if self.transform is not None and self.batch_transform is not None:
-            raise PlanError("give a per-sample transform or a batch_transform, not both")
-        TailPolicy(self.tail)
+            raise ConfigError("give exactly one of batch_size (per rank) and "
+                              "global_batch_size (over all ranks)")
+        for name, minimum in (("batch_size", 1), ("global_batch_size", 1),
+                              ("shuffle_window", 1), ("cache_limit", 0), ("rank", 0),
+                              ("world_size", 1)):
+            _check_int(name, getattr(self, name), minimum)
+        _check_int("seed", self.seed, 0)
+        if self.seed >= 1 << 64:
+            raise ConfigError(f"seed must be below 2**64, got {self.seed}")
+        for name, allowed in (("tail", TAIL_MODES), ("ragged", RAGGED_MODES),
+                              ("shuffle_window_unit", WINDOW_UNITS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}; "
+                                  f"got {getattr(self, name)!r}")
+        for name in ("shuffle", "with_seeds", "infinite", "allow_external_paths"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        self._check_callables()
+        for name, kind in (("fetch", FetchOptions), ("prefetch", PrefetchOptions)):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), kind):
+                raise ConfigError(f"{name} must be a {kind.__name__} (from streamcache), got "
+                                  f"{type(getattr(self, name)).__name__}")
         if self.fields is not None:
+            if isinstance(self.fields, str):
+                raise ConfigError(f"fields must be a sequence of field names, not the "
+                                  f"string {self.fields!r} (write fields=[{self.fields!r}])")
             object.__setattr__(self, "fields", tuple(self.fields))
+        object.__setattr__(self, "tail", TailPolicy(self.tail).value)
+
+    def _check_callables(self) -> None:
+        for name in ("transform", "batch_transform", "collate_fn"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise ConfigError(f"{name} must be callable, got {type(value).__name__}")
+        if self.transform is not None and self.batch_transform is not None:
+            raise ConfigError("give a per-sample transform or a batch_transform, not both")
+        if self.collate_fn is not None and self.transform is None:
+            raise ConfigError("collate_fn batches the samples a per-sample transform returns: "
+                              "give it with transform=")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    """``value`` is None or an int >= ``minimum``, else a :class:`ConfigError` naming ``name``."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
 
 
 class StreamDataset(IterableDataset):
@@ -127,11 +179,14 @@ class StreamDataset(IterableDataset):
         cache_limit: bytes the cache may hold (None: no limit). Below the working set (the
             shards one shuffle window keeps in use) it is refused at construction, with the
             minimum in the message: lower ``shuffle_window`` to stream with less disk.
-        prefetch_shards: shards kept ahead of the reader (default: the working set + 16);
-            prefetch_workers: download threads per process.
-        fetch: how shards are downloaded: a :class:`~streamcache.fetch.FetchOptions`
-            (stall timeout, retries, backoff, concurrency); ``storage_options`` replace its
-            own. Default: a stall is 10 s without a byte, retried 4 times.
+        storage_options: keyword arguments of the URL's fsspec filesystem (credentials,
+            endpoint); they replace ``fetch.storage_options``.
+        fetch: how shards and the index are downloaded: a
+            :class:`~streamcache.FetchOptions` (stall timeout, retries, backoff, requests in
+            flight). Default: a stall is 10 s without a byte, retried 4 times.
+        prefetch: how shards are fetched ahead of the reader: a
+            :class:`~streamcache.PrefetchOptions` (download threads per process, shards and
+            bytes kept ahead). Default: 4 threads, the working set + 16 shards.
         allow_external_paths: read shards the index names outside its own folder (on the
             index's filesystem only; see :func:`streamcache.index.check_shard_paths`).
         rank, world_size: resolved when a pass starts, not when the dataset is made (so it
@@ -145,15 +200,58 @@ class StreamDataset(IterableDataset):
     rank) the global batch is ``batch_size * world_size``, so they resolve the topology
     when called.
 
+    Every option is keyword-only and typed (an unknown keyword is a ``TypeError``, and a
+    type checker reports it); the values are kept in :attr:`options`, a
+    :class:`StreamOptions`.
+
     Raises:
-        PlanError: impossible batch/world sizes or options; IndexNotFoundError etc. for URL.
+        ConfigError: an option's value is invalid (an unknown mode, a negative size, both or
+            neither of ``batch_size`` and ``global_batch_size``); the message names it.
+        PlanError: batch and world sizes impossible together, or with this dataset.
+        CacheBudgetError: ``cache_limit`` below the working set.
+        IndexNotFoundError, StorageError, FetchError: the URL cannot be read.
 
     Thread safety: iterating the same dataset from several threads is safe (the loader does).
     """
 
-    def __init__(self, url: str | DatasetIndex, **options: Any) -> None:
+    def __init__(
+        self,
+        url: str | DatasetIndex,
+        *,
+        batch_size: int | None = None,
+        global_batch_size: int | None = None,
+        shuffle: bool = True,
+        shuffle_window: int = DEFAULT_WINDOW,
+        shuffle_window_unit: WindowUnit = "samples",
+        seed: int = 0,
+        tail: TailMode = "drop",
+        fields: Sequence[str] | None = None,
+        ragged: RaggedMode = "padded",
+        pad_value: int | float = 0,
+        transform: Callable[[dict[str, Any]], Any] | None = None,
+        batch_transform: Callable[[dict[str, Any]], Any] | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        with_seeds: bool = False,
+        infinite: bool = False,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        fetch: FetchOptions | None = None,
+        prefetch: PrefetchOptions | None = None,
+        allow_external_paths: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
         super().__init__()
-        self.options = StreamOptions(**options)
+        self.options = StreamOptions(
+            batch_size=batch_size, global_batch_size=global_batch_size, shuffle=shuffle,
+            shuffle_window=shuffle_window, shuffle_window_unit=shuffle_window_unit, seed=seed,
+            tail=tail, fields=fields, ragged=ragged, pad_value=pad_value, transform=transform,
+            batch_transform=batch_transform, collate_fn=collate_fn, with_seeds=with_seeds,
+            infinite=infinite, cache_dir=cache_dir, cache_limit=cache_limit,
+            storage_options=storage_options, fetch=fetch, prefetch=prefetch,
+            allow_external_paths=allow_external_paths, rank=rank, world_size=world_size,
+        )
         opts = self.options
         self.index = url if isinstance(url, DatasetIndex) else load_index(
             url, opts.storage_options, allow_external_paths=opts.allow_external_paths,
@@ -292,7 +390,8 @@ class StreamDataset(IterableDataset):
         if not isinstance(store, Prefetcher):
             return
         advice = self.advice(epoch)
-        count = self.options.prefetch_shards or advice.working_set_shards() + 16
+        count = (self.options.prefetch or PrefetchOptions()).lookahead(
+            advice.working_set_shards())
         shards, next_use = advice.upcoming(position, count)
         key = (epoch, int(shards[0]) if len(shards) else -1)
         if key != self._advised or position % max(1, advice.stride * 16) < self.global_batch:
@@ -314,15 +413,16 @@ class StreamDataset(IterableDataset):
 
     def _make_store(self) -> ShardStore:
         opts = self.options
-        folder = opts.cache_dir or os.environ.get("STREAMCACHE_CACHE_DIR") or \
+        folder = os.fspath(opts.cache_dir) if opts.cache_dir is not None else \
+            os.environ.get("STREAMCACHE_CACHE_DIR") or \
             os.path.join(os.path.expanduser("~"), ".cache", "streamcache")
         working_set = self.working_set_bytes() if opts.cache_limit is not None else None
         cache = NodeCache(self.index, folder, cache_limit=opts.cache_limit,
                           working_set_bytes=working_set, fetch_options=opts.fetch,
                           storage_options=opts.storage_options)
-        lookahead = opts.prefetch_shards or self.advice(self.cursor.epoch).working_set_shards() + 16
-        return Prefetcher(cache, PrefetchOptions(workers=opts.prefetch_workers,
-                                                 lookahead_shards=lookahead))
+        prefetch = opts.prefetch or PrefetchOptions()
+        lookahead = prefetch.lookahead(self.advice(self.cursor.epoch).working_set_shards())
+        return Prefetcher(cache, dataclasses.replace(prefetch, lookahead_shards=lookahead))
 
     @property
     def transformed(self) -> bool:
@@ -436,6 +536,15 @@ class StreamDataset(IterableDataset):
 
 
 
-__all__ = ["Schedule", "StepRef", "StreamDataset", "StreamOptions", "resolve_topology"]
+__all__ = [
+    "RaggedMode",
+    "Schedule",
+    "StepRef",
+    "StreamDataset",
+    "StreamOptions",
+    "TailMode",
+    "WindowUnit",
+    "resolve_topology",
+]
 
 

@@ -81,6 +81,12 @@ class TransformError(StreamcacheError, TypeError):
     batch (the message names the transform and what it must return)."""
 
 
+class ConfigError(StreamcacheError, ValueError):
+    """An option has a value it cannot take (an unknown mode, a negative size, two options
+    that exclude each other); raised when the object is made. The message names the option
+    and the values it accepts."""
+
+
 class UsageError(StreamcacheError, ValueError):
     """A value given by the user (a size, a duration, an option) cannot be read or used."""
 

@@ -59,7 +59,7 @@ from fsspec.exceptions import FSTimeoutError
 
 from . import checksum as _checksum
 from . import storage
-from .errors import ChecksumMismatchError, StreamcacheError
+from .errors import ChecksumMismatchError, ConfigError, StreamcacheError
 
 T = TypeVar("T")
 
@@ -116,7 +116,7 @@ class _ClosedError(StreamcacheError):
 
 @dataclasses.dataclass(frozen=True)
 class FetchOptions:
-    """How a :class:`Fetcher` reads.
+    """How a :class:`Fetcher` reads (``StreamDataset(fetch=...)``, ``load_index(fetch=...)``).
 
     Attributes:
         max_concurrency: requests in flight at once, per Fetcher and process (>= 1).
@@ -137,6 +137,9 @@ class FetchOptions:
         block_size: bytes of a body handed on per step (to memory or to the file).
         storage_options: keyword arguments of the filesystem of the URLs' protocol
             (credentials, endpoint); one Fetcher serves one storage configuration.
+
+    Raises:
+        ConfigError: a value out of its range (the message names the field and the range).
     """
 
     max_concurrency: int = 16
@@ -151,19 +154,19 @@ class FetchOptions:
     def __post_init__(self) -> None:
         problems = []
         if self.max_concurrency < 1:
-            problems.append("max_concurrency must be >= 1")
+            problems.append(f"max_concurrency must be >= 1, got {self.max_concurrency!r}")
         if self.timeout_s <= 0:
-            problems.append("timeout_s must be > 0")
+            problems.append(f"timeout_s must be > 0, got {self.timeout_s!r}")
         if self.retries < 0:
-            problems.append("retries must be >= 0")
+            problems.append(f"retries must be >= 0, got {self.retries!r}")
         if self.backoff_initial_s < 0 or self.backoff_max_s < 0:
             problems.append("backoff times must be >= 0")
         if not 0.0 <= self.jitter <= 1.0:
-            problems.append("jitter must be between 0 and 1")
+            problems.append(f"jitter must be between 0 and 1, got {self.jitter!r}")
         if self.block_size < 1:
-            problems.append("block_size must be >= 1")
+            problems.append(f"block_size must be >= 1, got {self.block_size!r}")
         if problems:
-            raise ValueError(f"invalid FetchOptions: {'; '.join(problems)}")
+            raise ConfigError(f"invalid FetchOptions: {'; '.join(problems)}")
 
 
 @dataclasses.dataclass

@@ -19,22 +19,26 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import multiprocessing.context
+import numbers
 import threading
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch.utils.data import DataLoader
 
 from .dataset import StreamDataset
+from .errors import ConfigError
 from .plan import Cursor, CursorMismatchError, RankBatch
 from .plan.bijection import derive_key
 from .schedule import Schedule, StepRef
 
 STATE_VERSION = 1
-WORKER_MODES = ("auto", "process", "thread")
+WorkerMode = Literal["auto", "process", "thread"]
+WORKER_MODES: tuple[WorkerMode, ...] = get_args(WorkerMode)
 KEY_VERSION = "version"
 KEY_CURSOR = "cursor"
 _WORKER_SEED_TAG = 0x574B_5253  # distinguishes worker base seeds from every other derived key
@@ -202,6 +206,21 @@ class _LoaderIterator:
             self.close()
 
 
+def _check_options(*, num_workers: int, prefetch: int, threads: int, worker_mode: str,
+                   timeout: float) -> None:
+    """Refuse a StreamLoader option that cannot work, naming it and what it accepts."""
+    for name, value, minimum in (("num_workers", num_workers, 0), ("prefetch", prefetch, 1),
+                                 ("threads", threads, 1)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or \
+                value < minimum:
+            raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if worker_mode not in WORKER_MODES:
+        raise ConfigError(f"worker_mode must be one of {', '.join(map(repr, WORKER_MODES))}; "
+                          f"got {worker_mode!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout < 0:
+        raise ConfigError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+
+
 class StreamLoader:
     """Iterate a :class:`StreamDataset` the way a training loop iterates a DataLoader.
 
@@ -215,7 +234,14 @@ class StreamLoader:
         pin_memory: pin batches in page-locked memory (needs CUDA; a warning otherwise).
         prefetch: steps prepared ahead (per worker with worker processes).
         threads: reader threads with ``num_workers=0``.
-        timeout, multiprocessing_context: as DataLoader's, for worker processes.
+        timeout, multiprocessing_context: as DataLoader's, for worker processes
+            (``timeout`` >= 0 seconds, 0: wait forever; a start method name such as
+            ``"spawn"`` or a context).
+
+    Raises:
+        TypeError: ``dataset`` is not a :class:`StreamDataset`.
+        ConfigError: an option's value is invalid (the message names it and the values it
+            accepts).
 
     Iterating again continues from the cursor: after a complete epoch that is the next epoch,
     after a ``break`` it is the rest of the current one. ``state_dict()`` is small,
@@ -229,14 +255,13 @@ class StreamLoader:
 
     def __init__(self, dataset: StreamDataset, *, num_workers: int = 0,
                  pin_memory: bool = False, prefetch: int = 2, threads: int = 2,
-                 worker_mode: str = "auto", timeout: float = 0,
-                 multiprocessing_context: Any = None) -> None:
+                 worker_mode: WorkerMode = "auto", timeout: float = 0,
+                 multiprocessing_context: str | multiprocessing.context.BaseContext | None = None,
+                 ) -> None:
         if not isinstance(dataset, StreamDataset):
             raise TypeError("StreamLoader takes a StreamDataset")
-        if num_workers < 0 or prefetch < 1 or threads < 1:
-            raise ValueError("num_workers must be >= 0, prefetch and threads >= 1")
-        if worker_mode not in WORKER_MODES:
-            raise ValueError(f"worker_mode must be one of {WORKER_MODES}, not {worker_mode!r}")
+        _check_options(num_workers=num_workers, prefetch=prefetch, threads=threads,
+                       worker_mode=worker_mode, timeout=timeout)
         self.dataset = dataset
         self.num_workers = num_workers
         self.worker_mode = worker_mode
@@ -343,4 +368,4 @@ class StreamLoader:
         self.close()
 
 
-__all__ = ["StreamLoader"]
+__all__ = ["StreamLoader", "WorkerMode"]

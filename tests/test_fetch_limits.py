@@ -27,6 +27,7 @@ from streamcache.dataset_reader import DatasetReader
 from streamcache.errors import IndexFormatError, IndexNotFoundError, StreamcacheError
 from streamcache.fetch import TEMP_SUFFIX, Fetcher, FetchError, FetchOptions, backoff_delay
 from streamcache.index import load_index
+from streamcache.prefetch import PrefetchOptions
 from streamcache.writer import write_dataset
 
 
@@ -138,7 +139,7 @@ def test_stream_dataset_downloads_with_the_fetch_options_it_is_given(
     fault_server.faults.configure(rate=1.0, kinds=("stall",), delay_s=120.0)
     options = FetchOptions(timeout_s=0.5, retries=1, backoff_initial_s=0.01)
     dataset = StreamDataset(url, batch_size=4, shuffle=False, cache_dir=str(tmp_path / "c"),
-                            prefetch_workers=1, fetch=options)
+                            prefetch=PrefetchOptions(workers=1), fetch=options)
     try:
         with pytest.raises(FetchError) as caught:
             next(iter(dataset))

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from loader_helpers import ids_of, loader, make_dataset
 
 from streamcache.dataset import StreamDataset
+from streamcache.errors import ConfigError
 from streamcache.loader import StreamLoader
 from streamcache.plan import CursorMismatchError, PlanError
 
@@ -230,7 +231,7 @@ def test_impossible_topologies_are_clear_errors(data: tuple[str, str]) -> None:
         StreamDataset(url, global_batch_size=2, rank=0, world_size=4, cache_dir=cache)
     with pytest.raises(PlanError, match="impossible"):
         StreamDataset(url, batch_size=2, rank=4, world_size=4, cache_dir=cache)
-    with pytest.raises(PlanError, match="exactly one"):
+    with pytest.raises(ConfigError, match="exactly one"):
         StreamDataset(url, cache_dir=cache)
 
 
