@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist import run_ranks
+from helpers.resume import LoaderSubject, check_resume
 from loader_helpers import ids_of, make_dataset
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -78,3 +79,28 @@ def test_loader_resumes_exactly_on_other_world_sizes(tmp_path: Path) -> None:
     assert step == SAVE_AT and one_rank == expected
     for rank_result in run_ranks(_resume, 3, url, cache, root):
         assert rank_result.value == (SAVE_AT, expected)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
+def test_resume_oracle_through_the_checkpointer(tmp_path: Path) -> None:
+    """The shared oracle, with the state saved by a Checkpointer and loaded by another one
+    into a fresh loader (resumed at the start, a midpoint, an epoch's end, the next epoch)."""
+    url = make_dataset(str(tmp_path), [37, 50, 13, 60, 40], seq=False)
+    cache = str(tmp_path / "cache")
+    roots = iter(range(100))
+
+    def make() -> LoaderSubject:
+        return LoaderSubject(StreamLoader(StreamDataset(url, global_batch_size=20,
+                                                        cache_dir=cache, seed=5)))
+
+    def save(subject: Any) -> str:
+        root = str(tmp_path / f"ckpt{next(roots)}")
+        with Checkpointer(root, async_mode="sync") as ckpt:
+            ckpt.save(1, {"loader": subject.loader})
+        return root
+
+    def load(subject: Any, root: str) -> None:
+        with Checkpointer(root, async_mode="sync") as ckpt:
+            assert ckpt.load({"loader": subject.loader}) == 1
+
+    check_resume(make, steps_per_epoch=10, epoch_samples=range(200), save=save, load=load)

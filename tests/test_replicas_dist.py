@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from dist import run_ranks
+from helpers.resume import ReplicaSubject, check_resume
 from loader_helpers import make_dataset
 from replica_sim import (
     TraceStep,
@@ -161,6 +162,18 @@ def test_groups_sigkilled_and_restarted_exactly_once(data: tuple[str, str],
     assert len(firsts) >= 3  # restarted processes, each read the plan's batch (checked above)
     sizes = [r["bytes"] for _, r in records if r["kind"] == "transfer"]
     assert sizes and max(sizes) < 600
+
+
+def test_resume_oracle(data: tuple[str, str]) -> None:
+    """The shared oracle over all four groups stepping together: resumed at the start, a
+    midpoint, an epoch's end and into the next epoch, every step is the uninterrupted run's
+    and every epoch holds every sample once."""
+    url, cache = data
+
+    def make() -> ReplicaSubject:
+        return ReplicaSubject([make_loader(url, cache, group=g) for g in range(GROUPS)])
+
+    check_resume(make, steps_per_epoch=200 // (GROUPS * PER_RANK), epoch_samples=range(200))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
