@@ -41,12 +41,11 @@ import shutil
 import stat
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from . import storage
+from . import forksafe, storage
 from .errors import CacheBudgetError, CacheError
 from .eviction import Resident, choose_victims
 from .fetch import Fetcher, FetchOptions
@@ -187,7 +186,10 @@ class NodeCache:
             if error.errno in _NOT_WRITABLE:
                 raise self._not_writable(error) from error
             raise
-        _live_caches.add(self)
+        forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._reset_process_state()
 
     def _reset_process_state(self) -> None:
         """Fresh in-process locks and temporary folder (also run in a forked child)."""
@@ -674,10 +676,10 @@ class NodeCache:
     def _write_accounting(self, entries: Mapping[str, Mapping[str, Any]]) -> None:
         obj = {KEY_FORMAT: ACCOUNTING_FORMAT, KEY_VERSION: ACCOUNTING_VERSION,
                KEY_ENTRIES: entries}
-        temp = os.path.join(self._tmp_dir(), ACCOUNTING_NAME)
-        with open(temp, "w") as f:
+        # the temporary lives in this process's folder, which is swept once it is dead
+        with storage.atomic_write(os.path.join(self.cache_dir, ACCOUNTING_NAME), "w",
+                                  durable=False, temp_dir=self._tmp_dir()) as f:
             json.dump(obj, f, separators=(",", ":"))
-        os.replace(temp, os.path.join(self.cache_dir, ACCOUNTING_NAME))
 
     # ------------------------------------------------------------------ locks and helpers
 
@@ -841,18 +843,6 @@ def _disk_full(error: OSError) -> bool:
 def _remove_quietly(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-
-
-_live_caches: weakref.WeakSet[NodeCache] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for cache in list(_live_caches):
-        cache._reset_process_state()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 __all__ = ["CacheStats", "CacheUsage", "NodeCache", "local_bytes_estimate"]

@@ -47,7 +47,6 @@ import inspect
 import os
 import random
 import threading
-import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -58,7 +57,7 @@ import fsspec.core
 from fsspec.exceptions import FSTimeoutError
 
 from . import checksum as _checksum
-from . import storage
+from . import forksafe, storage
 from .errors import ChecksumMismatchError, ConfigError, StreamcacheError
 
 T = TypeVar("T")
@@ -316,8 +315,6 @@ def _describe(error: BaseException) -> str:
 
 # ------------------------------------------------------------------------------- the Fetcher
 
-_live_fetchers: weakref.WeakSet[Fetcher] = weakref.WeakSet()
-
 # Filesystems a forked child inherited from its parent, kept unused for the child's lifetime.
 # Were they collected in the child, their finalizers would close their sessions there, and
 # closing a connection unregisters its socket from the event loop's epoll set, which fork()
@@ -332,22 +329,14 @@ def _before_fork() -> None:
     # finalizer then waits about a second for the parent's event loop, which does not run
     # in the child, and unregisters its socket from the shared epoll set. Collect it here;
     # in the usual case (none dropped and alive) this costs no collection.
-    held = {id(fs) for fetcher in list(_live_fetchers) for fs in fetcher._filesystems.values()}
+    held = {id(fs) for fetcher in forksafe.live(Fetcher) for fs in fetcher._filesystems.values()}
     if any(id(fs) not in held for fs in list(_async_filesystems)):
         gc.collect()
 
 
-def _after_fork_in_child() -> None:
-    # fsspec's own fork hook forgets its event loop but not its lock (a lock held by another
-    # thread at fork() time would never be released in the child); reset both.
-    fsspec.asyn.reset_lock()
-    for fetcher in list(_live_fetchers):
-        _inherited_filesystems.extend(fetcher._filesystems.values())
-        fetcher._reset_process_state()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+# fsspec's own fork hook forgets its event loop but not its lock (a lock held by another
+# thread at fork() time would never be released in the child); reset both.
+forksafe.at_fork(before=_before_fork, after_in_child=fsspec.asyn.reset_lock)
 
 
 class Fetcher:
@@ -365,7 +354,11 @@ class Fetcher:
         self._stopping = threading.Event()
         self._stats = FetchStats()
         self._reset_process_state()
-        _live_fetchers.add(self)
+        forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        _inherited_filesystems.extend(self._filesystems.values())
+        self._reset_process_state()
 
     def _reset_process_state(self) -> None:
         """New locks, filesystems and pool for this process (also run in a forked child)."""
@@ -454,23 +447,19 @@ class Fetcher:
         target = os.path.abspath(os.fspath(path))
 
         def attempt() -> int:
-            temp = f"{target}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}"
+            # storage.atomic_path in two halves: only local errors bypass the retries
+            temp = storage.temp_path(target, suffix=TEMP_SUFFIX)
             try:
                 with _local_io():
                     out = open(temp, "wb")  # noqa: SIM115  (closed by the with below)
                 with out:
                     received = self._transfer(url, size, _local_writer(out))
-                    with _local_io():
-                        out.flush()
-                        os.fsync(out.fileno())
                 _verify_file(temp, checksum, url)
                 with _local_io():
-                    os.replace(temp, target)
+                    storage.publish_temp(temp, target)
             except BaseException:
                 _remove_quietly(temp)
                 raise
-            with _local_io():
-                storage.fsync_dir(os.path.dirname(target))
             return received
 
         received = self._with_retries(url, attempt)

@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import random
-import tempfile
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -124,16 +123,8 @@ def read_record(path: str) -> dict[str, Any] | None:
 def write_record(path: str, record: Mapping[str, Any]) -> None:
     """Publish a small JSON record atomically (temporary file and rename, no fsync: a lost
     record only costs one more check)."""
-    folder = os.path.dirname(path)
-    fd, temp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, sort_keys=True)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        raise
+    with storage.atomic_write(path, "w", durable=False) as f:
+        json.dump(record, f, sort_keys=True)
 
 
 def file_stamp(path: str, info: ShardInfo) -> dict[str, Any]:

@@ -165,26 +165,7 @@ class WriterLease:
 
     def _create(self, data: bytes) -> bool:
         """Create the lease file if none exists; False if one does."""
-        if storage.is_local(self._fs):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            return True
-        self._fs.invalidate_cache(self.path)
-        if self._fs.exists(self.path):  # also where conditional writes are silently ignored
-            return False
-        try:
-            self._fs.pipe_file(self.path, data, mode="create")
-        except FileExistsError:
-            return False
-        except (TypeError, NotImplementedError, ValueError):  # no conditional writes here
-            self._fs.pipe_file(self.path, data)
-        return True
+        return storage.create_exclusive(self._fs, self.path, data)
 
     def _remove_stale(self, stale: LeaseHolder) -> None:
         """Remove a dead holder's lease, unless it changed meanwhile."""

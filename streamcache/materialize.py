@@ -9,15 +9,14 @@ that is already in that layout is read in place (:func:`is_local_layout`).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
+from . import storage
 from .columns import to_canonical
 from .errors import SchemaError, ShardCorruptError
 from .schema import Schema
@@ -66,20 +65,10 @@ def write_local_layout(batch: pa.RecordBatch, path: str, *, durable: bool = Fals
     Returns the file's size. A crash leaves at most a temporary file (named ``.tmp-*``), never
     a partial file under ``path``.
     """
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".arrow", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as raw, ipc.new_file(raw, batch.schema) as writer:
+    with storage.atomic_path(path, durable=durable) as temp:
+        with open(temp, "wb") as raw, ipc.new_file(raw, batch.schema) as writer:
             writer.write_batch(batch)
-            raw.flush()
-            if durable:
-                os.fsync(raw.fileno())
-        size = os.path.getsize(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+        size = os.path.getsize(temp)
     return size
 
 

@@ -21,13 +21,13 @@ import math
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from . import forksafe
 from ._native import (
     SHARD_FAILED,
     SHARD_READY,
@@ -164,7 +164,11 @@ class Prefetcher:
         self._closed = False
         self._reset_process_state()
         cache.add_eviction_listener(self._evicted)
-        _live_prefetchers.add(self)
+        forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        _abandoned.append(self._scheduler)
+        self._reset_process_state()
 
     def _reset_process_state(self) -> None:
         self._lock = threading.Lock()
@@ -328,26 +332,17 @@ class Prefetcher:
                 thread.join(max(0.0, deadline - time.monotonic()))
 
 
-_live_prefetchers: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
 # Schedulers a forked child inherited: never used there (a parent's thread may have held their
 # mutex at fork time) and never destroyed (destroying a locked mutex is undefined).
 _abandoned: list[Scheduler] = []
 
 
-def _after_fork_in_child() -> None:
-    for prefetcher in list(_live_prefetchers):
-        _abandoned.append(prefetcher._scheduler)
-        prefetcher._reset_process_state()
-
-
 def _close_all() -> None:
-    for prefetcher in list(_live_prefetchers):
+    for prefetcher in forksafe.live(Prefetcher):
         if prefetcher._pid == os.getpid():
             prefetcher.close()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(_close_all)
 
 __all__ = ["URGENT", "PrefetchOptions", "PrefetchStats", "Prefetcher", "ShardUsage"]

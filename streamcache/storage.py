@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
-import tempfile
+import uuid
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import IO, Any
 
 from fsspec.core import url_to_fs
 
@@ -63,35 +63,104 @@ def unstrip(fs: Any, path: str) -> str:
     return str(fs.unstrip_protocol(path))
 
 
-def write_atomic_local(path: str, data: bytes, *, durable: bool = True) -> None:
-    """Write ``data`` to a local ``path``: temporary file, fsync, rename, fsync of the folder.
+def temp_path(path: str, *, suffix: str = "", temp_dir: str | None = None) -> str:
+    """A fresh temporary name for a file to be published as ``path``.
 
-    A reader sees the old file or the whole new one, never a part; an exception publishes
-    nothing.
+    It lies in ``temp_dir`` (default: ``path``'s folder, which must be on the same filesystem
+    for the rename) and starts with ``.tmp-``, so listings of published files skip it.
     """
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix="-" + os.path.basename(path), dir=folder)
+    folder = temp_dir or os.path.dirname(os.path.abspath(path))
+    return os.path.join(
+        folder, f".tmp-{uuid.uuid4().hex[:12]}-{os.path.basename(path)}{suffix}")
+
+
+def publish_temp(temp: str, path: str, *, durable: bool = True) -> None:
+    """Rename the finished file ``temp`` over ``path``; when ``durable``, fsync the file first
+    and ``path``'s folder after, so a power loss leaves the old file or the whole new one."""
+    if durable:
+        fd = os.open(temp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    os.replace(temp, path)
+    if durable:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+@contextlib.contextmanager
+def atomic_path(path: str, *, durable: bool = True, suffix: str = "",
+                temp_dir: str | None = None) -> Iterator[str]:
+    """Yield a temporary path to write; publish it as ``path`` when the block ends.
+
+    A reader sees the old file or the whole new one, never a part. An exception in the block
+    (or in publishing) removes the temporary and publishes nothing; a crash may leave the
+    temporary (see :func:`temp_path` for its name and folder).
+    """
+    temp = temp_path(path, suffix=suffix, temp_dir=temp_dir)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        yield temp
+        publish_temp(temp, path, durable=durable)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+            os.unlink(temp)
         raise
-    if durable:
-        fsync_dir(folder)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "wb", *, durable: bool = True,
+                 temp_dir: str | None = None) -> Iterator[IO[Any]]:
+    """:func:`atomic_path` with the temporary opened in ``mode`` ("wb" or "w")."""
+    with atomic_path(path, durable=durable, temp_dir=temp_dir) as temp, \
+            open(temp, mode) as f:  # closed before atomic_path publishes it
+        yield f
+
+
+def write_atomic_local(path: str, data: bytes, *, durable: bool = True) -> None:
+    """Write ``data`` to a local ``path`` atomically (:func:`atomic_write`)."""
+    with atomic_write(path, durable=durable) as f:
+        f.write(data)
 
 
 def fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+    """Make renames inside ``folder`` durable (no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def create_exclusive(fs: Any, path: str, data: bytes) -> bool:
+    """Create ``path`` holding ``data`` only if nothing is there; False if something is.
+
+    Atomic on a local disk (``O_EXCL``, then fsync) and on stores with conditional writes
+    (fsspec's ``mode="create"``); elsewhere a check and a write, which two callers can both
+    pass (callers that need more read the object back).
+    """
+    if is_local(fs):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+    fs.invalidate_cache(path)  # a listing cached by fsspec may be stale
+    if fs.exists(path):  # also where conditional writes are silently ignored
+        return False
+    try:
+        fs.pipe_file(path, data, mode="create")
+    except FileExistsError:
+        return False
+    except (TypeError, NotImplementedError, ValueError):  # no conditional writes here
+        fs.pipe_file(path, data)
+    return True
 
 
 @contextlib.contextmanager
@@ -120,6 +189,9 @@ def publish_bytes(fs: Any, path: str, data: bytes) -> None:
 
 
 __all__ = [
+    "atomic_path",
+    "atomic_write",
+    "create_exclusive",
     "destination_errors",
     "filesystem",
     "fsync_dir",
@@ -127,6 +199,8 @@ __all__ = [
     "is_local",
     "join",
     "publish_bytes",
+    "publish_temp",
+    "temp_path",
     "unstrip",
     "write_atomic_local",
 ]

@@ -260,21 +260,10 @@ class ShardWriter:
 
     def _store_local(self, path: str, batch: pa.RecordBatch) -> tuple[int, str]:
         """Encode straight into a temporary file, checksum it, fsync, rename into place."""
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            with pa.OSFile(tmp, "wb") as sink:
+        with storage.atomic_path(path) as temp:
+            with pa.OSFile(temp, "wb") as sink:
                 self._encode(sink, batch)
-            checksum = checksum_file(tmp)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+            checksum = checksum_file(temp)
         return os.path.getsize(path), checksum
 
     def _raise_background_errors(self) -> None:

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
+from .. import storage
 from ..checksum import checksum_bytes, checksum_file
 from ..fetch import FetchOptions, backoff_delay, is_transient
 
@@ -65,7 +66,7 @@ class Location:
         fs, path = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self.fs: Any = fs
         self.path: str = path.rstrip("/") or "/"
-        self.is_local = "file" in _protocols(fs)
+        self.is_local = storage.is_local(fs)
 
     def __repr__(self) -> str:
         return f"Location({self.url!r})"
@@ -150,14 +151,7 @@ class Location:
         if not self.is_local:
             self.fs.pipe_file(self._p(name), data)
             return
-        final = self.local_path(name)
-        tmp = f"{final}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        fsync_dir(self.path)
+        storage.write_atomic_local(self.local_path(name), data)
 
     def create_new(self, name: str, data: bytes) -> bool:
         """Create ``name`` holding ``data`` only if it does not exist; False if it does.
@@ -165,26 +159,8 @@ class Location:
         Atomic locally (``O_EXCL``) and on stores with conditional writes (fsspec's
         ``mode="create"``); elsewhere a check and a write, which two callers can both pass.
         """
-        if self.is_local:
-            try:
-                fd = os.open(self.local_path(name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            return True
-        self.fs.invalidate_cache(self._p(name))  # a listing cached by fsspec may be stale
-        if self.exists(name):
-            return False
-        try:
-            self.fs.pipe_file(self._p(name), data, mode="create")
-        except FileExistsError:
-            return False
-        except (TypeError, NotImplementedError, ValueError):  # no conditional writes here
-            self.fs.pipe_file(self._p(name), data)
-        return True
+        path = self.local_path(name) if self.is_local else self._p(name)
+        return storage.create_exclusive(self.fs, path, data)
 
     def put_file(self, local_file: str, name: str) -> None:
         """Copy a local file into this location as ``name`` (durable for local targets)."""
@@ -211,20 +187,3 @@ class Location:
 
     def _p(self, name: str) -> str:
         return f"{self.path}/{name}" if name else self.path
-
-
-def fsync_dir(path: str) -> None:
-    """Make a rename inside ``path`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _protocols(fs: Any) -> tuple[str, ...]:
-    protocol = fs.protocol
-    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
