@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import subprocess
 import sys
 import textwrap
@@ -200,7 +201,8 @@ def test_a_type_checker_reports_a_misspelt_option(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--cache-dir",
          str(tmp_path / "cache"), "--no-error-summary", "uses.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "MYPYPATH": str(Path(streamcache.__file__).parents[1])})
     errors = [line for line in result.stdout.splitlines() if ": error:" in line]
     assert [line.split(":")[1] for line in errors] == ["7", "8", "9", "10"], result.stdout
     assert '"shufle"' in errors[0] and "retrys" in errors[2]
