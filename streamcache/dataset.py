@@ -158,7 +158,7 @@ class StreamDataset(IterableDataset):
         tail: ``"drop"`` (default), ``"pad"`` (flagged in ``__padding__``) or ``"split"``.
         fields: the fields to read (default: all).
         ragged: variable-length fields as ``"padded"`` tensors plus ``<name>_lengths``, or as
-            ``"offsets"`` (values plus ``<name>_offsets``).
+            ``"offsets"`` (values plus ``<name>_offsets``); ``pad_value`` fills the padding.
         transform: per-sample callable ``sample -> dict`` (with ``collate_fn``: anything it
             batches); each sample has ``__id__`` and
             ``__seed__`` (use ``numpy.random.default_rng(sample["__seed__"])``), and each call
