@@ -1,8 +1,10 @@
-"""The plan's exceptions and argument checks."""
+"""The plan's exceptions, argument checks and the strict loader of saved states."""
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import StreamcacheError
@@ -36,3 +38,36 @@ def check_int(name: str, value: Any, *, minimum: int | None = None,
 def check_seed(seed: Any) -> int:
     """A seed in ``[0, 2**64)``."""
     return check_int("seed", seed, minimum=0, maximum=(1 << 64) - 1)
+
+
+def check_state(data: Any, what: str, keys: frozenset[str], version: int, *,
+                hint: str = "") -> dict[str, Any]:
+    """``data`` if it is a dict with exactly ``keys`` and ``data["version"] == version``.
+
+    Args:
+        what: the state's name in messages ("cursor", "replica ledger").
+        hint: appended to the key-set message (e.g. who writes such states).
+
+    Raises:
+        CursorMismatchError: not a dict, other keys, or another version.
+    """
+    if not isinstance(data, dict) or set(data) != keys:
+        got = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise CursorMismatchError(f"a {what} must be a dict with keys {sorted(keys)}, got "
+                                  f"{got}{hint}")
+    if data["version"] != version:
+        raise CursorMismatchError(f"{what} version {data['version']!r} is not supported "
+                                  f"(this streamcache writes version {version})")
+    return data
+
+
+@contextlib.contextmanager
+def malformed(what: str) -> Iterator[None]:
+    """Turn a :class:`PlanError` about a field of a saved ``what`` into a
+    :class:`CursorMismatchError` ("malformed <what>: ...")."""
+    try:
+        yield
+    except CursorMismatchError:
+        raise
+    except PlanError as exc:
+        raise CursorMismatchError(f"malformed {what}: {exc}") from exc

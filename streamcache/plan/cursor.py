@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ._util import CursorMismatchError, PlanError, check_int, check_seed
+from ._util import CursorMismatchError, PlanError, check_int, check_seed, check_state, malformed
 from .order import EpochOrder, ShuffleOptions
 from .steps import EpochSegment, TailPolicy, tail_policy
 
@@ -100,14 +100,8 @@ class Cursor:
     @classmethod
     def from_dict(cls, data: Any) -> Cursor:
         """Read :meth:`to_dict`'s output back; anything else raises CursorMismatchError."""
-        if not isinstance(data, dict) or set(data) != _KEYS:
-            got = sorted(data) if isinstance(data, dict) else type(data).__name__
-            raise CursorMismatchError(f"a cursor must be a dict with keys {sorted(_KEYS)}, "
-                                      f"got {got}")
-        if data[KEY_VERSION] != CURSOR_VERSION:
-            raise CursorMismatchError(f"cursor version {data[KEY_VERSION]!r} is not supported "
-                                      f"(this streamcache writes version {CURSOR_VERSION})")
-        try:
+        check_state(data, "cursor", _KEYS, CURSOR_VERSION)
+        with malformed("cursor"):
             return cls(
                 dataset_fingerprint=data[KEY_FINGERPRINT],
                 num_samples=data[KEY_NUM_SAMPLES],
@@ -116,10 +110,6 @@ class Cursor:
                 epoch=data[KEY_EPOCH],
                 samples_consumed=data[KEY_SAMPLES_CONSUMED],
             )
-        except CursorMismatchError:
-            raise
-        except PlanError as exc:
-            raise CursorMismatchError(f"malformed cursor: {exc}") from exc
 
     def check_matches(self, *, dataset_fingerprint: str, num_samples: int, seed: int,
                       shuffle: ShuffleOptions) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..plan import CursorMismatchError, PlanError, TailPolicy
-from ..plan._util import check_int
+from ..plan._util import check_int, check_state, malformed
 
 PAD_SLICE = -1
 """The slice a group gets when the epoch has no work left for it (flagged as padding)."""
@@ -226,20 +226,12 @@ class Ledger:
     @classmethod
     def from_dict(cls, data: Any, plan: ReplicaPlan) -> Ledger:
         """Read :meth:`to_dict`'s output back, strictly (CursorMismatchError otherwise)."""
-        if not isinstance(data, dict) or set(data) != _KEYS:
-            got = sorted(data) if isinstance(data, dict) else type(data).__name__
-            raise CursorMismatchError(f"a replica ledger must be a dict with keys "
-                                      f"{sorted(_KEYS)}, got {got}")
-        if data[KEY_VERSION] != LEDGER_VERSION:
-            raise CursorMismatchError(f"replica ledger version {data[KEY_VERSION]!r} is not "
-                                      f"supported (this streamcache writes {LEDGER_VERSION})")
-        try:
+        check_state(data, "replica ledger", _KEYS, LEDGER_VERSION)
+        with malformed("replica ledger"):
             epoch, step, next_fresh = (check_int(k, data[k], minimum=0)
                                        for k in (KEY_EPOCH, KEY_STEP, KEY_NEXT_FRESH))
             pending, last = (tuple(check_int(k, v) for v in _list(data[k], k))
                              for k in (KEY_PENDING, KEY_BEHIND))
-        except PlanError as exc:
-            raise CursorMismatchError(f"malformed replica ledger: {exc}") from exc
         return cls(epoch, step, next_fresh, pending, last).check(plan)
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from ..batching import PADDING_KEY
 from ..dataset import StepRef, StreamDataset
 from ..plan import Cursor, CursorMismatchError, EpochSegment, PlanError, RankBatch, TailPolicy
-from ..plan._util import check_int
+from ..plan._util import check_int, check_state
 from .ledger import PAD_SLICE, Ledger, ReplicaPlan
 
 STATE_VERSION = 1
@@ -238,13 +238,8 @@ class ReplicaLoader:
         Raises:
             CursorMismatchError: another version, dataset, order or plan, or malformed.
         """
-        if not isinstance(state, dict) or set(state) != _KEYS:
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise CursorMismatchError(f"a replica loader state has keys {sorted(_KEYS)}, got "
-                                      f"{got}; it was not written by a ReplicaLoader")
-        if state[KEY_VERSION] != STATE_VERSION:
-            raise CursorMismatchError(f"replica loader state version {state[KEY_VERSION]!r} "
-                                      f"is not supported (expected {STATE_VERSION})")
+        check_state(state, "replica loader state", _KEYS, STATE_VERSION,
+                    hint="; it was not written by a ReplicaLoader")
         mine = self.plan.to_dict()
         if state[KEY_PLAN] != mine:
             raise CursorMismatchError(f"the state was saved for the replica plan "
