@@ -94,12 +94,13 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from servers import MotoServer, S3Bucket, aws_test_environment  # noqa: E402
 
 from streamcache import DatasetReader, _native, load_index, write_dataset  # noqa: E402
+from streamcache.advice import shard_usage  # noqa: E402
 from streamcache.cache import NodeCache  # noqa: E402
 from streamcache.eviction import simulate_fetches  # noqa: E402
 from streamcache.fetch import FetchOptions  # noqa: E402
 from streamcache.index import DatasetIndex  # noqa: E402
 from streamcache.plan import EpochOrder, ShuffleOptions  # noqa: E402
-from streamcache.prefetch import Prefetcher, PrefetchOptions, ShardUsage  # noqa: E402
+from streamcache.prefetch import Prefetcher, PrefetchOptions  # noqa: E402
 from streamcache.reader import ShardReader  # noqa: E402
 
 OUT = os.path.join(HERE, "out")
@@ -249,7 +250,7 @@ def run_wait(bucket: S3Bucket, args: argparse.Namespace, scratch: str) -> dict[s
     index = load_index(bucket.url("wait"), options)
     order = EpochOrder(index.shard_rows, seed=1, epoch=0,
                        shuffle=ShuffleOptions(window=2, window_unit="shards"))
-    usage = ShardUsage.from_locate(order.locate, order.num_samples, len(index.shards))
+    usage = shard_usage(order)
     fetch = FetchOptions(max_concurrency=args.workers, storage_options=options)
     batch = 64
     results: dict[str, Any] = {}
@@ -261,7 +262,7 @@ def run_wait(bucket: S3Bucket, args: argparse.Namespace, scratch: str) -> dict[s
         spent: list[float] = []
         for position in range(0, order.num_samples, batch):
             if prefetcher is not None:
-                prefetcher.follow(usage, position)
+                prefetcher.update(*usage.upcoming(position))
             ids = order.sample_ids(position, min(order.num_samples, position + batch))
             began = time.perf_counter()
             reader.read_batch(ids)

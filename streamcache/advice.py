@@ -37,19 +37,8 @@ class ShardAdvice:
         rows = order.shard_rows[order.shard_rows > 0]
         self.stride = stride or max(1, int(rows.min()) // 64)
         self.num_samples = order.num_samples
-        first = np.full(order.num_shards, -1, dtype=np.int64)
-        last = np.full(order.num_shards, -1, dtype=np.int64)
-        step = _CHUNK * self.stride
-        for start in range(0, order.num_samples, step):
-            positions = np.arange(start, min(order.num_samples, start + step), self.stride,
-                                  dtype=np.int64)
-            shards, _ = order.shard_of_ids(order.sample_ids_at(positions))
-            unique, at = np.unique(shards, return_index=True)
-            fresh = first[unique] < 0
-            first[unique[fresh]] = positions[at[fresh]]
-            tail, at_end = np.unique(shards[::-1], return_index=True)
-            last[tail] = positions[len(positions) - 1 - at_end]
-        self.usage = ShardUsage(first, last)
+        self.usage = shard_usage(order, self.stride)
+        first = self.usage.first
         read = np.flatnonzero(first >= 0)
         self._by_first = read[np.argsort(first[read], kind="stable")]
         self._firsts = first[self._by_first]
@@ -79,6 +68,24 @@ class ShardAdvice:
             ones = np.ones(len(self.usage.first), dtype=np.int64)
             self._working_set_shards = self.usage.working_set_bytes(ones)
         return self._working_set_shards
+
+
+def shard_usage(order: EpochOrder, stride: int = 1) -> ShardUsage:
+    """First and last read position of every shard in ``order``, from every ``stride``-th
+    position (exact with ``stride=1``; see :class:`ShardAdvice` for larger strides)."""
+    first = np.full(order.num_shards, -1, dtype=np.int64)
+    last = np.full(order.num_shards, -1, dtype=np.int64)
+    step = _CHUNK * stride
+    for start in range(0, order.num_samples, step):
+        positions = np.arange(start, min(order.num_samples, start + step), stride,
+                              dtype=np.int64)
+        shards, _ = order.shard_of_ids(order.sample_ids_at(positions))
+        unique, at = np.unique(shards, return_index=True)
+        fresh = first[unique] < 0
+        first[unique[fresh]] = positions[at[fresh]]
+        tail, at_end = np.unique(shards[::-1], return_index=True)
+        last[tail] = positions[len(positions) - 1 - at_end]
+    return ShardUsage(first, last)
 
 
 def working_set_bound(shard_rows: Sequence[int] | np.ndarray,

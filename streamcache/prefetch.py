@@ -10,8 +10,9 @@ blocking ``next_task`` of the download threads and the blocking ``wait`` of read
 the GIL released, plus the counters. The download threads themselves are Python threads,
 because a download is fsspec (Python) code: see docs/cache.md.
 
-:class:`ShardUsage` turns a plan into the plain data the prefetcher takes (first and last
-position of every shard), so neither the cache nor the prefetcher imports the plan.
+:class:`ShardUsage` is the plain data the prefetcher takes from a plan (first and last
+position of every shard; ``streamcache.advice.shard_usage`` scans an order for it), so
+neither the cache nor the prefetcher imports the plan.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,11 +46,8 @@ from .errors import ConfigError, PrefetchError
 
 #: Priority of a shard a reader is blocked on: ahead of every plan position.
 URGENT = -1
-_CHUNK = 1 << 20
 #: Shards a prefetcher keeps ahead beyond the working set, unless told otherwise.
 DEFAULT_LOOKAHEAD_SHARDS = 16
-
-Locate = Callable[[int, int], tuple[np.ndarray, np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -108,21 +106,6 @@ class ShardUsage:
     first: np.ndarray
     last: np.ndarray
 
-    @classmethod
-    def from_locate(cls, locate: Locate, num_positions: int, num_shards: int) -> ShardUsage:
-        """Scan an epoch's order once; ``locate(start, stop)`` gives the (shard, row) arrays
-        of positions [start, stop) (e.g. ``EpochOrder.locate``)."""
-        first = np.full(num_shards, -1, dtype=np.int64)
-        last = np.full(num_shards, -1, dtype=np.int64)
-        for start in range(0, num_positions, _CHUNK):
-            shards = np.asarray(locate(start, min(num_positions, start + _CHUNK))[0])
-            unique, at = np.unique(shards, return_index=True)
-            fresh = first[unique] < 0
-            first[unique[fresh]] = at[fresh] + start
-            tail, at_end = np.unique(shards[::-1], return_index=True)
-            last[tail] = start + len(shards) - 1 - at_end
-        return cls(first, last)
-
     def upcoming(self, position: int) -> tuple[np.ndarray, np.ndarray]:
         """Shards read at ``position`` or later, in order of next use, with that next use."""
         alive = np.flatnonzero(self.last >= position)
@@ -149,7 +132,7 @@ class Prefetcher:
     """A :class:`NodeCache` with download threads that stay ahead of the reader.
 
     A ShardStore: ``DatasetReader(index, store=Prefetcher(cache))``. The loader calls
-    :meth:`update` (or :meth:`follow`) as its cursor moves; :meth:`local_path` returns a
+    :meth:`update` as its cursor moves; :meth:`local_path` returns a
     shard, waiting (GIL released) only when it is not installed yet.
 
     Owns: ``options.workers`` named daemon threads (``streamcache-prefetch-*``), started on
@@ -203,10 +186,6 @@ class Prefetcher:
                         scheduler.forget(shard)  # evicted by another process
                     scheduler.submit(shard, next_use[shard], self._stored_bytes(shard))
             self._queued = set(chosen)
-
-    def follow(self, usage: ShardUsage, position: int) -> None:
-        """:meth:`update` from a :class:`ShardUsage` at the cursor ``position``."""
-        self.update(*usage.upcoming(position))
 
     def _lookahead(self, upcoming: list[int]) -> list[int]:
         limit = self.options.lookahead_bytes

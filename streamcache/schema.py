@@ -98,14 +98,6 @@ class Field:
     def sequence(cls, name: str, dtype: Any) -> Field:
         return cls(name, "sequence", np.dtype(dtype).name)
 
-    @classmethod
-    def bytes_(cls, name: str) -> Field:
-        return cls(name, "bytes")
-
-    @classmethod
-    def str_(cls, name: str) -> Field:
-        return cls(name, "str")
-
     @property
     def numpy_dtype(self) -> np.dtype:
         """The element dtype (uint8 for bytes and str)."""

@@ -37,7 +37,7 @@ from test_cache import (
 )
 
 from streamcache import DatasetReader, StreamDataset
-from streamcache.advice import working_set_bound
+from streamcache.advice import shard_usage, working_set_bound
 from streamcache.cache import ACCOUNTING_NAME, NodeCache, local_bytes_estimate
 from streamcache.errors import (
     CacheBudgetError,
@@ -47,7 +47,7 @@ from streamcache.errors import (
 )
 from streamcache.index import DatasetIndex, build_index, load_index
 from streamcache.plan import EpochOrder, ShuffleOptions
-from streamcache.prefetch import Prefetcher, PrefetchOptions, ShardUsage
+from streamcache.prefetch import Prefetcher, PrefetchOptions
 
 PARQUET_FILES = 4
 PARQUET_ROWS = 50
@@ -427,5 +427,5 @@ def test_no_epoch_keeps_more_in_use_than_the_bound(rows: list[int], window: int,
     bound = working_set_bound(shard_rows, shard_bytes, shuffle)
     for epoch in range(4):
         order = EpochOrder(shard_rows, seed, epoch, shuffle)
-        usage = ShardUsage.from_locate(order.locate, order.num_samples, len(rows))
+        usage = shard_usage(order)
         assert usage.working_set_bytes(shard_bytes) <= bound

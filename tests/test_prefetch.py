@@ -23,6 +23,7 @@ from test_cache import (
 )
 
 from streamcache import DatasetReader
+from streamcache.advice import shard_usage
 from streamcache.cache import NodeCache
 from streamcache.fetch import FetchError, FetchOptions
 from streamcache.index import DatasetIndex
@@ -34,7 +35,7 @@ BATCH = 16
 
 def plan_for(index_rows: np.ndarray, window: int = 60) -> tuple[EpochOrder, ShardUsage]:
     order = EpochOrder(index_rows, seed=3, epoch=0, shuffle=ShuffleOptions(window=window))
-    usage = ShardUsage.from_locate(order.locate, order.num_samples, len(index_rows))
+    usage = shard_usage(order)
     return order, usage
 
 
@@ -44,7 +45,7 @@ def run_epoch(reader: DatasetReader, prefetcher: Prefetcher, order: EpochOrder,
     """Read one epoch batch by batch as a loader would: move the cursor, then read."""
     steps = 0
     for position in range(0, order.num_samples, BATCH):
-        prefetcher.follow(usage, position)
+        prefetcher.update(*usage.upcoming(position))
         ids = order.sample_ids(position, min(order.num_samples, position + BATCH))
         check_batch(reader.read_batch(ids), ids)
         reader._readers.clear()  # as a streaming reader does: map only the shards in use

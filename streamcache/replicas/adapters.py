@@ -30,20 +30,18 @@ LOADER_STATE_KEY = "streamcache_loader"
 
 
 class QuorumAdapter(Protocol):
-    """The two services a fault-tolerance library gives the loader.
+    """What a fault-tolerance library gives the loader: the groups of a step's update.
 
     ``participants()`` is collective over the step's live ranks: called once per step after
     the batch was used (alongside the gradient all-reduce), it returns the groups whose data
     went into this step's update. The training loop then reports
     ``participants() if committed else ()`` through ``loader.commit``.
-    ``catch_up(loader)`` is called by every live rank of a step at which some group rejoins
-    (and by the rejoining ones), before anyone reads the step: afterwards every rank holds the
-    same loader state.
+    A rejoining group gets the loader state from a live peer before it reads: with torchft
+    through its healing (:class:`TorchftQuorum` registers the state), elsewhere through
+    :func:`send_state` or :func:`broadcast_state`.
     """
 
     def participants(self) -> frozenset[int]: ...
-
-    def catch_up(self, loader: ReplicaLoader) -> None: ...
 
 
 def _mask_to_groups(mask: torch.Tensor) -> frozenset[int]:
@@ -58,18 +56,14 @@ class ProcessGroupQuorum:
         num_groups: replica groups ``G``.
         process_group: the live ranks of this step that share this rank's index in their
             group (None: the default group); every member calls the collectives.
-        source: the global rank that sends the loader state in :meth:`catch_up` (a live rank
-            that was not down).
 
     Thread safety: one training loop.
     """
 
-    def __init__(self, group: int, num_groups: int, process_group: Any = None,
-                 source: int | None = None) -> None:
+    def __init__(self, group: int, num_groups: int, process_group: Any = None) -> None:
         self.group = group
         self.num_groups = num_groups
         self.process_group = process_group
-        self.source = source
 
     def participants(self) -> frozenset[int]:
         mask = torch.zeros(self.num_groups)
@@ -79,11 +73,6 @@ class ProcessGroupQuorum:
         else:  # also a ProcessGroup built directly on a store, outside the default group
             self.process_group.allreduce([mask]).wait()
         return _mask_to_groups(mask)
-
-    def catch_up(self, loader: ReplicaLoader) -> None:
-        if self.source is None:
-            raise ValueError("catch_up needs the rank that sends the state (source=)")
-        send_state(loader, self.source, self.process_group)
 
 
 def send_state(loader: ReplicaLoader, source: int, process_group: Any = None) -> int:
@@ -139,10 +128,6 @@ class TorchftQuorum:
         mask[self.loader.group] = 1.0
         self.manager.allreduce(mask, reduce_op=ReduceOp.SUM).wait()
         return _mask_to_groups(mask)
-
-    def catch_up(self, loader: ReplicaLoader) -> None:
-        """Nothing to do: torchft's healing transfers the registered loader state."""
-        del loader
 
 
 def broadcast_state(loader: ReplicaLoader, root: int, process_group: Any) -> int:
