@@ -64,6 +64,41 @@ class Loader(Protocol):
     def close(self) -> None: ...
 
 
+class LoaderAdapter:
+    """The adapter shape every DataLoader-like peer shares: ``__init__(spec)`` sets
+    ``self.loader``, whose batches are dicts holding the global sample ids under
+    :attr:`ID_KEY`; its state is the loader's ``state_dict``."""
+
+    ID_KEY = "id"
+    loader: Any
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for batch in self.loader:
+            yield batch[self.ID_KEY].numpy()
+
+    def state(self) -> Any:
+        return self.loader.state_dict()
+
+    def load(self, state: Any) -> None:
+        self.loader.load_state_dict(state)
+
+    def close(self) -> None:
+        """Drop the library's objects, so that their workers and files are released."""
+        vars(self).clear()
+
+    @classmethod
+    def open(cls, spec: Spec, state: Any = None,
+             global_batch: int | None = None) -> LoaderAdapter:
+        """A loader for ``spec`` (per-rank batch ``global_batch // world_size`` if given),
+        resumed from ``state`` if given."""
+        if global_batch:
+            spec.batch = global_batch // spec.world_size
+        loader = cls(spec)  # type: ignore[call-arg]
+        if state is not None:
+            loader.load(state)
+        return loader
+
+
 def use_streamcache_snapshot() -> str:
     """Import streamcache from ``$PEERS_STREAMCACHE_SRC`` (an exported commit with the built
     ``_core`` extension copied in) instead of the editable install, which follows a working

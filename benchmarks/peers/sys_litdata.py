@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from common import BUCKET, SHARD_BYTES, Spec, native_dir, s3_key, source_array
+from common import BUCKET, SHARD_BYTES, LoaderAdapter, Spec, native_dir, s3_key, source_array
 
 NAME = "litdata"
 CANNOT: dict[str, str] = {}
@@ -50,7 +50,7 @@ def _allow_http() -> None:
     downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"  # type: ignore[index]
 
 
-class _Loader:
+class _Loader(LoaderAdapter):
     def __init__(self, spec: Spec) -> None:
         from litdata import StreamingDataLoader, StreamingDataset
 
@@ -68,22 +68,5 @@ class _Loader:
         self.loader = StreamingDataLoader(self.dataset, batch_size=spec.per_rank_batch,
                                           num_workers=spec.workers, drop_last=True)
 
-    def __iter__(self) -> Iterator[np.ndarray]:
-        for batch in self.loader:
-            yield batch["id"].numpy()
 
-    def state(self) -> Any:
-        return self.loader.state_dict()
-
-    def close(self) -> None:
-        del self.loader
-        del self.dataset
-
-
-def open_loader(spec: Spec, state: Any = None, global_batch: int | None = None) -> _Loader:
-    if global_batch:
-        spec.batch = global_batch // spec.world_size
-    loader = _Loader(spec)
-    if state is not None:
-        loader.loader.load_state_dict(state)
-    return loader
+open_loader = _Loader.open

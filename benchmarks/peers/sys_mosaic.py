@@ -7,11 +7,10 @@ from __future__ import annotations
 import importlib.machinery
 import sys
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from common import BUCKET, DATASETS, SHARD_BYTES, Spec, native_dir, s3_key
+from common import BUCKET, DATASETS, SHARD_BYTES, LoaderAdapter, Spec, native_dir, s3_key
 
 NAME = "mosaic"
 CANNOT: dict[str, str] = {}
@@ -64,7 +63,7 @@ def rank_env(spec: Spec) -> dict[str, str]:
             "LOCAL_RANK": str(spec.rank), "LOCAL_WORLD_SIZE": str(spec.world_size)}
 
 
-class _Loader:
+class _Loader(LoaderAdapter):
     def __init__(self, spec: Spec) -> None:
         streaming = _import_streaming()
         from streaming.base.util import clean_stale_shared_memory
@@ -82,22 +81,5 @@ class _Loader:
             self.dataset, batch_size=spec.per_rank_batch, num_workers=spec.workers,
             drop_last=True, persistent_workers=False)
 
-    def __iter__(self) -> Iterator[np.ndarray]:
-        for batch in self.loader:
-            yield batch["id"].numpy()
 
-    def state(self) -> Any:
-        return self.loader.state_dict()
-
-    def close(self) -> None:
-        del self.loader
-        del self.dataset
-
-
-def open_loader(spec: Spec, state: Any = None, global_batch: int | None = None) -> _Loader:
-    if global_batch:
-        spec.batch = global_batch // spec.world_size
-    loader = _Loader(spec)
-    if state is not None:
-        loader.loader.load_state_dict(state)
-    return loader
+open_loader = _Loader.open

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from common import BUCKET, DATASETS, SHARD_BYTES, Spec, native_dir, s3_key, s3_storage_options
+from common import (
+    BUCKET,
+    DATASETS,
+    SHARD_BYTES,
+    LoaderAdapter,
+    Spec,
+    native_dir,
+    s3_key,
+    s3_storage_options,
+)
 
 NAME = "streamcache"
 CANNOT: dict[str, str] = {}  # every case runs
@@ -32,7 +40,9 @@ def build(data: str, array: np.ndarray, out: str) -> None:
             writer.write_batch(pa.table({"data": column}))
 
 
-class _Loader:
+class _Loader(LoaderAdapter):
+    ID_KEY = "__id__"
+
     def __init__(self, spec: Spec, global_batch: int | None = None) -> None:
         from streamcache import StreamDataset, StreamLoader
 
@@ -51,16 +61,6 @@ class _Loader:
             options["cache_dir"] = spec.cache_dir or None
         self.dataset = StreamDataset(url, **options)
         self.loader = StreamLoader(self.dataset, num_workers=spec.workers, prefetch=4)
-
-    def __iter__(self) -> Iterator[np.ndarray]:
-        for batch in self.loader:
-            yield batch["__id__"].numpy()
-
-    def state(self) -> Any:
-        return self.loader.state_dict()
-
-    def load(self, state: Any) -> None:
-        self.loader.load_state_dict(state)
 
     def close(self) -> None:
         self.loader.close()

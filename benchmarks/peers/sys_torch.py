@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import numpy as np
-from common import Spec, source_array
+from common import LoaderAdapter, Spec, source_array
 
 _NO_REMOTE = "map-style dataset over a local memmap: no remote store of its own"
 
@@ -36,8 +36,12 @@ def build(data: str, array: np.ndarray, out: str) -> None:
     """Nothing to write: the source .npy is read as it is."""
 
 
-class _TorchLoader:
-    def __init__(self, spec: Spec, stateful: bool) -> None:
+class _TorchLoader(LoaderAdapter):
+    """torch's DataLoader, or torchdata's StatefulDataLoader where :attr:`STATEFUL`."""
+
+    STATEFUL = False
+
+    def __init__(self, spec: Spec) -> None:
         import torch
 
         dataset = MemmapDataset(spec.data)
@@ -50,22 +54,16 @@ class _TorchLoader:
         else:
             options.update(shuffle=True,
                            generator=torch.Generator().manual_seed(spec.seed))
-        if stateful:
+        if self.STATEFUL:
             from torchdata.stateful_dataloader import StatefulDataLoader
 
             self.loader: Any = StatefulDataLoader(dataset, **options)
         else:
             self.loader = torch.utils.data.DataLoader(dataset, **options)
 
-    def __iter__(self) -> Iterator[np.ndarray]:
-        for batch in self.loader:
-            yield batch["id"].numpy()
 
-    def state(self) -> Any:
-        return self.loader.state_dict()
-
-    def close(self) -> None:
-        del self.loader
+class _StatefulTorchLoader(_TorchLoader):
+    STATEFUL = True
 
 
 class TorchData:
@@ -79,14 +77,7 @@ class TorchData:
     def import_library() -> None:
         import torchdata.stateful_dataloader  # noqa: F401
 
-    @staticmethod
-    def open_loader(spec: Spec, state: Any = None, global_batch: int | None = None) -> Any:
-        if global_batch:
-            spec.batch = global_batch // spec.world_size
-        loader = _TorchLoader(spec, stateful=True)
-        if state is not None:
-            loader.loader.load_state_dict(state)
-        return loader
+    open_loader = staticmethod(_StatefulTorchLoader.open)
 
 
 class DataLoader:
@@ -98,7 +89,7 @@ class DataLoader:
 
     @staticmethod
     def open_loader(spec: Spec, state: Any = None, global_batch: int | None = None) -> Any:
-        return _TorchLoader(spec, stateful=False)
+        return _TorchLoader(spec)  # no state to resume from (CANNOT)
 
 
 class _Gather:

@@ -5,11 +5,10 @@ Cold reads stream each tar over HTTP from the loopback S3 server (``pipe:curl``)
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from common import BUCKET, DATASETS, SHARD_BYTES, Spec, native_dir, s3_key
+from common import BUCKET, DATASETS, SHARD_BYTES, LoaderAdapter, Spec, native_dir, s3_key
 
 NAME = "webdataset"
 CANNOT = {
@@ -60,7 +59,7 @@ def _signed_urls(spec: Spec, names: list[str]) -> list[str]:
         ExpiresIn=3600) for name in names]
 
 
-class _Loader:
+class _Loader(LoaderAdapter):
     def __init__(self, spec: Spec) -> None:
         import webdataset as wds
 
@@ -76,16 +75,9 @@ class _Loader:
                    .batched(spec.per_rank_batch, collation_fn=_collate, partial=False))
         self.loader = wds.WebLoader(dataset, batch_size=None, num_workers=spec.workers)
 
-    def __iter__(self) -> Iterator[np.ndarray]:
-        for batch in self.loader:
-            yield batch["id"].numpy()
-
     def state(self) -> Any:
         raise NotImplementedError(CANNOT["resume"])
 
-    def close(self) -> None:
-        del self.loader
-
 
 def open_loader(spec: Spec, state: Any = None, global_batch: int | None = None) -> _Loader:
-    return _Loader(spec)
+    return _Loader(spec)  # no state to resume from (CANNOT)
