@@ -33,8 +33,10 @@ def decode_shard(data: Any, fmt: str, schema: Schema, *, where: str,
     """
     source = pa.BufferReader(data) if not isinstance(data, str) else data
     try:
-        if fmt == "parquet":
-            table = pq.read_table(source, columns=schema.names)
+        if fmt == "parquet":  # a missing column is a schema error, not a corrupt file
+            with pq.ParquetFile(source) as parquet:
+                _require_columns(schema, parquet.schema_arrow.names, where)
+                table = parquet.read(columns=schema.names)
         elif fmt == "arrow_stream":  # footer-less (e.g. Hugging Face save_to_disk)
             with pa.OSFile(source) if isinstance(source, str) else source as stream:
                 table = ipc.open_stream(stream).read_all()
@@ -52,11 +54,15 @@ def decode_shard(data: Any, fmt: str, schema: Schema, *, where: str,
             f"{where} holds {table.num_rows} rows but the index says {expected_rows}; the "
             "shard was rewritten after indexing: rebuild the index"
         )
-    missing = [n for n in schema.names if n not in table.column_names]
-    if missing:
-        raise SchemaError(f"{where} lacks the columns {missing}")
+    _require_columns(schema, table.column_names, where)
     columns = [to_canonical(f, table.column(f.name), where=where) for f in schema]
     return pa.RecordBatch.from_arrays(columns, schema=schema.arrow_schema())
+
+
+def _require_columns(schema: Schema, names: list[str], where: str) -> None:
+    missing = [n for n in schema.names if n not in names]
+    if missing:
+        raise SchemaError(f"{where} lacks the columns {missing}")
 
 
 def write_local_layout(batch: pa.RecordBatch, path: str, *, durable: bool = False) -> int:
