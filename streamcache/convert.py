@@ -355,5 +355,3 @@ def run(args: argparse.Namespace) -> int:
 
 
 __all__ = ["FORMATS", "ConvertReport", "convert", "detect_format", "parse_size"]
-
-

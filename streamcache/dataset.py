@@ -534,8 +534,6 @@ class StreamDataset(IterableDataset):
             reader.close()
 
 
-
-
 __all__ = [
     "RaggedMode",
     "Schedule",
@@ -546,5 +544,3 @@ __all__ = [
     "WindowUnit",
     "resolve_topology",
 ]
-
-

@@ -64,6 +64,7 @@ SHARD_TABLE_PREFIX = "_streamcache-shards-"  # '_': data tools (Spark, pyarrow) 
 _PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 _ARROW_SUFFIXES = (".arrow", ".feather", ".ipc", ".arrows")
 
+
 @dataclass(frozen=True)
 class DatasetIndex:
     """The parsed ``index.json`` of a dataset. ``url`` is where it was loaded from.
@@ -666,8 +667,6 @@ def _with_checksum(fs: Any, root: str, shard: ShardInfo) -> ShardInfo:
     return replace(shard, checksum=checksum_bytes(fs.cat_file(full)))
 
 
-
-
 # ---------------------------------------------------------------- CLI
 
 
@@ -706,5 +705,3 @@ __all__ = [
     "parse_index",
     "save_index",
 ]
-
-
