@@ -46,9 +46,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from . import forksafe, storage
-from .errors import CacheBudgetError, CacheError
+from .errors import CacheBudgetError, CacheError, ShardCorruptError
 from .eviction import Resident, choose_victims
-from .fetch import Fetcher, FetchOptions
+from .fetch import Fetcher, FetchError, FetchOptions
 from .identity import (
     Identity,
     dataset_folder_name,
@@ -411,10 +411,9 @@ class NodeCache:
     def _find_in_place(self, shard: int) -> str | None:
         info = self.index.shards[shard]
         url = self.index.shard_url(shard)
-        if info.format != "arrow" or info.compression is not None or (
-                "://" in url and not url.startswith("file://")):
+        path = _local_file(url)
+        if info.format != "arrow" or info.compression is not None or path is None:
             return None  # remote, Parquet or compressed: never in the local layout as it is
-        path = url.removeprefix("file://")
         return path if is_local_layout(path, self.index.schema) else None
 
     # ------------------------------------------------------------------ install
@@ -478,8 +477,14 @@ class NodeCache:
         download = os.path.join(tmp, f"{shard:06d}.download")
         staged = os.path.join(tmp, f"{shard:06d}.arrow")
         try:
-            nbytes = self.fetcher.fetch_to_file(url, download, size=info.bytes,
-                                                checksum=info.checksum)
+            try:
+                nbytes = self.fetcher.fetch_to_file(url, download, size=info.bytes,
+                                                    checksum=info.checksum)
+            except FetchError as error:
+                corrupt = _local_size_error(url, info.bytes)
+                if corrupt is None:
+                    raise
+                raise corrupt from error
             # (a compressed shard is never in the layout; checking would decompress it once more)
             if info.format == "arrow" and info.compression is None and is_local_layout(
                     download, self.index.schema):
@@ -522,6 +527,8 @@ class NodeCache:
             self._write_accounting(entries)
             # installed is not handed out: only lookup() makes a shard fresh for eviction
             os.utime(staged, (now - EVICTION_GRACE_S, now - EVICTION_GRACE_S))
+            # the publishing half of storage.atomic_path, split: the staged file was written
+            # and verified before the lock, and the accounting must come between
             os.replace(staged, self.shard_path(shard))
             if self.durable:
                 storage.fsync_dir(self._shard_dir)
@@ -834,6 +841,27 @@ def _listdir(folder: str) -> list[str]:
         return os.listdir(folder)
     except FileNotFoundError:
         return []
+
+
+def _local_file(url: str) -> str | None:
+    """The path of a shard URL on the local disk; None for any other filesystem."""
+    if "://" in url and not url.startswith("file://"):
+        return None
+    return url.removeprefix("file://")
+
+
+def _local_size_error(url: str, expected: int) -> ShardCorruptError | None:
+    """A ShardCorruptError if ``url`` is a local file of another size than ``expected``."""
+    path = _local_file(url)
+    try:
+        size = os.path.getsize(path) if path is not None else expected
+    except OSError:
+        return None
+    if size == expected:
+        return None
+    return ShardCorruptError(f"{url} is {size} bytes, the index says {expected}; it is "
+                             "truncated or was rewritten after indexing: restore it, or "
+                             "rebuild the index")
 
 
 def _disk_full(error: OSError) -> bool:

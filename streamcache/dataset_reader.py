@@ -5,42 +5,28 @@ its shard store for a local copy of the shard in the local layout, and gathers r
 native core. It is the building block under the streaming dataset; it is also useful on its
 own (inspection, evaluation, tests).
 
-:class:`FolderStore` is the simplest store: local shards already in the local layout are read
-in place, once verified against the index (size, and checksum when recorded); anything else
-(remote, compressed, Parquet) is fetched whole, verified against the index (size and checksum)
-and materialized into a folder, once. Copies are identified like the node cache's (see
-identity.py): a folder per dataset location and fingerprint, and the source object's identity
-recorded beside each copy when the index has no checksum. It has no byte budget and no
-prefetching; the node cache (cache.py) adds those for streaming.
+Its default store is a :class:`~streamcache.cache.NodeCache` (no byte budget, no
+prefetching): local shards already in the local layout are read in place, once verified
+against the index; anything else (remote, compressed, Parquet) is fetched whole, verified and
+materialized into the cache folder, once.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import shutil
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any, Protocol
 
 import numpy as np
 
-from . import storage
-from .checksum import verify_bytes
-from .errors import RowOutOfRangeError, ShardCorruptError, ShardNotFoundError, StreamcacheError
-from .fetch import Fetcher, FetchOptions
-from .identity import (
-    dataset_folder_name,
-    read_record,
-    source_identity,
-    verify_in_place,
-    write_record,
-)
+from .cache import NodeCache
+from .errors import RowOutOfRangeError, ShardNotFoundError, StreamcacheError
+from .fetch import FetchError, FetchOptions
 from .index import DatasetIndex, load_index
-from .materialize import is_local_layout, materialize
 from .reader import Ragged, ShardReader, first_row, gather
 
 
@@ -52,100 +38,12 @@ class ShardStore(Protocol):
     def close(self) -> None: ...
 
 
-def _local_name(index: DatasetIndex, shard: int) -> str:
-    stem = os.path.basename(index.shards[shard].path).rsplit(".", 1)[0]
-    return f"{shard:06d}-{stem}.arrow"
-
-
-class FolderStore:
-    """Materialize shards into ``folder`` (a temporary one by default) on first use.
-
-    ``verify``: hash a local shard read in place against the index's checksum before it is
-    first served (once per store, and once per file version when ``folder`` is kept); False
-    checks its size only. ``fetch``: how remote shards are read (timeouts, retries; see
-    :class:`~streamcache.fetch.FetchOptions`); ``storage_options`` replace its own.
-
-    Thread safety: ``local_path`` may be called from several threads; a shard is installed
-    once per store (concurrent callers wait for the first).
-    """
-
-    def __init__(self, index: DatasetIndex, folder: str | None = None, *,
-                 storage_options: Mapping[str, Any] | None = None, verify: bool = True,
-                 fetch: FetchOptions | None = None) -> None:
-        self.index = index
-        self._owned = folder is None
-        self.folder = folder or tempfile.mkdtemp(prefix="streamcache-")
-        self.verify = verify
-        self._dataset_folder = os.path.join(self.folder,
-                                            dataset_folder_name(index, storage_options))
-        os.makedirs(self._dataset_folder, exist_ok=True)
-        self._storage_options = storage_options
-        fetch = fetch or FetchOptions()
-        if storage_options is not None:
-            fetch = replace(fetch, storage_options=dict(storage_options))
-        self._fetch_options = fetch
-        self._fetcher: Fetcher | None = None
-        self._paths: dict[int, str] = {}
-        self._locks: dict[int, threading.Lock] = {}
-        self._guard = threading.Lock()
-
-    def local_path(self, shard: int) -> str:
-        if shard in self._paths:
-            return self._paths[shard]
-        with self._guard:
-            lock = self._locks.setdefault(shard, threading.Lock())
-        with lock:
-            if shard not in self._paths:
-                self._paths[shard] = self._install(shard)
-        return self._paths[shard]
-
-    def _install(self, shard: int) -> str:
-        info = self.index.shards[shard]
-        url = self.index.shard_url(shard)
-        fs, path = storage.filesystem(url, self._storage_options)
-        if storage.is_local(fs) and info.format == "arrow" and is_local_layout(
-            path, self.index.schema
-        ):
-            record = os.path.join(self._dataset_folder, f"{shard:06d}.inplace")
-            verify_in_place(str(path), info if self.verify else replace(info, checksum=None),
-                            where=url, record=record)
-            return str(path)
-        target = os.path.join(self._dataset_folder, _local_name(self.index, shard))
-        record_path = target.removesuffix(".arrow") + ".source"
-        identity = source_identity(info, url, self._storage_options, self._fetch_options)
-        if os.path.exists(target) and identity is not None and (
-                info.checksum is not None or (read_record(record_path) or {}).get(
-                    "identity") == identity):
-            return target
-        if info.checksum is None and identity is not None:
-            write_record(record_path, {"url": url, "identity": identity})
-        if storage.is_local(fs):  # never more than one byte past what the index says
-            data = fs.cat_file(path, start=0, end=info.bytes + 1)
-        else:  # timeouts, retries, bounded by the index's size
-            data = self._remote().fetch(url, size=info.bytes, checksum=info.checksum)
-        if len(data) != info.bytes:
-            raise ShardCorruptError(
-                f"{url} is {len(data)} bytes, the index says {info.bytes}; it is truncated or "
-                "was rewritten after indexing"
-            )
-        verify_bytes(data, info.checksum, what=url)
-        materialize(data, info.format, self.index.schema, target, where=url,
-                    expected_rows=info.rows)
-        return target
-
-    def _remote(self) -> Fetcher:
-        with self._guard:
-            if self._fetcher is None:
-                self._fetcher = Fetcher(self._fetch_options)
-            return self._fetcher
-
-    def close(self) -> None:
-        with self._guard:
-            fetcher, self._fetcher = self._fetcher, None
-        if fetcher is not None:
-            fetcher.close()
-        if self._owned:
-            shutil.rmtree(self.folder, ignore_errors=True)
+def _is_gone(error: BaseException) -> bool:
+    """Whether ``error`` says a shard's file or object is not there (a local file vanished,
+    or a download found no object), rather than one of streamcache's own errors."""
+    if isinstance(error, FetchError):
+        return error.permanent and isinstance(error.cause, FileNotFoundError)
+    return not isinstance(error, StreamcacheError)
 
 
 class DatasetReader:
@@ -154,12 +52,16 @@ class DatasetReader:
     Args:
         source: a dataset URL (folder or index.json) or a loaded :class:`DatasetIndex`.
         fields: the fields to read (default: all).
-        store: where local copies of shards come from (default: a :class:`FolderStore` in
-            ``local_dir``, or a temporary folder removed on close).
+        local_dir: the cache folder of the default store (a
+            :class:`~streamcache.cache.NodeCache`; it may be shared with a StreamDataset's
+            ``cache_dir``). Default: a temporary folder, removed on close.
+        store: where local copies of shards come from (default: the node cache above).
         allow_external_paths: read shards the index names outside its own folder (on the
             index's filesystem only; see :func:`streamcache.index.check_shard_paths`).
         fetch: how remote shards are read by the default store (timeouts, retries; see
             :class:`~streamcache.fetch.FetchOptions`).
+        verify: hash a local shard read in place against the index's checksum before it is
+            first served (once per file version); False checks its size only.
 
     Thread safety: ``read_batch`` may be called from several threads.
     """
@@ -168,14 +70,19 @@ class DatasetReader:
                  local_dir: str | None = None, store: ShardStore | None = None,
                  storage_options: Mapping[str, Any] | None = None,
                  max_open_shards: int = 256, allow_external_paths: bool = False,
-                 fetch: FetchOptions | None = None) -> None:
+                 fetch: FetchOptions | None = None, verify: bool = True) -> None:
         self.index = source if isinstance(source, DatasetIndex) else load_index(
             source, storage_options, allow_external_paths=allow_external_paths, fetch=fetch
         )
         self.schema = self.index.schema.select(fields)
-        self.store: ShardStore = store or FolderStore(self.index, local_dir,
-                                                      storage_options=storage_options,
-                                                      fetch=fetch)
+        self._owned_dir: str | None = None
+        if store is None:
+            durable = local_dir is not None  # a temporary folder does not outlive a crash
+            if local_dir is None:
+                local_dir = self._owned_dir = tempfile.mkdtemp(prefix="streamcache-")
+            store = NodeCache(self.index, local_dir, fetch_options=fetch, durable=durable,
+                              storage_options=storage_options, verify_in_place=verify)
+        self.store: ShardStore = store
         rows = self.index.shard_rows
         self._starts = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(rows, out=self._starts[1:])
@@ -218,12 +125,14 @@ class DatasetReader:
         rows = self.index.shards[shard].rows
         try:
             return ShardReader(self.store.local_path(shard), self.schema, expected_rows=rows)
-        except FileNotFoundError:
-            pass  # evicted by another process between being handed out and being mapped
+        except (FileNotFoundError, FetchError) as error:
+            if not _is_gone(error):
+                raise
+            # evicted by another process between being handed out and being mapped: once more
         try:
             return ShardReader(self.store.local_path(shard), self.schema, expected_rows=rows)
-        except FileNotFoundError as error:
-            if isinstance(error, StreamcacheError):
+        except (FileNotFoundError, FetchError) as error:
+            if not _is_gone(error):
                 raise
             raise ShardNotFoundError(
                 f"shard {shard} of {self.index.root} ({self.index.shard_url(shard)}) cannot be "
@@ -255,6 +164,8 @@ class DatasetReader:
             with contextlib.suppress(Exception):
                 reader.close()
         self.store.close()
+        if self._owned_dir is not None:
+            shutil.rmtree(self._owned_dir, ignore_errors=True)
 
     def __enter__(self) -> DatasetReader:
         return self

@@ -439,3 +439,29 @@ def test_a_shard_just_handed_out_elsewhere_is_evicted_only_as_a_last_resort(
     ours.set_next_use({0: 100.0, 2: 1.0, 3: 2.0}.__getitem__)
     ours.install(3)  # no resident is stale: the plan decides among the fresh ones
     assert [ours.contains(k) for k in range(4)] == [False, False, True, True]
+
+
+# ------------------------------------------------------------- DatasetReader's default store
+
+
+def test_a_bare_dataset_reader_caches_in_a_temporary_folder_it_removes(tmp_path: Path) -> None:
+    index = write_shards(tmp_path / "zstd", num_shards=3)
+    with DatasetReader(index) as reader:
+        assert isinstance(reader.store, NodeCache)
+        folder = reader.store.cache_dir
+        check_batch(reader.read_batch(np.arange(len(reader))), np.arange(len(reader)))
+        assert reader.store.stats.installs == 3
+    assert not os.path.exists(folder)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_bare_dataset_reader_reads_local_uncompressed_shards_in_place(
+        tmp_path: Path, verify: bool) -> None:
+    index = write_shards(tmp_path / "plain", num_shards=2, compression=None)
+    cache = tmp_path / "cache"
+    with DatasetReader(index, local_dir=str(cache), verify=verify) as reader:
+        assert reader.store.local_path(1) == index.shard_url(1)
+        check_batch(reader.read_batch(np.arange(len(reader))), np.arange(len(reader)))
+        # hashed against the index before first use, unless verify=False (size only)
+        assert reader.store.stats.verified == (2 if verify else 0)
+    assert cache.is_dir()  # the caller's folder is kept
