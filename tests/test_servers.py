@@ -100,6 +100,10 @@ def test_counts_requests_in_flight(fault_server: FaultServer, served: bytes) -> 
     for thread in threads:
         thread.join(timeout=10)
     assert fault_server.requests.max_in_flight == 4
+    # the client has its answer before the handler thread counts itself out: wait for that
+    deadline = time.monotonic() + 10
+    while fault_server.requests.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert fault_server.requests.in_flight == 0
 
 
