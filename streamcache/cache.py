@@ -48,7 +48,7 @@ from typing import Any
 from . import forksafe, storage
 from .errors import CacheBudgetError, CacheError, ShardCorruptError
 from .eviction import Resident, choose_victims
-from .fetch import Fetcher, FetchError, FetchOptions
+from .fetch import Fetcher, FetchOptions
 from .identity import (
     Identity,
     dataset_folder_name,
@@ -477,14 +477,8 @@ class NodeCache:
         download = os.path.join(tmp, f"{shard:06d}.download")
         staged = os.path.join(tmp, f"{shard:06d}.arrow")
         try:
-            try:
-                nbytes = self.fetcher.fetch_to_file(url, download, size=info.bytes,
-                                                    checksum=info.checksum)
-            except FetchError as error:
-                corrupt = _local_size_error(url, info.bytes)
-                if corrupt is None:
-                    raise
-                raise corrupt from error
+            nbytes = self.fetcher.fetch_to_file(url, download, size=info.bytes,
+                                                checksum=info.checksum)
             # (a compressed shard is never in the layout; checking would decompress it once more)
             if info.format == "arrow" and info.compression is None and is_local_layout(
                     download, self.index.schema):
@@ -850,7 +844,7 @@ def _local_file(url: str) -> str | None:
     return url.removeprefix("file://")
 
 
-def _local_size_error(url: str, expected: int) -> ShardCorruptError | None:
+def local_size_error(url: str, expected: int) -> ShardCorruptError | None:
     """A ShardCorruptError if ``url`` is a local file of another size than ``expected``."""
     path = _local_file(url)
     try:

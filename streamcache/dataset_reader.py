@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .cache import NodeCache
+from .cache import NodeCache, local_size_error
 from .errors import RowOutOfRangeError, ShardNotFoundError, StreamcacheError
 from .fetch import FetchError, FetchOptions
 from .index import DatasetIndex, load_index
@@ -76,6 +76,7 @@ class DatasetReader:
         )
         self.schema = self.index.schema.select(fields)
         self._owned_dir: str | None = None
+        self._own_store = store is None
         if store is None:
             durable = local_dir is not None  # a temporary folder does not outlive a crash
             if local_dir is None:
@@ -123,23 +124,29 @@ class DatasetReader:
 
     def _open(self, shard: int) -> ShardReader:
         rows = self.index.shards[shard].rows
-        try:
-            return ShardReader(self.store.local_path(shard), self.schema, expected_rows=rows)
-        except (FileNotFoundError, FetchError) as error:
-            if not _is_gone(error):
-                raise
-            # evicted by another process between being handed out and being mapped: once more
-        try:
-            return ShardReader(self.store.local_path(shard), self.schema, expected_rows=rows)
-        except (FileNotFoundError, FetchError) as error:
-            if not _is_gone(error):
-                raise
-            raise ShardNotFoundError(
-                f"shard {shard} of {self.index.root} ({self.index.shard_url(shard)}) cannot be "
-                "found: the dataset was replaced or removed after its index was loaded (a "
-                "ShardWriter with overwrite=True removes the old version's shards once the new "
-                "index is published); load the dataset again"
-            ) from error
+        for attempt in (1, 2):  # evicted by another process between handed out and mapped
+            try:
+                return ShardReader(self.store.local_path(shard), self.schema,
+                                   expected_rows=rows)
+            except (FileNotFoundError, FetchError) as error:
+                if isinstance(error, FetchError) and self._own_store:
+                    # a local file of the wrong size, as DatasetReader has always said
+                    corrupt = local_size_error(self.index.shard_url(shard),
+                                               self.index.shards[shard].bytes)
+                    if corrupt is not None:
+                        raise corrupt from error
+                if not _is_gone(error):
+                    raise
+                if attempt == 2:
+                    raise self._gone(shard) from error
+        raise AssertionError("unreachable")
+
+    def _gone(self, shard: int) -> ShardNotFoundError:
+        return ShardNotFoundError(
+            f"shard {shard} of {self.index.root} ({self.index.shard_url(shard)}) cannot be "
+            "found: the dataset was replaced or removed after its index was loaded (a "
+            "ShardWriter with overwrite=True removes the old version's shards once the new "
+            "index is published); load the dataset again")
 
     def read_batch(self, ids: Sequence[int] | np.ndarray) -> dict[str, np.ndarray | Ragged]:
         """The samples ``ids`` as batch arrays, in the order given."""
