@@ -27,7 +27,7 @@ wait   one epoch in plan order (shuffled, windows of 2 shards) of a --mb MB data
        lookahead 16) and without (NodeCache installing on demand).
 evict  Belady vs LRU re-fetches with cache_limit at 30% of the dataset over 3 epochs of the
        real plan order (EpochOrder, shuffled, windows of 8 shards): a pure simulation over
-       the order (streamcache.eviction.simulate_fetches), and a real run of the same reads
+       the order (streamcache.cache.eviction.simulate_fetches), and a real run of the same reads
        through a NodeCache (local compressed source, so every fetch materializes).
 
 Results go to benchmarks/out/bench_cache.json.
@@ -94,14 +94,14 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from servers import MotoServer, S3Bucket, aws_test_environment  # noqa: E402
 
 from streamcache import DatasetReader, _native, load_index, write_dataset  # noqa: E402
-from streamcache.advice import shard_usage  # noqa: E402
-from streamcache.cache import NodeCache  # noqa: E402
-from streamcache.eviction import simulate_fetches  # noqa: E402
-from streamcache.fetch import FetchOptions  # noqa: E402
-from streamcache.index import DatasetIndex  # noqa: E402
+from streamcache.cache.advice import shard_usage  # noqa: E402
+from streamcache.cache.eviction import simulate_fetches  # noqa: E402
+from streamcache.cache.node import NodeCache  # noqa: E402
+from streamcache.cache.prefetch import Prefetcher, PrefetchOptions  # noqa: E402
+from streamcache.format.index import DatasetIndex  # noqa: E402
+from streamcache.format.reader import ShardReader  # noqa: E402
 from streamcache.plan import EpochOrder, ShuffleOptions  # noqa: E402
-from streamcache.prefetch import Prefetcher, PrefetchOptions  # noqa: E402
-from streamcache.reader import ShardReader  # noqa: E402
+from streamcache.remote.fetch import FetchOptions  # noqa: E402
 
 OUT = os.path.join(HERE, "out")
 
@@ -299,7 +299,7 @@ def plan_reads(index: DatasetIndex, epochs: int, batch: int) -> np.ndarray:
 
 def real_fetches(index: DatasetIndex, reads: np.ndarray, limit: int, policy: str,
                  working_set: int, scratch: str) -> int:
-    from streamcache.eviction import next_use_table
+    from streamcache.cache.eviction import next_use_table
 
     following = next_use_table(reads)
     cache = NodeCache(index, tempfile.mkdtemp(dir=scratch), cache_limit=limit,

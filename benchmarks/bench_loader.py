@@ -85,7 +85,7 @@ def build(mb: int) -> None:
             for start in range(0, n, 4096):
                 import pyarrow as pa
 
-                from streamcache.columns import build_column
+                from streamcache.format.columns import build_column
 
                 column = build_column(schema.fields[0], np.asarray(array[start:start + 4096]))
                 writer.write_batch(pa.table({"data": column}))

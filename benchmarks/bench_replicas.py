@@ -192,7 +192,7 @@ def ft_replica(group: int, lighthouse: str, url: str, cache: str, log_path: str,
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
-    from streamcache.dataset import StreamDataset
+    from streamcache.loading.dataset import StreamDataset
     from streamcache.replicas import ReplicaLoader, TorchftQuorum
 
     torch.manual_seed(0)
@@ -332,7 +332,7 @@ def check_manager_logs(logs: str, epochs: int, url: str, events: list[Any],
     before and after the step) and count, per epoch, the samples the committed groups read
     at each step of that chain.
     """
-    from streamcache.dataset import StreamDataset
+    from streamcache.loading.dataset import StreamDataset
     from streamcache.plan import EpochOrder, ShuffleOptions
     from streamcache.replicas import Ledger, ReplicaPlan
 

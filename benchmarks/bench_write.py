@@ -47,8 +47,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from streamcache.convert import convert
-from streamcache.writer import ShardWriter
+from streamcache.format.convert import convert
+from streamcache.format.writer import ShardWriter
 
 
 def make_tokens(total_mb: int, rng: np.random.Generator) -> list[dict]:

@@ -21,7 +21,7 @@ import tempfile
 import datasets
 
 from streamcache import StreamDataset, StreamLoader, load_index
-from streamcache.cli import main as streamcache_cli
+from streamcache.cli.main import main as streamcache_cli
 
 
 def build_dataset(rows: int) -> datasets.Dataset:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .convert import convert
-from .dataset_reader import DatasetReader
 from .errors import (
     CacheBudgetError,
     CacheError,
@@ -30,16 +28,19 @@ from .errors import (
     UnknownProtocolError,
     UsageError,
 )
+from .format.convert import convert
+from .format.index import DatasetIndex, build_index, load_index
+from .format.reader import Ragged
+from .format.schema import Field, Schema
+from .format.writer import ShardWriter, write_dataset
 from .goodput import GoodputError
-from .index import DatasetIndex, build_index, load_index
+from .loading.dataset_reader import DatasetReader
 from .plan import CursorMismatchError, PlanError, PositionOutOfRangeError
-from .reader import Ragged
-from .schema import Field, Schema
-from .writer import ShardWriter, write_dataset
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time these load lazily
+    from .cache.prefetch import PrefetchOptions
     from .checkpoint import Checkpointer
     from .checkpoint.errors import (
         CheckpointCorruptError,
@@ -48,28 +49,27 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time these load laz
         CheckpointUnsafeError,
         CheckpointWriteError,
     )
-    from .dataset import StreamDataset, StreamOptions
-    from .fetch import FetchError, FetchOptions
-    from .loader import StreamLoader
-    from .prefetch import PrefetchOptions
+    from .loading.dataset import StreamDataset, StreamOptions
+    from .loading.loader import StreamLoader
+    from .remote.fetch import FetchError, FetchOptions
     from .replicas.loader import ReplicaError
 
 # The torch-facing parts (and the fetcher, which imports aiohttp) are imported on first use,
 # so that `import streamcache` (the CLI's convert/index/inspect, writers in data pipelines)
 # does not pay for importing torch. Every error class is importable from here all the same.
 _LAZY = {
-    "StreamDataset": "streamcache.dataset",
-    "StreamOptions": "streamcache.dataset",
-    "StreamLoader": "streamcache.loader",
+    "StreamDataset": "streamcache.loading.dataset",
+    "StreamOptions": "streamcache.loading.dataset",
+    "StreamLoader": "streamcache.loading.loader",
     "Checkpointer": "streamcache.checkpoint",
     "CheckpointError": "streamcache.checkpoint.errors",
     "CheckpointWriteError": "streamcache.checkpoint.errors",
     "CheckpointNotFoundError": "streamcache.checkpoint.errors",
     "CheckpointCorruptError": "streamcache.checkpoint.errors",
     "CheckpointUnsafeError": "streamcache.checkpoint.errors",
-    "FetchError": "streamcache.fetch",
-    "FetchOptions": "streamcache.fetch",
-    "PrefetchOptions": "streamcache.prefetch",
+    "FetchError": "streamcache.remote.fetch",
+    "FetchOptions": "streamcache.remote.fetch",
+    "PrefetchOptions": "streamcache.cache.prefetch",
     "ReplicaError": "streamcache.replicas.loader",
 }
 

@@ -194,7 +194,7 @@ def assumptions(save_cost: float, restart_cost: float) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     if args.plot:
-        from .plots import require_matplotlib
+        from .cli.plots import require_matplotlib
 
         require_matplotlib()
     result = report(args.failures_per_day, interval=args.interval, save_cost=args.save_cost,
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     if note:
         print(note)
     if args.plot:
-        from .plots import plot_goodput
+        from .cli.plots import plot_goodput
 
         plot_goodput(result, args.save_cost, args.restart_cost, args.plot)
         print(f"plot: {args.plot}")

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from streamcache import write_dataset
-from streamcache.dataset import StreamDataset
-from streamcache.loader import StreamLoader
+from streamcache.loading.dataset import StreamDataset
+from streamcache.loading.loader import StreamLoader
 
 
 def make_dataset(folder: str, shard_rows: Iterable[int], *, seq: bool = True) -> str:
@@ -29,7 +29,7 @@ def make_dataset(folder: str, shard_rows: Iterable[int], *, seq: bool = True) ->
 
 
 def write_exact_shards(url: str, sizes: list[int], samples: list[dict[str, Any]]) -> None:
-    from streamcache.writer import ShardWriter
+    from streamcache.format.writer import ShardWriter
 
     with ShardWriter(url, shard_size=1 << 40, compression=None) as writer:
         position = 0

@@ -117,7 +117,7 @@ def group_main(rank: int, world_size: int, url: str, cache: str, plan_args: dict
     """
     import torch.distributed as dist
 
-    from streamcache.dataset import StreamDataset
+    from streamcache.loading.dataset import StreamDataset
     from streamcache.replicas import ProcessGroupQuorum, ReplicaLoader, send_state
 
     group = rank
@@ -194,7 +194,7 @@ def killed_main(group: int, start: int, port: int, url: str, cache: str,
 
     import torch.distributed as dist
 
-    from streamcache.dataset import StreamDataset
+    from streamcache.loading.dataset import StreamDataset
     from streamcache.replicas import ProcessGroupQuorum, ReplicaLoader, broadcast_state
 
     num_groups = plan_args["groups"]

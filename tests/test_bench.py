@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from loader_helpers import make_dataset, write_dataset
 
-from streamcache.bench import format_results, run_bench
-from streamcache.cli import main
+from streamcache.cli.bench import format_results, run_bench
+from streamcache.cli.main import main
 
 
 def test_run_bench_counts_every_sample_and_compares(tmp_path) -> None:
@@ -76,7 +76,7 @@ def test_cli_plot_draws_throughput_waiting_and_hits(tmp_path, capsys) -> None:
 
 
 def test_timeline_feeds_the_plots(tmp_path) -> None:
-    from streamcache.plots import hit_ratio_curve, rate_curve
+    from streamcache.cli.plots import hit_ratio_curve, rate_curve
 
     url = make_dataset(str(tmp_path), [60, 40])
     (result,) = run_bench(url, batch_size=5, cache_dir=str(tmp_path / "c"))

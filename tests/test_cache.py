@@ -1,4 +1,5 @@
-"""The node cache (streamcache/cache.py) with real files, a real HTTP server and real processes.
+"""The node cache (streamcache/cache/node.py) with real files, a real HTTP server and real
+processes.
 
 Datasets are small (a dozen shards of a few KB) and served by the fault-injecting HTTP server
 on 127.0.0.1, which counts requests per path: "one download per shard per node" is checked at
@@ -26,7 +27,8 @@ from hypothesis import strategies as st
 from servers import FaultServer, S3Bucket
 
 from streamcache import DatasetReader, load_index, write_dataset
-from streamcache.cache import (
+from streamcache.cache.eviction import Resident, choose_victims, simulate_fetches
+from streamcache.cache.node import (
     ACCOUNTING_NAME,
     FOREIGN_TEMP_IDLE_S,
     NodeCache,
@@ -34,11 +36,10 @@ from streamcache.cache import (
     process_token,
 )
 from streamcache.errors import CacheBudgetError, ChecksumMismatchError
-from streamcache.eviction import Resident, choose_victims, simulate_fetches
-from streamcache.fetch import FetchError, FetchOptions
-from streamcache.index import DatasetIndex
-from streamcache.materialize import is_local_layout
-from streamcache.reader import ShardReader
+from streamcache.format.index import DatasetIndex
+from streamcache.format.materialize import is_local_layout
+from streamcache.format.reader import ShardReader
+from streamcache.remote.fetch import FetchError, FetchOptions
 
 SCHEMA = {"id": "int", "x": "tensor:int32:16", "blob": "bytes"}
 ROWS_PER_SHARD = 40
@@ -221,7 +222,7 @@ def test_accounting_is_rebuilt_from_the_directory_when_a_cache_opens(tmp_path: P
 def test_stale_temporaries_of_dead_processes_are_removed_live_ones_kept(
         tmp_path: Path) -> None:
     dead = subprocess.run(
-        [sys.executable, "-c", "from streamcache.cache import process_token as t; print(t())"],
+        [sys.executable, "-c", "from streamcache.cache.node import process_token as t; print(t())"],
         check=True, capture_output=True, text=True).stdout.strip()
     assert process_alive(dead) is False and process_alive(process_token()) is True
     assert process_alive("garbage") is False and process_alive("nobootid-1-1-1") is False
@@ -277,7 +278,7 @@ def test_a_corrupted_body_is_detected_and_fetched_again(
 def _stream_in_process(index_url: str, cache_dir: str, seed: int, prefetch: bool,
                        start: Any, results: Any, storage_options: dict[str, Any]) -> None:
     """A 'rank' of a node: stream the whole dataset through the shared cache."""
-    from streamcache.prefetch import Prefetcher, PrefetchOptions
+    from streamcache.cache.prefetch import Prefetcher, PrefetchOptions
 
     index = load_index(index_url, storage_options)
     cache = NodeCache(index, cache_dir, fetch_options=FAST_RETRIES,
@@ -296,7 +297,7 @@ def process_context() -> Any:
     the imports done once: a spawned interpreter would pay seconds of imports each."""
     ctx = mp.get_context("forkserver")
     # (the server does not get the tests folder on its sys.path: preload the package only)
-    ctx.set_forkserver_preload(["streamcache.cache", "streamcache.prefetch",
+    ctx.set_forkserver_preload(["streamcache.cache.node", "streamcache.cache.prefetch",
                                 "fsspec.implementations.http", "pytest"])
     return ctx
 

@@ -37,17 +37,17 @@ from test_cache import (
 )
 
 from streamcache import DatasetReader, StreamDataset
-from streamcache.advice import shard_usage, working_set_bound
-from streamcache.cache import ACCOUNTING_NAME, NodeCache, local_bytes_estimate
+from streamcache.cache.advice import shard_usage, working_set_bound
+from streamcache.cache.node import ACCOUNTING_NAME, NodeCache, local_bytes_estimate
+from streamcache.cache.prefetch import Prefetcher, PrefetchOptions
 from streamcache.errors import (
     CacheBudgetError,
     CacheError,
     ChecksumMismatchError,
     StreamcacheError,
 )
-from streamcache.index import DatasetIndex, build_index, load_index
+from streamcache.format.index import DatasetIndex, build_index, load_index
 from streamcache.plan import EpochOrder, ShuffleOptions
-from streamcache.prefetch import Prefetcher, PrefetchOptions
 
 PARQUET_FILES = 4
 PARQUET_ROWS = 50

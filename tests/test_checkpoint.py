@@ -34,7 +34,7 @@ from streamcache.checkpoint import (
     restore,
     rng,
 )
-from streamcache.cli import main as cli_main
+from streamcache.cli.main import main as cli_main
 
 # DCP warns on every single-process save/load that it assumes one process: that is the case
 # these tests are about.

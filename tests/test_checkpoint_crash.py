@@ -32,9 +32,9 @@ from dist import RankGroup, run_ranks
 from loader_helpers import make_dataset
 
 from streamcache.checkpoint import Checkpointer, ModelState, commit, layout
-from streamcache.checksum import checksum_file
-from streamcache.dataset import StreamDataset
-from streamcache.loader import StreamLoader
+from streamcache.format.checksum import checksum_file
+from streamcache.loading.dataset import StreamDataset
+from streamcache.loading.loader import StreamLoader
 
 STEPS = 60
 SAVE_EVERY = 3

@@ -15,8 +15,8 @@ from loader_helpers import ids_of, make_dataset
 from torch.distributed.checkpoint import FileSystemReader
 
 from streamcache.checkpoint import Checkpointer, ModelState, layout
-from streamcache.dataset import StreamDataset
-from streamcache.loader import StreamLoader
+from streamcache.loading.dataset import StreamDataset
+from streamcache.loading.loader import StreamLoader
 
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks; 200 samples: 16 full steps an epoch
 SAVE_AT = 14

@@ -24,7 +24,7 @@ from streamcache.checkpoint import (
     CheckpointUnsafeError,
     layout,
 )
-from streamcache.checksum import checksum_file
+from streamcache.format.checksum import checksum_file
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from streamcache.checkpoint import Checkpointer, CheckpointError, lease
-from streamcache.cli import main as cli_main
+from streamcache.cli.main import main as cli_main
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

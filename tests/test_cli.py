@@ -14,8 +14,8 @@ from loader_helpers import make_dataset
 from servers import free_port
 
 from streamcache import UnknownProtocolError, build_index
-from streamcache.cli import main
-from streamcache.storage import filesystem
+from streamcache.cli.main import main
+from streamcache.remote.storage import filesystem
 
 
 def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -98,7 +98,7 @@ def test_cache_limit_and_shard_size_read_sizes_alike(tmp_path, capsys) -> None:
         main(["bench", url, "--cache-limit", "10 parsecs"])
     assert exit_info.value.code == 2
     assert "10KB" in capsys.readouterr().err  # the message shows how to write a size
-    from streamcache.convert import parse_size as convert_parse_size
+    from streamcache.format.convert import parse_size as convert_parse_size
     from streamcache.units import parse_size
 
     assert convert_parse_size is parse_size

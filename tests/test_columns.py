@@ -1,4 +1,4 @@
-"""Between values, Arrow arrays and raw buffers (streamcache/columns.py): lossless
+"""Between values, Arrow arrays and raw buffers (streamcache/format/columns.py): lossless
 normalization, canonical columns, foreign Arrow types, and zero-copy buffers of slices."""
 
 from __future__ import annotations
@@ -7,15 +7,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from streamcache.columns import (
+from streamcache.errors import SchemaError
+from streamcache.format.columns import (
     build_column,
     column_buffers,
     field_from_arrow,
     normalize_value,
     to_canonical,
 )
-from streamcache.errors import SchemaError
-from streamcache.schema import Field
+from streamcache.format.schema import Field
 
 TOKENS = Field.sequence("tokens", "int32")
 IMAGE = Field.tensor("image", "uint8", (2, 3))

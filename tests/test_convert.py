@@ -16,12 +16,12 @@ import pytest
 import zstandard
 from fsspec.implementations.local import LocalFileSystem
 
-from streamcache.cli import main
-from streamcache.convert import Progress, convert, detect_format, parse_size
-from streamcache.dataset_reader import DatasetReader
+from streamcache.cli.inspection import inspect_dataset
+from streamcache.cli.main import main
 from streamcache.errors import EmptyDatasetError, SchemaError, SourceError
-from streamcache.index import build_index, load_index
-from streamcache.inspect import inspect_dataset
+from streamcache.format.convert import Progress, convert, detect_format, parse_size
+from streamcache.format.index import build_index, load_index
+from streamcache.loading.dataset_reader import DatasetReader
 
 
 def _read_all(url: str) -> list[dict]:

@@ -22,9 +22,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from servers import FaultServer, S3Bucket
 
-from streamcache.checksum import checksum_bytes
 from streamcache.errors import ChecksumMismatchError, StreamcacheError
-from streamcache.fetch import (
+from streamcache.format.checksum import checksum_bytes
+from streamcache.remote.fetch import (
     TEMP_SUFFIX,
     Fetcher,
     FetchError,

@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 from servers import FaultServer
 
-from streamcache import index as index_module
-from streamcache.dataset import StreamDataset
-from streamcache.dataset_reader import DatasetReader
+from streamcache.cache.prefetch import PrefetchOptions
 from streamcache.errors import IndexFormatError, IndexNotFoundError, StreamcacheError
-from streamcache.fetch import TEMP_SUFFIX, Fetcher, FetchError, FetchOptions, backoff_delay
-from streamcache.index import load_index
-from streamcache.prefetch import PrefetchOptions
-from streamcache.writer import write_dataset
+from streamcache.format import index as index_module
+from streamcache.format.index import load_index
+from streamcache.format.writer import write_dataset
+from streamcache.loading.dataset import StreamDataset
+from streamcache.loading.dataset_reader import DatasetReader
+from streamcache.remote.fetch import TEMP_SUFFIX, Fetcher, FetchError, FetchOptions, backoff_delay
 
 
 def fast(**overrides: Any) -> FetchOptions:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from streamcache.cli import main as cli_main
+from streamcache.cli.main import main as cli_main
 from streamcache.goodput import (
     GoodputError,
     daly_interval,

@@ -16,13 +16,13 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from streamcache.cli import main as cli_main
-from streamcache.convert import convert
-from streamcache.dataset import StreamDataset
-from streamcache.dataset_reader import DatasetReader
+from streamcache.cli.main import main as cli_main
 from streamcache.errors import SchemaError, SourceError
-from streamcache.index import build_index, load_index
-from streamcache.loader import StreamLoader
+from streamcache.format.convert import convert
+from streamcache.format.index import build_index, load_index
+from streamcache.loading.dataset import StreamDataset
+from streamcache.loading.dataset_reader import DatasetReader
+from streamcache.loading.loader import StreamLoader
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "hf_datasets.py"
 
@@ -124,8 +124,8 @@ def _png() -> bytes:
 
 _READ_WITHOUT_DATASETS = """
 import sys
-from streamcache.index import build_index
-from streamcache.dataset_reader import DatasetReader
+from streamcache.format.index import build_index
+from streamcache.loading.dataset_reader import DatasetReader
 folder = sys.argv[1]
 index = build_index(folder)
 print({f.name: (f.kind, f.dtype, list(f.shape)) for f in index.schema})

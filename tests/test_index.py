@@ -12,7 +12,6 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
 
-from streamcache.dataset_reader import DatasetReader
 from streamcache.errors import (
     ChecksumMismatchError,
     EmptyDatasetError,
@@ -22,8 +21,9 @@ from streamcache.errors import (
     ShardCorruptError,
     SourceError,
 )
-from streamcache.index import build_index, load_index
-from streamcache.writer import write_dataset
+from streamcache.format.index import build_index, load_index
+from streamcache.format.writer import write_dataset
+from streamcache.loading.dataset_reader import DatasetReader
 
 
 def _table(start: int, n: int) -> pa.Table:

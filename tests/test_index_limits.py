@@ -15,14 +15,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import streamcache.index as index_module
-from streamcache.checksum import checksum_bytes
-from streamcache.dataset import StreamDataset
-from streamcache.dataset_reader import DatasetReader
+import streamcache.format.index as index_module
 from streamcache.errors import IndexFormatError
-from streamcache.index import build_index, load_index, parse_index
-from streamcache.loader import StreamLoader
-from streamcache.writer import write_dataset
+from streamcache.format.checksum import checksum_bytes
+from streamcache.format.index import build_index, load_index, parse_index
+from streamcache.format.writer import write_dataset
+from streamcache.loading.dataset import StreamDataset
+from streamcache.loading.dataset_reader import DatasetReader
+from streamcache.loading.loader import StreamLoader
 
 
 def _fingerprint_v1(obj: dict[str, Any]) -> str:

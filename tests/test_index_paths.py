@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 from test_index_limits import rewrite_index
 
-from streamcache.checksum import checksum_bytes
-from streamcache.cli import main as cli_main
-from streamcache.dataset import StreamDataset
-from streamcache.dataset_reader import DatasetReader
+from streamcache.cli.main import main as cli_main
 from streamcache.errors import IndexFormatError, SourceError
-from streamcache.index import build_index, load_index
-from streamcache.loader import StreamLoader
-from streamcache.writer import write_dataset
+from streamcache.format.checksum import checksum_bytes
+from streamcache.format.index import build_index, load_index
+from streamcache.format.writer import write_dataset
+from streamcache.loading.dataset import StreamDataset
+from streamcache.loading.dataset_reader import DatasetReader
+from streamcache.loading.loader import StreamLoader
 
 SECRET = 7_000_000  # the local file's samples: a remote index must never serve them
 

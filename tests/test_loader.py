@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loader_helpers import ids_of, loader, make_dataset
 
-from streamcache.dataset import StreamDataset
 from streamcache.errors import ConfigError
-from streamcache.loader import StreamLoader
+from streamcache.loading.dataset import StreamDataset
+from streamcache.loading.loader import StreamLoader
 from streamcache.plan import CursorMismatchError, PlanError
 
 
@@ -356,7 +356,7 @@ def test_errors_in_reader_threads_reach_the_loop(tmp_path) -> None:
         f.truncate(100)
     with tempfile.TemporaryDirectory() as cache, loader(url, cache, global_batch_size=40,
                                                         shuffle=False) as it:
-        from streamcache.fetch import FetchError
+        from streamcache.remote.fetch import FetchError
 
         with warnings.catch_warnings(), pytest.raises(FetchError, match="the index records"):
             list(it)

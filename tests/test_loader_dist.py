@@ -23,8 +23,8 @@ import torch.distributed as dist
 from dist import RankGroup, run_ranks
 from loader_helpers import ids_of, make_dataset
 
-from streamcache.dataset import StreamDataset
-from streamcache.loader import StreamLoader
+from streamcache.loading.dataset import StreamDataset
+from streamcache.loading.loader import StreamLoader
 
 GLOBAL_BATCH = 12
 SAMPLES = 200

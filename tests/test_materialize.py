@@ -1,4 +1,4 @@
-"""From a stored shard to the local layout (streamcache/materialize.py): every stored format
+"""From a stored shard to the local layout (streamcache/format/materialize.py): every stored format
 decodes to the same canonical batch, bad shards are refused with what is wrong, and a file
 already in the local layout is recognized (and one that is not, is not)."""
 
@@ -14,10 +14,10 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
 
-from streamcache.columns import build_column
 from streamcache.errors import SchemaError, ShardCorruptError
-from streamcache.materialize import decode_shard, is_local_layout, materialize
-from streamcache.schema import Field, Schema
+from streamcache.format.columns import build_column
+from streamcache.format.materialize import decode_shard, is_local_layout, materialize
+from streamcache.format.schema import Field, Schema
 
 SCHEMA = Schema([Field.tensor("x", "int64"), Field.sequence("t", "int32"), Field("s", "str")])
 ROWS = 5

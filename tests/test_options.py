@@ -18,10 +18,10 @@ from loader_helpers import make_dataset
 
 import streamcache
 from streamcache import ConfigError, FetchOptions, PrefetchOptions, StreamDataset, StreamLoader
-from streamcache.dataset import TAIL_MODES, WINDOW_UNITS, StreamOptions
+from streamcache.cache.prefetch import DEFAULT_LOOKAHEAD_SHARDS, Prefetcher
+from streamcache.loading.dataset import TAIL_MODES, WINDOW_UNITS, StreamOptions
 from streamcache.plan import TailPolicy
 from streamcache.plan.order import WINDOW_UNITS as PLAN_WINDOW_UNITS
-from streamcache.prefetch import DEFAULT_LOOKAHEAD_SHARDS, Prefetcher
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The prefetcher (streamcache/prefetch.py) over the node cache, the native scheduler (and its
+"""The prefetcher (streamcache/cache/prefetch.py) over the node cache, the native scheduler (and its
 twin) and a real HTTP server with faults."""
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from test_cache import (
 )
 
 from streamcache import DatasetReader
-from streamcache.advice import shard_usage
-from streamcache.cache import NodeCache
-from streamcache.fetch import FetchError, FetchOptions
-from streamcache.index import DatasetIndex
+from streamcache.cache.advice import shard_usage
+from streamcache.cache.node import NodeCache
+from streamcache.cache.prefetch import Prefetcher, PrefetchOptions, ShardUsage
+from streamcache.format.index import DatasetIndex
 from streamcache.plan import EpochOrder, ShuffleOptions
-from streamcache.prefetch import Prefetcher, PrefetchOptions, ShardUsage
+from streamcache.remote.fetch import FetchError, FetchOptions
 
 BATCH = 16
 
@@ -243,8 +243,8 @@ def test_the_interpreter_exits_cleanly_with_a_prefetcher_left_open(
     script = (
         "import sys, time\n"
         "from streamcache import load_index\n"
-        "from streamcache.cache import NodeCache\n"
-        "from streamcache.prefetch import Prefetcher\n"
+        "from streamcache.cache.node import NodeCache\n"
+        "from streamcache.cache.prefetch import Prefetcher\n"
         "index = load_index(sys.argv[1])\n"
         "p = Prefetcher(NodeCache(index, sys.argv[2]))\n"
         "p.update(list(range(6)), list(range(6)))\n"

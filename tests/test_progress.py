@@ -63,7 +63,7 @@ def test_counters_and_counts_read_like_prose() -> None:
 
 
 def test_convert_progress_in_a_log_is_whole_lines() -> None:
-    from streamcache.convert import Progress
+    from streamcache.format.convert import Progress
 
     stream = io.StringIO()
     progress = Progress(stream)
@@ -80,7 +80,7 @@ def test_convert_progress_in_a_log_is_whole_lines() -> None:
 def test_bench_prints_rounded_counters(tmp_path) -> None:
     from loader_helpers import make_dataset
 
-    from streamcache.bench import format_results, run_bench
+    from streamcache.cli.bench import format_results, run_bench
 
     url = make_dataset(str(tmp_path), [20], seq=False)
     text = format_results(run_bench(url, batch_size=10, cache_dir=str(tmp_path / "c")))

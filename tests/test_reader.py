@@ -1,4 +1,4 @@
-"""Reading local shards (streamcache/reader.py): rows and batches gathered from several
+"""Reading local shards (streamcache/format/reader.py): rows and batches gathered from several
 shards match what was written, with the C++ core and its twin; Ragged batches; and shards
 that are missing, truncated, of another layout or of the wrong row count are refused."""
 
@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from streamcache.columns import build_column
 from streamcache.errors import RowOutOfRangeError, SchemaError, ShardCorruptError
-from streamcache.materialize import write_local_layout
-from streamcache.reader import Ragged, ShardReader, gather
-from streamcache.schema import Field, Schema
+from streamcache.format.columns import build_column
+from streamcache.format.materialize import write_local_layout
+from streamcache.format.reader import Ragged, ShardReader, gather
+from streamcache.format.schema import Field, Schema
 
 SCHEMA = Schema([Field.tensor("x", "int64"), Field.tensor("img", "uint8", (2, 2)),
                  Field.sequence("t", "int32"), Field.sequence("z", "complex64"),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from streamcache.cli import main
+from streamcache.cli.main import main
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"

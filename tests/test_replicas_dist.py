@@ -30,7 +30,7 @@ from replica_sim import (
 )
 
 from streamcache.checkpoint import Checkpointer
-from streamcache.dataset import StreamDataset
+from streamcache.loading.dataset import StreamDataset
 from streamcache.plan import CursorMismatchError, EpochOrder, ShuffleOptions
 from streamcache.replicas import (
     PAD_SLICE,

@@ -1,5 +1,5 @@
-"""Field kinds, the schema and their Arrow layout (streamcache/schema.py), bad input included:
-an index's schema is untrusted input, and every refusal says what is wrong."""
+"""Field kinds, the schema and their Arrow layout (streamcache/format/schema.py), bad input
+included: an index's schema is untrusted input, and every refusal says what is wrong."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 
 from streamcache.errors import SchemaError
-from streamcache.schema import (
+from streamcache.format.schema import (
     MAX_DIMS,
     MAX_FIELDS,
     Field,

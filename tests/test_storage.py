@@ -1,4 +1,4 @@
-"""fsspec helpers (streamcache/storage.py): URLs to filesystems, path joining, atomic
+"""fsspec helpers (streamcache/remote/storage.py): URLs to filesystems, path joining, atomic
 publication (old file or whole new one, never a part, no temporary left), exclusive
 creation locally and on memory://, and OS errors as one clear DestinationError."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from streamcache import storage
 from streamcache.errors import DestinationError, UnknownProtocolError
+from streamcache.remote import storage
 
 
 def test_filesystem_and_paths() -> None:

@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from streamcache import _native
-from streamcache.dataset_reader import DatasetReader
 from streamcache.errors import (
     DestinationError,
     EmptyDatasetError,
@@ -24,9 +23,10 @@ from streamcache.errors import (
     SchemaError,
     StreamcacheError,
 )
-from streamcache.index import load_index
-from streamcache.schema import Field, Schema
-from streamcache.writer import ShardWriter, write_dataset
+from streamcache.format.index import load_index
+from streamcache.format.schema import Field, Schema
+from streamcache.format.writer import ShardWriter, write_dataset
+from streamcache.loading.dataset_reader import DatasetReader
 
 _counter = itertools.count()
 

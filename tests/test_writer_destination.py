@@ -22,11 +22,11 @@ import fsspec
 import pytest
 from servers import S3Bucket
 
-from streamcache.dataset_reader import DatasetReader
 from streamcache.errors import DestinationError, ShardNotFoundError
-from streamcache.index import load_index
-from streamcache.lease import LEASE_NAME
-from streamcache.writer import ShardWriter, write_dataset
+from streamcache.format.index import load_index
+from streamcache.format.lease import LEASE_NAME
+from streamcache.format.writer import ShardWriter, write_dataset
+from streamcache.loading.dataset_reader import DatasetReader
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -91,7 +91,7 @@ _WRITER = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
     from streamcache.errors import DestinationError
-    from streamcache.writer import ShardWriter
+    from streamcache.format.writer import ShardWriter
     url, options, base, flags = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     try:
         writer = ShardWriter(url, shard_size=64, storage_options=options or None)
@@ -243,7 +243,7 @@ def test_overwrite_never_removes_files_the_writer_did_not_make(tmp_path: Path) -
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from streamcache.index import build_index
+    from streamcache.format.index import build_index
 
     folder = tmp_path / "data"
     folder.mkdir()

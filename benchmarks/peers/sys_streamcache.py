@@ -28,7 +28,7 @@ def build(data: str, array: np.ndarray, out: str) -> None:
     import pyarrow as pa
 
     from streamcache import Field, Schema, ShardWriter
-    from streamcache.columns import build_column
+    from streamcache.format.columns import build_column
 
     shape, dtype, _, _ = DATASETS[data]
     schema = Schema([Field.tensor("data", dtype, shape)])

@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..checksum import checksum_bytes
+from ..format.checksum import checksum_bytes
 from . import layout, rng
 from .commit import Committer, SaveJob
 from .errors import CheckpointError

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..checksum import checksum_bytes
+from ..format.checksum import checksum_bytes
 from .errors import CheckpointCorruptError
 from .tiers import Location
 

@@ -31,7 +31,7 @@ import time
 import uuid
 from typing import Any
 
-from ..lease import LeaseHolder
+from ..format.lease import LeaseHolder
 from .errors import CheckpointError
 from .tiers import Location
 

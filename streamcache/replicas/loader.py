@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from ..batching import PADDING_KEY
-from ..dataset import StepRef, StreamDataset
+from ..loading.batching import PADDING_KEY
+from ..loading.dataset import StepRef, StreamDataset
 from ..plan import Cursor, CursorMismatchError, EpochSegment, PlanError, RankBatch, TailPolicy
 from ..plan._util import check_int, check_state
 from .ledger import PAD_SLICE, Ledger, ReplicaPlan

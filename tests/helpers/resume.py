@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from streamcache.loader import StreamLoader
+from streamcache.loading.loader import StreamLoader
 from streamcache.replicas import ReplicaLoader
 
 

@@ -32,11 +32,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from . import storage
-from .checksum import checksum_bytes, checksum_file
-from .errors import CacheError, ChecksumMismatchError, ShardCorruptError
-from .fetch import FetchOptions, backoff_delay, is_transient
-from .index import DatasetIndex, ShardInfo
+from ..errors import CacheError, ChecksumMismatchError, ShardCorruptError
+from ..format.checksum import checksum_bytes, checksum_file
+from ..format.index import DatasetIndex, ShardInfo
+from ..remote import storage
+from ..remote.fetch import FetchOptions, backoff_delay, is_transient
 
 #: Fields of fsspec ``info`` that change when an object's content is replaced, strongest
 #: first: content hashes and versions, then modification times (with the inode, locally).

@@ -5,7 +5,7 @@ its shard store for a local copy of the shard in the local layout, and gathers r
 native core. It is the building block under the streaming dataset; it is also useful on its
 own (inspection, evaluation, tests).
 
-Its default store is a :class:`~streamcache.cache.NodeCache` (no byte budget, no
+Its default store is a :class:`~streamcache.cache.node.NodeCache` (no byte budget, no
 prefetching): local shards already in the local layout are read in place, once verified
 against the index; anything else (remote, compressed, Parquet) is fetched whole, verified and
 materialized into the cache folder, once.
@@ -23,11 +23,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .cache import NodeCache, local_size_error
-from .errors import RowOutOfRangeError, ShardNotFoundError, StreamcacheError
-from .fetch import FetchError, FetchOptions
-from .index import DatasetIndex, load_index
-from .reader import Ragged, ShardReader, first_row, gather
+from ..cache.node import NodeCache, local_size_error
+from ..errors import RowOutOfRangeError, ShardNotFoundError, StreamcacheError
+from ..format.index import DatasetIndex, load_index
+from ..format.reader import Ragged, ShardReader, first_row, gather
+from ..remote.fetch import FetchError, FetchOptions
 
 
 class ShardStore(Protocol):
@@ -53,13 +53,13 @@ class DatasetReader:
         source: a dataset URL (folder or index.json) or a loaded :class:`DatasetIndex`.
         fields: the fields to read (default: all).
         local_dir: the cache folder of the default store (a
-            :class:`~streamcache.cache.NodeCache`; it may be shared with a StreamDataset's
+            :class:`~streamcache.cache.node.NodeCache`; it may be shared with a StreamDataset's
             ``cache_dir``). Default: a temporary folder, removed on close.
         store: where local copies of shards come from (default: the node cache above).
         allow_external_paths: read shards the index names outside its own folder (on the
-            index's filesystem only; see :func:`streamcache.index.check_shard_paths`).
+            index's filesystem only; see :func:`streamcache.format.index.check_shard_paths`).
         fetch: how remote shards are read by the default store (timeouts, retries; see
-            :class:`~streamcache.fetch.FetchOptions`).
+            :class:`~streamcache.remote.fetch.FetchOptions`).
         verify: hash a local shard read in place against the index's checksum before it is
             first served (once per file version); False checks its size only.
 

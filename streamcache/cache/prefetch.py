@@ -11,7 +11,7 @@ the GIL released, plus the counters. The download threads themselves are Python 
 because a download is fsspec (Python) code: see docs/cache.md.
 
 :class:`ShardUsage` is the plain data the prefetcher takes from a plan (first and last
-position of every shard; ``streamcache.advice.shard_usage`` scans an order for it), so
+position of every shard; ``streamcache.cache.advice.shard_usage`` scans an order for it), so
 neither the cache nor the prefetcher imports the plan.
 """
 
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from . import forksafe
-from ._native import (
+from .. import forksafe
+from .._native import (
     SHARD_FAILED,
     SHARD_READY,
     TASK_STOPPED,
@@ -41,8 +41,8 @@ from ._native import (
     Scheduler,
     SchedulerCounters,
 )
-from .cache import NodeCache
-from .errors import ConfigError, PrefetchError
+from ..errors import ConfigError, PrefetchError
+from .node import NodeCache
 
 #: Priority of a shard a reader is blocked on: ahead of every plan position.
 URGENT = -1

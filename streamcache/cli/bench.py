@@ -26,13 +26,13 @@ from typing import Any, TextIO
 import numpy as np
 import torch
 
-from .dataset import StreamDataset
-from .dataset_reader import DatasetReader
-from .errors import UsageError
-from .loader import StreamLoader
+from ..errors import UsageError
+from ..loading.dataset import StreamDataset
+from ..loading.dataset_reader import DatasetReader
+from ..loading.loader import StreamLoader
+from ..progress import ProgressLine
+from ..units import format_number, size_argument
 from .plots import plot_bench, require_matplotlib
-from .progress import ProgressLine
-from .units import format_number, size_argument
 
 
 @dataclass(frozen=True)
@@ -207,8 +207,8 @@ class _MapView(torch.utils.data.Dataset):
 
 def make_demo_dataset(folder: str, samples: int = 100_000) -> str:
     """A synthetic dataset of ~1 KB token rows (int32[256]) and labels, written once."""
-    from .schema import Field, Schema
-    from .writer import ShardWriter
+    from ..format.schema import Field, Schema
+    from ..format.writer import ShardWriter
 
     url = os.path.join(folder, "demo")
     if os.path.exists(os.path.join(url, "index.json")):
@@ -217,7 +217,7 @@ def make_demo_dataset(folder: str, samples: int = 100_000) -> str:
     schema = Schema([Field.tensor("tokens", "int32", (256,)), Field.tensor("label", "int64")])
     import pyarrow as pa
 
-    from .columns import build_column
+    from ..format.columns import build_column
 
     with ShardWriter(url, schema=schema, shard_size=16 << 20, overwrite=True) as writer:
         for start in range(0, samples, 8192):

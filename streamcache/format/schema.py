@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .errors import SchemaError
+from ..errors import SchemaError
 
 KINDS = ("tensor", "sequence", "bytes", "str")
 MAX_FIELDS = 10_000  # caps on a schema read from an index (untrusted input)

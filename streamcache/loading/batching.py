@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from .errors import TransformError
-from .plan.bijection import derive_key, derive_keys
-from .reader import Ragged
-from .schema import Field
+from ..errors import TransformError
+from ..format.reader import Ragged
+from ..format.schema import Field
+from ..plan.bijection import derive_key, derive_keys
 
 ID_KEY = "__id__"
 SEED_KEY = "__seed__"

@@ -4,7 +4,7 @@ It composes the parts: the index (what the shards hold), the plan (which samples
 and worker reads at each step), a shard store (local copies) and the native reader (gathers
 rows into contiguous arrays). Each item it yields is one step's batch for this rank, with the
 global sample ids in ``__id__``. Progress is a :class:`~streamcache.plan.Cursor`; the
-:class:`~streamcache.loader.StreamLoader` moves it as the training loop receives batches.
+:class:`~streamcache.loading.loader.StreamLoader` moves it as the training loop receives batches.
 """
 
 from __future__ import annotations
@@ -19,7 +19,22 @@ from typing import Any, Literal, get_args
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .advice import ShardAdvice, working_set_bound
+from ..cache.advice import ShardAdvice, working_set_bound
+from ..cache.node import NodeCache, local_bytes_estimate
+from ..cache.prefetch import Prefetcher, PrefetchOptions
+from ..errors import CacheBudgetError, ConfigError
+from ..format.index import DatasetIndex, load_index
+from ..plan import (
+    Cursor,
+    EpochOrder,
+    EpochSegment,
+    RankBatch,
+    ShuffleOptions,
+    TailPolicy,
+)
+from ..plan import sample_seeds as plan_sample_seeds
+from ..plan.order import DEFAULT_WINDOW
+from ..remote.fetch import FetchOptions
 from .batching import (
     ID_KEY,
     PADDING_KEY,
@@ -33,22 +48,7 @@ from .batching import (
     step_seed,
     to_torch,
 )
-from .cache import NodeCache, local_bytes_estimate
 from .dataset_reader import DatasetReader, ShardStore
-from .errors import CacheBudgetError, ConfigError
-from .fetch import FetchOptions
-from .index import DatasetIndex, load_index
-from .plan import (
-    Cursor,
-    EpochOrder,
-    EpochSegment,
-    RankBatch,
-    ShuffleOptions,
-    TailPolicy,
-)
-from .plan import sample_seeds as plan_sample_seeds
-from .plan.order import DEFAULT_WINDOW
-from .prefetch import Prefetcher, PrefetchOptions
 from .schedule import Schedule, StepRef
 from .topology import resolve_topology
 
@@ -188,7 +188,7 @@ class StreamDataset(IterableDataset):
             :class:`~streamcache.PrefetchOptions` (download threads per process, shards and
             bytes kept ahead). Default: 4 threads, the working set + 16 shards.
         allow_external_paths: read shards the index names outside its own folder (on the
-            index's filesystem only; see :func:`streamcache.index.check_shard_paths`).
+            index's filesystem only; see :func:`streamcache.format.index.check_shard_paths`).
         rank, world_size: resolved when a pass starts, not when the dataset is made (so it
             may be made before the process group, e.g. in a LightningModule's __init__):
             the arguments, else torch.distributed, else RANK/WORLD_SIZE, else 0 of 1 where
@@ -280,7 +280,7 @@ class StreamDataset(IterableDataset):
     @property
     def topology(self) -> tuple[int, int]:
         """``(rank, world_size)``: as resolved when the last pass started, else resolved now
-        (see :func:`~streamcache.topology.resolve_topology`)."""
+        (see :func:`~streamcache.loading.topology.resolve_topology`)."""
         if self._topology is not None:
             return self._topology
         return resolve_topology(self.options.rank, self.options.world_size)
@@ -368,7 +368,7 @@ class StreamDataset(IterableDataset):
 
     def working_set_bytes(self) -> int:
         """Local bytes of shards that no epoch keeps in use at once: a bound the plan
-        guarantees (:func:`~streamcache.advice.working_set_bound`), the same for every
+        guarantees (:func:`~streamcache.cache.advice.working_set_bound`), the same for every
         epoch, rank and worker, so a budget accepted once holds for the whole run."""
         sizes = [local_bytes_estimate(info) for info in self.index.shards]
         return working_set_bound(self.index.shard_rows, sizes, self.shuffle)
@@ -459,8 +459,8 @@ class StreamDataset(IterableDataset):
         """Transform (if any) and convert one step's arrays to the batch the loop receives.
 
         A transform runs with the process-wide RNGs seeded (per sample for ``transform``, per
-        batch for ``batch_transform``; see :mod:`streamcache.batching`) and restored after, so
-        this must run on one thread at a time (the loader runs it on the consumer thread).
+        batch for ``batch_transform``; see :mod:`streamcache.loading.batching`) and restored
+        after, so this must run on one thread at a time (the loader runs it on the consumer thread).
         """
         opts = self.options
         if not self.transformed:

@@ -15,7 +15,7 @@ from typing import IO, Any
 
 from fsspec.core import url_to_fs
 
-from .errors import DestinationError, StorageError, UnknownProtocolError
+from ..errors import DestinationError, StorageError, UnknownProtocolError
 
 
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:

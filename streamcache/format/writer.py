@@ -28,10 +28,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from . import storage
+from ..errors import DestinationError, EmptyDatasetError, SchemaError, StreamcacheError
+from ..remote import storage
 from .checksum import checksum_bytes, checksum_file
 from .columns import build_column, field_from_arrow, normalize_value, to_canonical
-from .errors import DestinationError, EmptyDatasetError, SchemaError, StreamcacheError
 from .index import INDEX_NAME, DatasetIndex, ShardInfo, load_index, save_index
 from .lease import WriterLease, new_token
 from .schema import Field, Schema, infer_schema

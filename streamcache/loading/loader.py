@@ -30,10 +30,10 @@ from typing import Any, Literal, get_args
 import torch
 from torch.utils.data import DataLoader
 
+from ..errors import ConfigError
+from ..plan import Cursor, CursorMismatchError, RankBatch
+from ..plan.bijection import derive_key
 from .dataset import StreamDataset
-from .errors import ConfigError
-from .plan import Cursor, CursorMismatchError, RankBatch
-from .plan.bijection import derive_key
 from .schedule import Schedule, StepRef
 
 STATE_VERSION = 1

@@ -45,10 +45,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from . import forksafe, storage
-from .errors import CacheBudgetError, CacheError, ShardCorruptError
+from .. import forksafe
+from ..errors import CacheBudgetError, CacheError, ShardCorruptError
+from ..format.index import DatasetIndex, ShardInfo
+from ..format.materialize import is_local_layout, materialize
+from ..remote import storage
+from ..remote.fetch import Fetcher, FetchOptions
 from .eviction import Resident, choose_victims
-from .fetch import Fetcher, FetchOptions
 from .identity import (
     Identity,
     dataset_folder_name,
@@ -57,8 +60,6 @@ from .identity import (
     verify_in_place,
     write_record,
 )
-from .index import DatasetIndex, ShardInfo
-from .materialize import is_local_layout, materialize
 
 ACCOUNTING_NAME = "accounting.json"
 ACCOUNTING_LOCK = "accounting.lock"

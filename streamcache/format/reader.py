@@ -17,9 +17,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from . import _native
+from .. import _native
+from ..errors import SchemaError, ShardCorruptError
 from .columns import ColumnBuffers, column_buffers
-from .errors import SchemaError, ShardCorruptError
 from .schema import Field, Schema
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .plan import Cursor, EpochSegment, PlanError, TailPolicy
+from ..plan import Cursor, EpochSegment, PlanError, TailPolicy
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The writer's lease: one :class:`~streamcache.writer.ShardWriter` per destination at a time.
+"""The writer's lease: one :class:`~streamcache.format.writer.ShardWriter` per destination at a
+time.
 
 A writer takes the lease by creating ``_streamcache-writer.lease`` at its destination before
 it writes anything, and gives it back after it has published (or aborted). The file names
@@ -41,8 +42,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import storage
-from .errors import DestinationError
+from ..errors import DestinationError
+from ..remote import storage
 
 LEASE_NAME = "_streamcache-writer.lease"
 _MAX_LEASE_BYTES = 4096

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .errors import SchemaError
+from ..errors import SchemaError
 from .schema import FIELD_METADATA_KEY, Field
 
 # ---------------------------------------------------------------- Python values -> Arrow

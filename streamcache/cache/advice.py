@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .plan import EpochOrder, ShuffleOptions
+from ..plan import EpochOrder, ShuffleOptions
 from .prefetch import ShardUsage
 
 _CHUNK = 1 << 20  # positions evaluated per pass

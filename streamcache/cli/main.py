@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .errors import StreamcacheError
+from ..errors import StreamcacheError
 
 # Exception class names (anywhere in the MRO) of the cloud clients beneath fsspec, matched by
 # name so that the CLI imports none of them.
@@ -34,10 +34,12 @@ _CLIENT_ERRORS = frozenset({"ClientError", "BotoCoreError", "ClientResponseError
 
 # name -> (module providing add_arguments/run, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "convert": ("streamcache.convert", "convert Parquet/Arrow/JSONL/images/numpy into shards"),
-    "index": ("streamcache.index", "build index.json for existing Parquet or Arrow IPC files"),
-    "inspect": ("streamcache.inspect", "show a dataset's schema, shards, sizes and samples"),
-    "bench": ("streamcache.bench", "stream a dataset and report throughput and waiting"),
+    "convert": ("streamcache.format.convert",
+                "convert Parquet/Arrow/JSONL/images/numpy into shards"),
+    "index": ("streamcache.format.index",
+              "build index.json for existing Parquet or Arrow IPC files"),
+    "inspect": ("streamcache.cli.inspection", "show a dataset's schema, shards, sizes and samples"),
+    "bench": ("streamcache.cli.bench", "stream a dataset and report throughput and waiting"),
     "checkpoints": ("streamcache.checkpoint", "list checkpoints under a root, or verify one"),
     "goodput": ("streamcache.goodput", "checkpoint interval and expected goodput"),
 }
@@ -48,7 +50,7 @@ def _build_parser(chosen: str | None) -> argparse.ArgumentParser:
         prog="streamcache",
         description="Fast, exactly-once, resumable data streaming for PyTorch training.",
     )
-    from . import __version__
+    from .. import __version__
 
     parser.add_argument("--version", action="version", version=f"streamcache {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -11,11 +11,11 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .errors import MissingDependencyError
+from ..errors import MissingDependencyError
 
 if TYPE_CHECKING:
+    from ..goodput import GoodputReport
     from .bench import BenchResult
-    from .goodput import GoodputReport
 
 RATE_WINDOW_STEPS = 10  # steps averaged into one throughput point
 
@@ -109,7 +109,7 @@ def plot_goodput(report: GoodputReport, save_cost: float, restart_cost: float,
                  path: str) -> None:
     """Expected goodput against the checkpoint interval (log scale), with the chosen or
     recommended interval and Young's and Daly's marked; written to ``path``."""
-    from .goodput import expected_goodput, format_duration
+    from ..goodput import expected_goodput, format_duration
 
     plt = require_matplotlib()
     low = max(1.0, report.interval / 100)

@@ -26,12 +26,12 @@ import pyarrow.ipc as ipc
 import pyarrow.json as pj
 import pyarrow.parquet as pq
 
-from . import storage
-from .errors import EmptyDatasetError, SchemaError, SourceError
+from ..errors import EmptyDatasetError, SchemaError, SourceError
+from ..progress import ProgressLine
+from ..remote import storage
+from ..units import parse_size, plural, size_argument
 from .index import HF_SIDE_FILES, INDEX_NAME, DatasetIndex, load_index
-from .progress import ProgressLine
 from .schema import Field, Schema
-from .units import parse_size, plural, size_argument
 from .writer import DEFAULT_SHARD_SIZE, ShardWriter
 
 FORMATS = ("parquet", "arrow", "jsonl", "imagefolder", "numpy")

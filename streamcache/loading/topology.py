@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from .plan import PlanError
+from ..plan import PlanError
 
 # Variables that launchers (torchrun, Lightning, accelerate, DeepSpeed) set in every process of
 # a distributed job, with the value each takes in a job of one process.

@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from . import storage
+from ..errors import SchemaError, ShardCorruptError
+from ..remote import storage
 from .columns import to_canonical
-from .errors import SchemaError, ShardCorruptError
 from .schema import Schema
 
 

@@ -22,8 +22,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..errors import IndexFormatError
 from .checksum import checksum_bytes
-from .errors import IndexFormatError
 
 SHARD_FORMATS = ("arrow", "parquet", "arrow_stream")
 MAX_COUNT = 2**63  # rows and bytes are below this (they must fit an int64)

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from .dataset_reader import DatasetReader
-from .index import DatasetIndex, load_index
-from .units import plural
+from ..format.index import DatasetIndex, load_index
+from ..loading.dataset_reader import DatasetReader
+from ..units import plural
 
 
 def describe(index: DatasetIndex) -> dict[str, Any]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import _native
-from .errors import ChecksumMismatchError, StreamcacheError
+from .. import _native
+from ..errors import ChecksumMismatchError, StreamcacheError
 
 ALGORITHM = "xxh64"
 

@@ -56,9 +56,10 @@ import fsspec.asyn
 import fsspec.core
 from fsspec.exceptions import FSTimeoutError
 
-from . import checksum as _checksum
-from . import forksafe, storage
-from .errors import ChecksumMismatchError, ConfigError, StreamcacheError
+from .. import forksafe
+from ..errors import ChecksumMismatchError, ConfigError, StreamcacheError
+from ..format import checksum as _checksum
+from . import storage
 
 T = TypeVar("T")
 

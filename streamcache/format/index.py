@@ -3,7 +3,7 @@
 It lists every shard (path relative to the index, format, rows, bytes, checksum), the schema
 and a fingerprint of the whole, under a format version. From :data:`SHARD_TABLE_MIN_SHARDS`
 shards on, the shard list is a Parquet side file beside it (format version 2); in memory it is
-always a columnar :class:`~streamcache.shard_table.ShardTable`.
+always a columnar :class:`~streamcache.format.shard_table.ShardTable`.
 
 An index is untrusted input. Loading is strict: a missing key, an unknown version, a value of
 the wrong type or range, a document over :data:`MAX_INDEX_BYTES` or nested deeper than
@@ -33,10 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from . import storage
-from .checksum import checksum_bytes, checksum_file, verify_bytes
-from .columns import field_from_arrow
-from .errors import (
+from ..errors import (
     ChecksumMismatchError,
     EmptyDatasetError,
     IndexFormatError,
@@ -44,11 +41,14 @@ from .errors import (
     SchemaError,
     SourceError,
 )
-from .fetch import FetchOptions
-from .fetch import read_capped as fetch_capped
+from ..remote import storage
+from ..remote.fetch import FetchOptions
+from ..remote.fetch import read_capped as fetch_capped
+from ..units import plural
+from .checksum import checksum_bytes, checksum_file, verify_bytes
+from .columns import field_from_arrow
 from .schema import Schema
 from .shard_table import MAX_SHARDS, SHARD_FORMATS, ShardInfo, ShardTable, shard_entry_hook
-from .units import plural
 
 INDEX_NAME = "index.json"
 FORMAT_NAME = "streamcache-index"
@@ -412,8 +412,8 @@ def load_index(url: str, storage_options: Mapping[str, Any] | None = None, *,
     """Load a dataset's index from a folder URL or an index.json URL.
 
     ``allow_external_paths``: see :func:`check_shard_paths`. ``fetch``: the stall timeout
-    and retries of the reads (see :class:`~streamcache.fetch.FetchOptions`); a read that
-    fails raises :class:`~streamcache.fetch.FetchError` naming the URL.
+    and retries of the reads (see :class:`~streamcache.remote.fetch.FetchOptions`); a read that
+    fails raises :class:`~streamcache.remote.fetch.FetchError` naming the URL.
     """
     target = index_url(url)
     fs, path = storage.filesystem(target, storage_options)

@@ -1,0 +1,3 @@
+"""The node-local cache: installs, identity, accounting and eviction, the prefetcher and the plan's
+advice.
+"""

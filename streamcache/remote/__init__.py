@@ -1,0 +1,3 @@
+"""Remote storage: fsspec filesystems, atomic publishing, and the fetcher (retries, timeouts,
+bounded bodies).
+"""
