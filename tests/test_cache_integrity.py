@@ -37,8 +37,9 @@ from test_cache import (
 )
 
 from streamcache import DatasetReader, StreamDataset
+from streamcache.cache.accounting import ACCOUNTING_NAME
 from streamcache.cache.advice import shard_usage, working_set_bound
-from streamcache.cache.node import ACCOUNTING_NAME, NodeCache, local_bytes_estimate
+from streamcache.cache.node import NodeCache, local_bytes_estimate
 from streamcache.cache.prefetch import Prefetcher, PrefetchOptions
 from streamcache.errors import (
     CacheBudgetError,

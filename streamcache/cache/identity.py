@@ -36,7 +36,8 @@ from ..errors import CacheError, ChecksumMismatchError, ShardCorruptError
 from ..format.checksum import checksum_bytes, checksum_file
 from ..format.index import DatasetIndex, ShardInfo
 from ..remote import storage
-from ..remote.fetch import FetchOptions, backoff_delay, is_transient
+from ..remote.options import FetchOptions
+from ..remote.retry import backoff_delay, is_transient
 
 #: Fields of fsspec ``info`` that change when an object's content is replaced, strongest
 #: first: content hashes and versions, then modification times (with the inode, locally).
@@ -162,12 +163,41 @@ def verify_in_place(path: str, info: ShardInfo, *, where: str, record: str | Non
     return True
 
 
+def record_path(shard_dir: str, shard: int) -> str:
+    """Where the source record of an installed shard lives, beside the copy."""
+    return os.path.join(shard_dir, f"{shard:06d}.source")
+
+
+def local_file(url: str) -> str | None:
+    """The path of a shard URL on the local disk; None for any other filesystem."""
+    if "://" in url and not url.startswith("file://"):
+        return None
+    return url.removeprefix("file://")
+
+
+def local_size_error(url: str, expected: int) -> ShardCorruptError | None:
+    """A ShardCorruptError if ``url`` is a local file of another size than ``expected``."""
+    path = local_file(url)
+    try:
+        size = os.path.getsize(path) if path is not None else expected
+    except OSError:
+        return None
+    if size == expected:
+        return None
+    return ShardCorruptError(f"{url} is {size} bytes, the index says {expected}; it is "
+                             "truncated or was rewritten after indexing: restore it, or "
+                             "rebuild the index")
+
+
 __all__ = [
     "canonical_location",
     "dataset_folder_name",
     "file_stamp",
+    "local_file",
+    "local_size_error",
     "object_identity",
     "read_record",
+    "record_path",
     "source_identity",
     "verify_in_place",
     "write_record",

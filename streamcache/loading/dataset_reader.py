@@ -23,11 +23,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..cache.node import NodeCache, local_size_error
+from ..cache.identity import local_size_error
+from ..cache.node import NodeCache
 from ..errors import RowOutOfRangeError, ShardNotFoundError, StreamcacheError
 from ..format.index import DatasetIndex, load_index
 from ..format.reader import Ragged, ShardReader, first_row, gather
-from ..remote.fetch import FetchError, FetchOptions
+from ..remote.options import FetchOptions
+from ..remote.retry import FetchError
 
 
 class ShardStore(Protocol):
@@ -57,9 +59,10 @@ class DatasetReader:
             ``cache_dir``). Default: a temporary folder, removed on close.
         store: where local copies of shards come from (default: the node cache above).
         allow_external_paths: read shards the index names outside its own folder (on the
-            index's filesystem only; see :func:`streamcache.format.index.check_shard_paths`).
+            index's filesystem only; see
+            :func:`streamcache.format.shard_paths.check_shard_paths`).
         fetch: how remote shards are read by the default store (timeouts, retries; see
-            :class:`~streamcache.remote.fetch.FetchOptions`).
+            :class:`~streamcache.remote.options.FetchOptions`).
         verify: hash a local shard read in place against the index's checksum before it is
             first served (once per file version); False checks its size only.
 

@@ -1,0 +1,147 @@
+"""The node cache's install path: fetch a shard into this process's temporaries, verify it
+(size and checksum, by the Fetcher), materialize it into the local layout the reader maps,
+and publish it by a rename, accounted under the cache-wide lock.
+
+Room is made within ``cache_limit`` before the download; a full disk evicts more and tries
+again (faults.py). The caller holds the shard's install lock (node.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CacheBudgetError, CacheError
+from ..format.index import DatasetIndex
+from ..format.materialize import is_local_layout, materialize
+from ..remote import storage
+from ..remote.fetch import Fetcher
+from .accounting import (
+    EVICTION_GRACE_S,
+    KEY_BYTES,
+    KEY_INSTALLED,
+    Accounting,
+    remove_quietly,
+)
+from .faults import DISK_FULL_ATTEMPTS, disk_full_error, is_disk_full
+from .identity import Identity, record_path, source_identity, write_record
+
+#: Installed shards are read-only files: the cache never writes a published file (it only
+#: renames new ones in and unlinks old ones), and a process that maps one would die of
+#: SIGBUS if anything truncated it.
+INSTALLED_MODE = 0o444
+
+
+class Installer(Accounting):
+    """The install part of :class:`~streamcache.cache.node.NodeCache` (a base class: its
+    state is the cache's, set by the cache's constructor)."""
+
+    index: DatasetIndex
+    fetcher: Fetcher
+    durable: bool
+    working_set_bytes: int
+    _storage_options: Mapping[str, Any]
+    _shard_dir: str
+    _actual_bytes: dict[int, int]
+    _confirmed: set[int]
+
+    if TYPE_CHECKING:  # the cache's public methods, defined in node.py
+        def shard_path(self, shard: int) -> str: ...
+        def estimated_bytes(self, shard: int) -> int: ...
+
+    def _install_with_room(self, shard: int) -> int:
+        """Download, materialize and publish ``shard`` (shard lock held); returns the bytes
+        downloaded. Makes room first; on a full disk evicts more and tries again."""
+        info = self.index.shards[shard]
+        url = self.index.shard_url(shard)
+        if self.cache_limit is not None:
+            # its raw bytes, not the padded estimate: evicting more than the install needs
+            # would cost a re-fetch; publishing evicts the rest once the size is exact
+            raw = info.raw_bytes if info.raw_bytes is not None else info.bytes
+            self._make_room(self._actual_bytes.get(shard, raw))
+        # Before the download: an object replaced in between is then fetched again later,
+        # never served under the old object's identity.
+        identity = source_identity(info, url, self._storage_options, self.fetcher.options)
+        for attempt in range(1, DISK_FULL_ATTEMPTS + 1):
+            try:
+                staged, downloaded = self._download(shard)
+                try:
+                    self._publish(shard, staged, identity)
+                finally:
+                    remove_quietly(staged)
+                return downloaded
+            except OSError as error:
+                if not is_disk_full(error):
+                    raise
+                needed = info.bytes + self.estimated_bytes(shard)
+                if attempt == DISK_FULL_ATTEMPTS or self._evict_for_disk(needed) == 0:
+                    raise self._disk_full_error(shard, needed) from error
+        raise AssertionError("unreachable")
+
+    def _disk_full_error(self, shard: int, needed: int) -> CacheError:
+        return disk_full_error(self.cache_dir, shard, needed, self._accounted_bytes())
+
+    def _download(self, shard: int) -> tuple[str, int]:
+        """Fetch and materialize ``shard`` into this process's temporaries: (file, bytes)."""
+        info = self.index.shards[shard]
+        url = self.index.shard_url(shard)
+        tmp = self._tmp_dir()
+        download = os.path.join(tmp, f"{shard:06d}.download")
+        staged = os.path.join(tmp, f"{shard:06d}.arrow")
+        try:
+            nbytes = self.fetcher.fetch_to_file(url, download, size=info.bytes,
+                                                checksum=info.checksum)
+            # (a compressed shard is never in the layout; checking would decompress it once more)
+            if info.format == "arrow" and info.compression is None and is_local_layout(
+                    download, self.index.schema):
+                os.replace(download, staged)  # stored uncompressed already: no decode
+            else:
+                materialize(download, info.format, self.index.schema, staged, where=url,
+                            expected_rows=info.rows, durable=self.durable)
+        finally:
+            remove_quietly(download)
+        return staged, nbytes
+
+    def _publish(self, shard: int, staged: str, identity: Identity | None) -> None:
+        """Make room, account and rename ``staged`` into place, all under the cache lock.
+
+        Order, chosen so that a crash at any point leaves the accounting at or above the
+        truth (never a budget overrun): victims are unlinked before the accounting is
+        written, the accounting is written before the new shard is renamed into place. The
+        source record is written before the shard appears, so a shard is never without it.
+        """
+        nbytes = os.path.getsize(staged)
+        os.chmod(staged, INSTALLED_MODE)
+        os.makedirs(self._shard_dir, exist_ok=True)  # (again, if cache_dir was removed)
+        if identity is not None and self.index.shards[shard].checksum is None:
+            write_record(record_path(self._shard_dir, shard),
+                         {"url": self.index.shard_url(shard), "identity": identity})
+        self._actual_bytes[shard] = nbytes
+        key = self._key(shard)
+        with self._accounting_lock():
+            entries = self._read_accounting()
+            entries.pop(key, None)
+            if self.cache_limit is not None:
+                if nbytes > self.cache_limit:
+                    raise CacheBudgetError(
+                        f"shard {shard} takes {nbytes} bytes installed; cache_limit="
+                        f"{self.cache_limit} cannot hold it: set cache_limit to at least "
+                        f"{max(nbytes, self.working_set_bytes)} bytes")
+                self._evict(entries, nbytes)
+            now = time.time()
+            entries[key] = {KEY_BYTES: nbytes, KEY_INSTALLED: now}
+            self._write_accounting(entries)
+            # installed is not handed out: only lookup() makes a shard fresh for eviction
+            os.utime(staged, (now - EVICTION_GRACE_S, now - EVICTION_GRACE_S))
+            # the publishing half of storage.atomic_path, split: the staged file was written
+            # and verified before the lock, and the accounting must come between
+            os.replace(staged, self.shard_path(shard))
+            if self.durable:
+                storage.fsync_dir(self._shard_dir)
+        self._last_used[key] = time.time()
+        self._confirmed.add(shard)
+
+
+__all__ = ["INSTALLED_MODE", "Installer"]
