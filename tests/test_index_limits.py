@@ -16,9 +16,11 @@ import pyarrow.parquet as pq
 import pytest
 
 import streamcache.format.index as index_module
+import streamcache.format.index_format as index_format
 from streamcache.errors import IndexFormatError
 from streamcache.format.checksum import checksum_bytes
 from streamcache.format.index import build_index, load_index, parse_index
+from streamcache.format.shard_table import ShardInfo, ShardTable
 from streamcache.format.writer import write_dataset
 from streamcache.loading.dataset import StreamDataset
 from streamcache.loading.dataset_reader import DatasetReader
@@ -113,9 +115,9 @@ def test_deep_json_is_refused_with_the_cap(dataset: str) -> None:
 
 def test_json_depth_ignores_brackets_inside_strings() -> None:
     document = json.dumps({"a": "[[[[{{{", "b": [1, {"c": '"]]]\\'}], "d": "\\\\"}).encode()
-    assert index_module.json_depth(document) == 3
-    assert index_module.json_depth(b'{"x": "\\\\\\"[[["}') == 1
-    assert index_module.json_depth(b"[[[]],[]]") == 3
+    assert index_format.json_depth(document) == 3
+    assert index_format.json_depth(b'{"x": "\\\\\\"[[["}') == 1
+    assert index_format.json_depth(b"[[[]],[]]") == 3
 
 
 def test_an_oversized_index_is_refused_with_the_cap(dataset: str, monkeypatch) -> None:
@@ -133,7 +135,7 @@ def test_an_oversized_index_is_refused_with_the_cap(dataset: str, monkeypatch) -
 @pytest.fixture
 def large_dataset(tmp_path: Path, monkeypatch) -> str:
     """A dataset of 9 shards written with the side-file threshold lowered to 5 shards."""
-    monkeypatch.setattr(index_module, "SHARD_TABLE_MIN_SHARDS", 5)
+    monkeypatch.setattr(index_format, "SHARD_TABLE_MIN_SHARDS", 5)
     dst = str(tmp_path / "large")
     write_dataset(({"x": np.full(10, i, np.int64), "s": str(i)} for i in range(60)), dst,
                   shard_size=500)
@@ -154,7 +156,7 @@ def test_large_index_keeps_its_shards_in_a_parquet_side_file(large_dataset: str,
     assert obj["shard_table"]["bytes"] == side.stat().st_size
     index = load_index(large_dataset)
     assert obj["shard_table"]["shards"] == pq.read_metadata(side).num_rows == len(index.shards)
-    assert isinstance(index.shards, index_module.ShardTable)
+    assert isinstance(index.shards, ShardTable)
     assert index.shard_rows.dtype == np.int64 and index.shard_rows.sum() == 60
     assert index.num_samples == 60 and len(index.shards) >= 5
     assert index.shards[3].checksum is not None and index.shards[3].format == "arrow"
@@ -231,7 +233,7 @@ def test_side_file_values_are_checked_like_json_ones(large_dataset: str) -> None
 
 
 def test_a_side_file_index_on_s3(s3_bucket: Any, monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(index_module, "SHARD_TABLE_MIN_SHARDS", 3)
+    monkeypatch.setattr(index_format, "SHARD_TABLE_MIN_SHARDS", 3)
     url = s3_bucket.url("index-limits/large")
     options = s3_bucket.storage_options()
     write_dataset(({"x": i} for i in range(30)), url, shard_size=100, storage_options=options)
@@ -259,26 +261,26 @@ def test_the_stated_shard_count_must_match(large_dataset: str) -> None:
 
 
 def test_shard_table_is_a_sequence_of_shard_infos() -> None:
-    infos = [index_module.ShardInfo(f"s{k}.arrow", "arrow", k, 10 * k,
-                                    None if k % 2 else f"xxh64:{k:016x}",
-                                    None if k % 3 else "zstd", None if k % 4 else 7 * k)
+    infos = [ShardInfo(f"s{k}.arrow", "arrow", k, 10 * k,
+                       None if k % 2 else f"xxh64:{k:016x}",
+                       None if k % 3 else "zstd", None if k % 4 else 7 * k)
              for k in range(9)]
-    table = index_module.ShardTable.from_infos(infos)
+    table = ShardTable.from_infos(infos)
     assert len(table) == 9 and list(table) == infos and table[-1] == infos[-1]
     assert [table[k] for k in range(9)] == infos and list(table[2:5]) == infos[2:5]
     assert table.total_rows == 36 and table.rows.tolist() == list(range(9))
     assert not table.rows.flags.writeable
     copy = pickle.loads(pickle.dumps(table))
     assert copy == table and list(copy) == infos
-    assert index_module.ShardTable.from_arrow(table.to_arrow(), "t") == table
-    assert table != index_module.ShardTable.from_infos(infos[:8])
+    assert ShardTable.from_arrow(table.to_arrow(), "t") == table
+    assert table != ShardTable.from_infos(infos[:8])
     with pytest.raises(IndexError):
         table[9]
 
 
 def test_a_side_file_over_the_decoded_cap_is_refused_before_decoding(large_dataset: str,
                                                                       monkeypatch) -> None:
-    monkeypatch.setattr(index_module, "MAX_SHARD_TABLE_DECODED", 100)
+    monkeypatch.setattr(index_format, "MAX_SHARD_TABLE_DECODED", 100)
     with pytest.raises(IndexFormatError, match=r"bytes decoded, over the cap of 2147483647 "
                                                r"shards or 100 bytes"):
         load_index(large_dataset)

@@ -34,9 +34,9 @@ _CLIENT_ERRORS = frozenset({"ClientError", "BotoCoreError", "ClientResponseError
 
 # name -> (module providing add_arguments/run, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "convert": ("streamcache.format.convert",
+    "convert": ("streamcache.cli.convert",
                 "convert Parquet/Arrow/JSONL/images/numpy into shards"),
-    "index": ("streamcache.format.index",
+    "index": ("streamcache.cli.index",
               "build index.json for existing Parquet or Arrow IPC files"),
     "inspect": ("streamcache.cli.inspection", "show a dataset's schema, shards, sizes and samples"),
     "bench": ("streamcache.cli.bench", "stream a dataset and report throughput and waiting"),

@@ -10,10 +10,8 @@ both cores.
 
 from __future__ import annotations
 
-import argparse
 import io
 import posixpath
-import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +27,9 @@ import pyarrow.parquet as pq
 from ..errors import EmptyDatasetError, SchemaError, SourceError
 from ..progress import ProgressLine
 from ..remote import storage
-from ..units import parse_size, plural, size_argument
-from .index import HF_SIDE_FILES, INDEX_NAME, DatasetIndex, load_index
+from ..units import parse_size, plural
+from .discovery import HF_SIDE_FILES
+from .index import INDEX_NAME, DatasetIndex, load_index
 from .schema import Field, Schema
 from .writer import DEFAULT_SHARD_SIZE, ShardWriter
 
@@ -330,28 +329,6 @@ def convert(src: str, dst: str, *, format: str | None = None,
     assert index is not None
     return ConvertReport(index.num_samples, len(index.shards), writer.stats.bytes_written,
                          writer.stats.raw_bytes, time.perf_counter() - started, index.url)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="file, folder or glob (any fsspec URL)")
-    parser.add_argument("dst", help="destination folder (any fsspec URL)")
-    parser.add_argument("--format", choices=FORMATS, help="source format (default: detect)")
-    parser.add_argument("--fields", help="comma-separated fields to keep (default: all)")
-    parser.add_argument("--shard-size", default="64MB", type=size_argument,
-                        help="target uncompressed bytes per shard (default 64MB)")
-    parser.add_argument("--compression", default="zstd", choices=["zstd", "lz4", "none"])
-    parser.add_argument("--overwrite", action="store_true", help="replace a dataset at DST")
-    parser.add_argument("--quiet", action="store_true", help="no progress line")
-
-
-def run(args: argparse.Namespace) -> int:
-    fields = [f.strip() for f in args.fields.split(",")] if args.fields else None
-    report = convert(args.src, args.dst, format=args.format, fields=fields,
-                     shard_size=args.shard_size,
-                     compression=None if args.compression == "none" else args.compression,
-                     overwrite=args.overwrite, progress=None if args.quiet else sys.stderr)
-    print(report.summary())
-    return 0
 
 
 __all__ = ["FORMATS", "ConvertReport", "convert", "detect_format", "parse_size"]

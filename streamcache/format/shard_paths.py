@@ -1,0 +1,98 @@
+"""Shard-path confinement: an index names shards under its own folder, and never on another
+filesystem.
+
+Everything read back from an index is untrusted: :func:`check_shard_paths` refuses a shard
+path that leaves the index's folder (``..``, an absolute path, a URL) unless the reader opts
+in, and even then one of another protocol, so an index on an object store can never name a
+local file. :func:`check_same_filesystem` applies the same rule when an index is built.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow.compute as pc
+
+from ..errors import IndexFormatError, SourceError
+from ..remote import storage
+
+if TYPE_CHECKING:
+    from .index import DatasetIndex
+
+
+def check_shard_paths(index: DatasetIndex, *, allow_external_paths: bool = False) -> None:
+    """Refuse shard paths that leave the dataset's root.
+
+    A relative path must stay under the index's folder (no ``..`` above it); an absolute path
+    or URL must lie under that folder too, unless ``allow_external_paths``; even then it must
+    use the index's own protocol, so an index on an object store can never name a local file.
+
+    Raises:
+        IndexFormatError: naming the first offending path and the option.
+    """
+    paths = index.shard_table.paths()
+    suspicious = pc.or_(pc.or_(pc.starts_with(paths, "/"), pc.match_substring(paths, "://")),
+                        pc.match_substring_regex(paths, r"(^|/)\.\.(/|$)"))
+    root_protocol, root_path = _split_url(index.root)
+    for k in np.flatnonzero(suspicious.to_numpy(zero_copy_only=False)):
+        path = paths[int(k)].as_py()
+        if not storage.is_absolute_url(path):
+            if posixpath.normpath(path).split("/")[0] == "..":
+                raise IndexFormatError(
+                    f"{index.url}: shard path {path!r} leaves the dataset's folder with '..'; "
+                    "name files under the index's folder (or, with allow_external_paths=True, "
+                    "by their absolute path or URL)"
+                )
+            continue
+        protocol, location = _split_url(path)
+        if protocol == root_protocol and _under(location, root_path):
+            continue
+        if not allow_external_paths:
+            raise IndexFormatError(
+                f"{index.url}: shard path {path!r} is outside the dataset's folder "
+                f"{index.root}; pass allow_external_paths=True to read shards elsewhere on "
+                f"the index's own filesystem ({root_protocol}://)"
+            )
+        if protocol != root_protocol:
+            raise IndexFormatError(
+                f"{index.url}: shard path {path!r} is on {protocol}://, the index on "
+                f"{root_protocol}://; an index may name external shards on its own filesystem "
+                "only, even with allow_external_paths=True: copy the shards beside the index"
+            )
+
+
+def _split_url(url: str) -> tuple[str, str]:
+    """(protocol, normalized path): local paths and ``file://`` URLs are ``file``."""
+    protocol, sep, rest = url.partition("://")
+    if not sep:
+        protocol, rest = "file", url
+    protocol = "file" if protocol == "local" else protocol
+    rest = posixpath.normpath("/" + rest.lstrip("/")) if protocol != "file" else \
+        posixpath.normpath(rest)
+    return protocol, rest
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def check_same_filesystem(output: str, files: str,
+                          storage_options: Mapping[str, Any] | None) -> None:
+    """Refuse an index at ``output`` that would name the files at ``files`` on another
+    filesystem (see :func:`check_shard_paths`).
+
+    Raises:
+        SourceError: the two are on different protocols.
+    """
+    out_fs, out_path = storage.filesystem(output, storage_options)
+    out_protocol, files_protocol = (_split_url(storage.unstrip(out_fs, out_path))[0],
+                                    _split_url(files)[0])
+    if out_protocol != files_protocol:
+        raise SourceError(
+            f"an index at {output} ({out_protocol}://) could not name files on "
+            f"{files_protocol}:// ({files}): an index names shards on its own filesystem "
+            "only; write the index beside the files, or copy them"
+        )
