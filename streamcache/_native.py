@@ -18,8 +18,8 @@ from typing import Any, NoReturn, Protocol
 
 import numpy as np
 
-from . import _twin
-from ._twin import Status
+from . import _twin, _twin_checks
+from ._twin_checks import Status
 from .errors import CorruptDataError, NativeError, RowOutOfRangeError, StreamcacheError
 
 
@@ -174,14 +174,14 @@ def gather_fixed(
     """
     # Checked here: a non-contiguous out would reshape into a copy, and the rows into nowhere.
     if not isinstance(out, np.ndarray) or not (out.flags.c_contiguous and out.flags.writeable):
-        problem = _twin.array_problem("out", out, writable=True, one_d=False)
+        problem = _twin_checks.array_problem("out", out, writable=True, one_d=False)
         raise NativeError(f"gather_fixed: {problem}", CODE_INVALID)
     flat = out.reshape(-1).view(np.uint8)
     sources = list(sources)
     try:
         status = _backend.gather_fixed(sources, stride, which, rows, flat)
     except TypeError as exc:
-        _refused(exc, _twin.check_fixed_args(sources, stride, which, rows, flat))
+        _refused(exc, _twin_checks.check_fixed_args(sources, stride, which, rows, flat))
     _raise(*status)
 
 
@@ -209,8 +209,8 @@ def gather_var(
             values, offsets, elem_size, which, rows, out_offsets
         )
     except TypeError as exc:
-        _refused(exc, _twin.check_var_args("var_offsets", values, offsets, which, rows,
-                                           out_offsets))
+        _refused(exc, _twin_checks.check_var_args("var_offsets", values, offsets, which, rows,
+                                                  out_offsets))
     _raise(code, item, message)
     out_values = np.empty(int(total) * elem_size, dtype=np.uint8)
     _raise(*_backend.gather_var(values, offsets, elem_size, which, rows, out_offsets, out_values))

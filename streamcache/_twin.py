@@ -3,6 +3,9 @@
 It is the test oracle and the readable statement of what the native code must do. Select it
 with ``STREAMCACHE_NATIVE=0``. Functions return errors as values, exactly as the extension does:
 ``(code, item, message)`` tuples, with the codes of ``csrc/status.h``.
+
+The argument checks are in ``streamcache._twin_checks``, the scheduler twin in
+``streamcache._twin_scheduler``.
 """
 
 from __future__ import annotations
@@ -12,7 +15,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
-OK, OUT_OF_RANGE, CORRUPT, IO, INVALID = 0, 1, 2, 3, 4
+from ._twin_checks import (
+    CORRUPT,
+    INVALID,
+    IO,
+    OK,
+    OUT_OF_RANGE,
+    Status,
+    check_fixed_args,
+    check_var_args,
+    check_var_request,
+)
+from ._twin_scheduler import Scheduler as Scheduler  # the Backend protocol's Scheduler
+
 _MASK = (1 << 64) - 1
 _P1 = 0x9E3779B185EBCA87
 _P2 = 0xC2B2AE3D27D4EB4F
@@ -20,8 +35,6 @@ _P3 = 0x165667B19E3779F9
 _P4 = 0x85EBCA77C2B2AE63
 _P5 = 0x27D4EB2F165667C5
 _num_threads = 1
-
-Status = tuple[int, int, str]
 
 
 def _rotl(x: int, r: int) -> int:
@@ -114,72 +127,6 @@ def _check_shard(i: int, shard: int, n_sources: int) -> Status | None:
 
 
 _INT64_MAX = (1 << 63) - 1
-Array = tuple[str, object, np.dtype | None, bool]  # name, value, exact dtype, writable
-
-
-def array_problem(name: str, array: object, dtype: np.dtype | None = None, *,
-                  writable: bool = False, one_d: bool = True) -> str | None:
-    """What makes ``array`` unfit for the native core, or None.
-
-    The extension refuses to convert arrays (``.noconvert()`` in ``csrc/bindings.cpp``): a
-    converting cast would silently copy an output, whose result is then lost, or truncate
-    int64 values to uint8. Arrays must be numpy arrays of the exact dtype, C-contiguous,
-    and writable if they are outputs.
-    """
-    if not isinstance(array, np.ndarray):
-        return f"{name} must be a numpy array, got {type(array).__name__}"
-    if dtype is not None and array.dtype != dtype:
-        return f"{name} must have dtype {dtype}, got {array.dtype}"
-    if one_d and array.ndim != 1:
-        return f"{name} must be one-dimensional, got shape {array.shape}"
-    if not array.flags.c_contiguous:
-        return f"{name} must be C-contiguous (it would be copied, and an output's copy lost)"
-    if writable and not array.flags.writeable:
-        return f"{name} must be writable"
-    return None
-
-
-def _first_problem(function: str, arrays: Sequence[Array]) -> Status | None:
-    for name, array, dtype, writable in arrays:
-        problem = array_problem(name, array, dtype, writable=writable)
-        if problem is not None:
-            return INVALID, -1, f"{function}: {problem}"
-    return None
-
-
-_U8, _I32, _I64 = np.dtype(np.uint8), np.dtype(np.int32), np.dtype(np.int64)
-
-
-def _each(name: str, arrays: Sequence[object], dtype: np.dtype) -> list[Array]:
-    if not isinstance(arrays, (list, tuple)):
-        return [(name, arrays, None, False)]  # "must be a numpy array": a list is expected
-    return [(f"{name}[{k}]", a, dtype, False) for k, a in enumerate(arrays)]
-
-
-def check_fixed_args(sources: Sequence[object], stride: int, which: object, rows: object,
-                     out: object) -> Status | None:
-    """The array checks of ``gather_fixed`` (``out`` may have any dtype and shape)."""
-    arrays = [*_each("sources", sources, _U8), ("which", which, _I32, False),
-              ("rows", rows, _I64, False)]
-    if (err := _first_problem("gather_fixed", arrays)) is not None:
-        return err
-    problem = array_problem("out", out, writable=True, one_d=False)
-    return None if problem is None else (INVALID, -1, f"gather_fixed: {problem}")
-
-
-def check_var_args(function: str, values: Sequence[object], offsets: Sequence[object],
-                   which: object, rows: object, out_offsets: object,
-                   out_values: object = None) -> Status | None:
-    """The array checks of ``var_offsets`` and (with ``out_values``) ``gather_var``."""
-    arrays = [*_each("values", values, _U8), *_each("offsets", offsets, _I64),
-              ("which", which, _I32, False), ("rows", rows, _I64, False),
-              ("out_offsets", out_offsets, _I64, out_values is None)]
-    if (err := _first_problem(function, arrays)) is not None:
-        return err
-    if out_values is None:
-        return None
-    problem = array_problem("out_values", out_values, writable=True, one_d=False)
-    return None if problem is None else (INVALID, -1, f"{function}: {problem}")
 
 
 def gather_fixed(
@@ -225,32 +172,13 @@ def _var_row(
     return None, begin, end
 
 
-def _check_var_request(
-    values: Sequence[np.ndarray], offsets: Sequence[np.ndarray], elem_size: int,
-    which: np.ndarray, rows: np.ndarray, out_offsets: np.ndarray,
-) -> Status | None:
-    """The checks var_offsets and gather_var share, in the extension's order."""
-    if len(which) != len(rows):
-        return INVALID, -1, "which and rows differ in length"
-    if out_offsets.size != len(rows) + 1:
-        return INVALID, -1, "out_offsets must hold len(rows) + 1 entries"
-    if len(values) != len(offsets):
-        return INVALID, -1, "values and offsets lists differ in length"
-    for i, off in enumerate(offsets):
-        if off.size == 0:
-            return CORRUPT, i, "an offsets buffer must hold at least one entry"
-    if elem_size <= 0:
-        return INVALID, -1, "elem_size must be positive"
-    return None
-
-
 def var_offsets(
     values: Sequence[np.ndarray], offsets: Sequence[np.ndarray], elem_size: int,
     which: np.ndarray, rows: np.ndarray, out_offsets: np.ndarray,
 ) -> tuple[int, int, str, int]:
     err = check_var_args("var_offsets", values, offsets, which, rows, out_offsets)
     if err is None:
-        err = _check_var_request(values, offsets, elem_size, which, rows, out_offsets)
+        err = check_var_request(values, offsets, elem_size, which, rows, out_offsets)
     if err is not None:
         return (*err, 0)
     max_elems = _INT64_MAX // elem_size  # the batch's bytes must fit an int64
@@ -275,7 +203,7 @@ def gather_var(
 ) -> Status:
     err = check_var_args("gather_var", values, offsets, which, rows, out_offsets, out_values)
     if err is None:
-        err = _check_var_request(values, offsets, elem_size, which, rows, out_offsets)
+        err = check_var_request(values, offsets, elem_size, which, rows, out_offsets)
     if err is not None:
         return err
     out_bytes = out_values.reshape(-1).view(np.uint8)
@@ -314,185 +242,3 @@ def set_num_threads(threads: int) -> None:
 
 def get_num_threads() -> int:
     return _num_threads
-
-
-# ------------------------------------------------------------------ prefetch scheduler twin
-
-SHARD_UNKNOWN, SHARD_QUEUED, SHARD_IN_FLIGHT, SHARD_READY, SHARD_FAILED = 0, 1, 2, 3, 4
-WAIT_READY, WAIT_FAILED, WAIT_TIMEOUT, WAIT_STOPPED, WAIT_NOT_SCHEDULED = 0, 1, 2, 3, 4
-TASK_STOPPED, TASK_TIMEOUT = -1, -2
-
-
-class _Entry:
-    __slots__ = ("bytes", "message", "priority", "state")
-
-    def __init__(self) -> None:
-        self.state = SHARD_UNKNOWN
-        self.priority = 0
-        self.bytes = 0
-        self.message = ""
-
-
-class Scheduler:
-    """Twin of ``csrc/scheduler.h``: the same methods, states, sentinels and counters.
-
-    The queue is a sorted list of (priority, shard) here (bisect), a std::set there.
-    """
-
-    def __init__(self, inflight_budget: int) -> None:
-        import threading  # imported here: the rest of the twin has no use for it
-
-        self._budget = int(inflight_budget)
-        self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)
-        self._done = threading.Condition(self._lock)
-        self._entries: dict[int, _Entry] = {}
-        self._queue: list[tuple[int, int]] = []
-        self._inflight_bytes = 0
-        self._inflight_tasks = 0
-        self._stopping = False
-        # hits, misses, bytes_fetched, bytes_evicted, wait_ns, tasks_done, tasks_failed
-        self._counters = [0] * 7
-
-    def submit(self, shard: int, priority: int, bytes: int) -> bool:
-        import bisect
-
-        with self._lock:
-            if self._stopping:
-                return False
-            entry = self._entries.setdefault(shard, _Entry())
-            if entry.state in (SHARD_IN_FLIGHT, SHARD_READY):
-                return False
-            if entry.state == SHARD_QUEUED:
-                if entry.priority == priority:
-                    return True
-                self._queue.remove((entry.priority, shard))
-            entry.state, entry.priority, entry.bytes, entry.message = (
-                SHARD_QUEUED, priority, bytes, "")
-            bisect.insort(self._queue, (priority, shard))
-            self._work.notify_all()
-            return True
-
-    def cancel(self, shard: int) -> bool:
-        with self._lock:
-            entry = self._entries.get(shard)
-            if entry is None or entry.state != SHARD_QUEUED:
-                return False
-            self._queue.remove((entry.priority, shard))
-            del self._entries[shard]
-            self._work.notify_all()
-            return True
-
-    def _head_fits(self) -> bool:
-        if not self._queue:
-            return False
-        if self._inflight_tasks == 0:
-            return True
-        head = self._entries[self._queue[0][1]]
-        return self._inflight_bytes + head.bytes <= self._budget
-
-    def next_task(self, timeout_s: float) -> int:
-        with self._lock:
-            ready = self._work.wait_for(lambda: self._stopping or self._head_fits(),
-                                        None if timeout_s < 0 else timeout_s)
-            if self._stopping:
-                return TASK_STOPPED
-            if not ready:
-                return TASK_TIMEOUT
-            _, shard = self._queue.pop(0)
-            entry = self._entries[shard]
-            entry.state = SHARD_IN_FLIGHT
-            self._inflight_bytes += entry.bytes
-            self._inflight_tasks += 1
-            return shard
-
-    def complete(self, shard: int, ok: bool, bytes_fetched: int, message: str) -> None:
-        with self._lock:
-            entry = self._entries.get(shard)
-            if entry is None or entry.state != SHARD_IN_FLIGHT:
-                return
-            self._inflight_bytes -= entry.bytes
-            self._inflight_tasks -= 1
-            entry.state = SHARD_READY if ok else SHARD_FAILED
-            entry.message = "" if ok else message
-            self._counters[2] += bytes_fetched
-            self._counters[5 if ok else 6] += 1
-            self._work.notify_all()
-            self._done.notify_all()
-
-    def mark_ready(self, shard: int) -> None:
-        with self._lock:
-            entry = self._entries.setdefault(shard, _Entry())
-            if entry.state == SHARD_IN_FLIGHT:
-                return
-            if entry.state == SHARD_QUEUED:
-                self._queue.remove((entry.priority, shard))
-            entry.state, entry.message = SHARD_READY, ""
-            self._work.notify_all()
-            self._done.notify_all()
-
-    def forget(self, shard: int, bytes_evicted: int) -> None:
-        with self._lock:
-            self._counters[3] += bytes_evicted
-            entry = self._entries.get(shard)
-            if entry is not None and entry.state in (SHARD_READY, SHARD_FAILED):
-                del self._entries[shard]
-
-    def _state(self, shard: int) -> int:
-        entry = self._entries.get(shard)
-        return SHARD_UNKNOWN if entry is None else entry.state
-
-    def wait(self, shard: int, timeout_s: float, count_access: bool) -> tuple[int, str]:
-        import time
-
-        with self._lock:
-            ready_on_entry = self._state(shard) == SHARD_READY
-            if count_access:
-                self._counters[0 if ready_on_entry else 1] += 1
-            if not ready_on_entry:
-                started = time.perf_counter_ns()
-                self._done.wait_for(
-                    lambda: self._stopping or self._state(shard) in (
-                        SHARD_READY, SHARD_FAILED, SHARD_UNKNOWN),
-                    None if timeout_s < 0 else timeout_s)
-                self._counters[4] += time.perf_counter_ns() - started
-            state = self._state(shard)
-            if state == SHARD_READY:
-                return WAIT_READY, ""
-            if state == SHARD_FAILED:
-                return WAIT_FAILED, self._entries[shard].message
-            if self._stopping:
-                return WAIT_STOPPED, ""
-            if state == SHARD_UNKNOWN:
-                return WAIT_NOT_SCHEDULED, ""
-            return WAIT_TIMEOUT, ""
-
-    def note_hit(self) -> None:
-        with self._lock:
-            self._counters[0] += 1
-
-    def state(self, shard: int) -> int:
-        with self._lock:
-            return self._state(shard)
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._work.notify_all()
-            self._done.notify_all()
-
-    def stopped(self) -> bool:
-        with self._lock:
-            return self._stopping
-
-    def counters(self) -> tuple[int, ...]:
-        with self._lock:
-            return tuple(self._counters)
-
-    def inflight_bytes(self) -> int:
-        with self._lock:
-            return self._inflight_bytes
-
-    def queued(self) -> int:
-        with self._lock:
-            return len(self._queue)
