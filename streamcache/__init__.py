@@ -49,8 +49,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time these load laz
         CheckpointUnsafeError,
         CheckpointWriteError,
     )
-    from .loading.dataset import StreamDataset, StreamOptions
+    from .loading.dataset import StreamDataset
     from .loading.loader import StreamLoader
+    from .loading.options import StreamOptions
     from .remote.fetch import FetchError, FetchOptions
     from .replicas.loader import ReplicaError
 
@@ -59,7 +60,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time these load laz
 # does not pay for importing torch. Every error class is importable from here all the same.
 _LAZY = {
     "StreamDataset": "streamcache.loading.dataset",
-    "StreamOptions": "streamcache.loading.dataset",
+    "StreamOptions": "streamcache.loading.options",
     "StreamLoader": "streamcache.loading.loader",
     "Checkpointer": "streamcache.checkpoint",
     "CheckpointError": "streamcache.checkpoint.errors",

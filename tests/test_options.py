@@ -19,7 +19,7 @@ from loader_helpers import make_dataset
 import streamcache
 from streamcache import ConfigError, FetchOptions, PrefetchOptions, StreamDataset, StreamLoader
 from streamcache.cache.prefetch import DEFAULT_LOOKAHEAD_SHARDS, Prefetcher
-from streamcache.loading.dataset import TAIL_MODES, WINDOW_UNITS, StreamOptions
+from streamcache.loading.options import TAIL_MODES, WINDOW_UNITS, StreamOptions
 from streamcache.plan import TailPolicy
 from streamcache.plan.order import WINDOW_UNITS as PLAN_WINDOW_UNITS
 

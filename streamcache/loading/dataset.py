@@ -9,20 +9,15 @@ global sample ids in ``__id__``. Progress is a :class:`~streamcache.plan.Cursor`
 
 from __future__ import annotations
 
-import dataclasses
-import numbers
 import os
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, get_args
+from typing import Any
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..cache.advice import ShardAdvice, working_set_bound
-from ..cache.node import NodeCache, local_bytes_estimate
-from ..cache.prefetch import Prefetcher, PrefetchOptions
-from ..errors import CacheBudgetError, ConfigError
+from ..cache.advice import ShardAdvice
+from ..cache.prefetch import PrefetchOptions
 from ..format.index import DatasetIndex, load_index
 from ..plan import (
     Cursor,
@@ -34,11 +29,10 @@ from ..plan import (
 )
 from ..plan import sample_seeds as plan_sample_seeds
 from ..plan.order import DEFAULT_WINDOW
-from ..remote.fetch import FetchOptions
+from ..remote.options import FetchOptions
 from .batching import (
     ID_KEY,
     PADDING_KEY,
-    RAGGED_MODES,
     SEED_KEY,
     apply_batch_transform,
     apply_sample_transform,
@@ -48,102 +42,11 @@ from .batching import (
     step_seed,
     to_torch,
 )
-from .dataset_reader import DatasetReader, ShardStore
+from .dataset_reader import DatasetReader
+from .feed import ShardFeed
+from .options import RaggedMode, StreamOptions, TailMode, WindowUnit
 from .schedule import Schedule, StepRef
 from .topology import resolve_topology
-
-TailMode = Literal["drop", "pad", "split"]
-RaggedMode = Literal["padded", "offsets"]
-WindowUnit = Literal["samples", "shards"]
-TAIL_MODES: tuple[TailMode, ...] = get_args(TailMode)
-WINDOW_UNITS: tuple[WindowUnit, ...] = get_args(WindowUnit)
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamOptions:
-    """Everything that configures a :class:`StreamDataset`, checked when it is made (the
-    fields are the dataset's keyword arguments; see its docstring).
-
-    Raises:
-        ConfigError: a value an option cannot take, or two options that exclude each other;
-            the message names the option and the values it accepts.
-    """
-
-    batch_size: int | None = None
-    global_batch_size: int | None = None
-    shuffle: bool = True
-    shuffle_window: int = DEFAULT_WINDOW
-    shuffle_window_unit: WindowUnit = "samples"
-    seed: int = 0
-    tail: TailMode = "drop"
-    fields: Sequence[str] | None = None
-    ragged: RaggedMode = "padded"
-    pad_value: int | float = 0
-    transform: Callable[[dict[str, Any]], Any] | None = None
-    batch_transform: Callable[[dict[str, Any]], Any] | None = None
-    collate_fn: Callable[[list[Any]], Any] | None = None
-    with_seeds: bool = False
-    infinite: bool = False
-    cache_dir: str | os.PathLike[str] | None = None
-    cache_limit: int | None = None
-    storage_options: Mapping[str, Any] | None = None
-    fetch: FetchOptions | None = None  # timeouts, retries, requests in flight
-    prefetch: PrefetchOptions | None = None  # download threads, shards kept ahead
-    allow_external_paths: bool = False  # shards outside the index's folder (same protocol)
-    rank: int | None = None
-    world_size: int | None = None
-
-    def __post_init__(self) -> None:
-        if (self.batch_size is None) == (self.global_batch_size is None):
-            raise ConfigError("give exactly one of batch_size (per rank) and "
-                              "global_batch_size (over all ranks)")
-        for name, minimum in (("batch_size", 1), ("global_batch_size", 1),
-                              ("shuffle_window", 1), ("cache_limit", 0), ("rank", 0),
-                              ("world_size", 1)):
-            _check_int(name, getattr(self, name), minimum)
-        _check_int("seed", self.seed, 0)
-        if self.seed >= 1 << 64:
-            raise ConfigError(f"seed must be below 2**64, got {self.seed}")
-        for name, allowed in (("tail", TAIL_MODES), ("ragged", RAGGED_MODES),
-                              ("shuffle_window_unit", WINDOW_UNITS)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}; "
-                                  f"got {getattr(self, name)!r}")
-        for name in ("shuffle", "with_seeds", "infinite", "allow_external_paths"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        self._check_callables()
-        for name, kind in (("fetch", FetchOptions), ("prefetch", PrefetchOptions)):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), kind):
-                raise ConfigError(f"{name} must be a {kind.__name__} (from streamcache), got "
-                                  f"{type(getattr(self, name)).__name__}")
-        if self.fields is not None:
-            if isinstance(self.fields, str):
-                raise ConfigError(f"fields must be a sequence of field names, not the "
-                                  f"string {self.fields!r} (write fields=[{self.fields!r}])")
-            object.__setattr__(self, "fields", tuple(self.fields))
-        object.__setattr__(self, "tail", TailPolicy(self.tail).value)
-
-    def _check_callables(self) -> None:
-        for name in ("transform", "batch_transform", "collate_fn"):
-            value = getattr(self, name)
-            if value is not None and not callable(value):
-                raise ConfigError(f"{name} must be callable, got {type(value).__name__}")
-        if self.transform is not None and self.batch_transform is not None:
-            raise ConfigError("give a per-sample transform or a batch_transform, not both")
-        if self.collate_fn is not None and self.transform is None:
-            raise ConfigError("collate_fn batches the samples a per-sample transform returns: "
-                              "give it with transform=")
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    """``value`` is None or an int >= ``minimum``, else a :class:`ConfigError` naming ``name``."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
 
 
 class StreamDataset(IterableDataset):
@@ -188,7 +91,8 @@ class StreamDataset(IterableDataset):
             :class:`~streamcache.PrefetchOptions` (download threads per process, shards and
             bytes kept ahead). Default: 4 threads, the working set + 16 shards.
         allow_external_paths: read shards the index names outside its own folder (on the
-            index's filesystem only; see :func:`streamcache.format.index.check_shard_paths`).
+            index's filesystem only; see
+            :func:`streamcache.format.shard_paths.check_shard_paths`).
         rank, world_size: resolved when a pass starts, not when the dataset is made (so it
             may be made before the process group, e.g. in a LightningModule's __init__):
             the arguments, else torch.distributed, else RANK/WORLD_SIZE, else 0 of 1 where
@@ -266,14 +170,9 @@ class StreamDataset(IterableDataset):
                              self.shuffle)
         self._topology: tuple[int, int] | None = None  # as resolved when the last pass started
         self._validate()
-        self._lock = threading.RLock()  # the reader property builds the store under it
-        self._orders: dict[int, EpochOrder] = {}
-        self._advice: dict[int, ShardAdvice] = {}
-        self._advised: tuple[int, int] | None = None
+        self._feed = ShardFeed(self.index, self.schema.names, opts, self.shuffle)
         if opts.cache_limit is not None:
-            self._check_budget(opts.cache_limit)
-        self._reader: DatasetReader | None = None
-        self._reader_pid = -1
+            self._feed.check_budget(opts.cache_limit)
 
     # ------------------------------------------------------------ the topology
 
@@ -346,83 +245,25 @@ class StreamDataset(IterableDataset):
         return self.cursor.segment(self.global_batch, 1, self.tail).num_steps
 
     def order(self, epoch: int) -> EpochOrder:
-        with self._lock:
-            order = self._orders.get(epoch)
-            if order is None:
-                order = self.cursor.order(self.index.shard_rows) if epoch == self.cursor.epoch \
-                    else EpochOrder(self.index.shard_rows, self.cursor.seed, epoch, self.shuffle)
-                self._orders = {epoch: order, **{e: o for e, o in self._orders.items()
-                                                 if e == epoch - 1}}
-        return order
+        """The sample order of ``epoch``."""
+        return self._feed.order(self.cursor, epoch)
 
     def advice(self, epoch: int) -> ShardAdvice:
         """Where each shard is read in ``epoch`` (for prefetching and eviction)."""
-        with self._lock:
-            advice = self._advice.get(epoch)
-        if advice is None:
-            advice = ShardAdvice(self.order(epoch))
-            with self._lock:
-                self._advice = {epoch: advice, **{e: a for e, a in self._advice.items()
-                                                  if e == epoch - 1}}
-        return advice
+        return self._feed.advice(self.cursor, epoch)
 
     def working_set_bytes(self) -> int:
         """Local bytes of shards that no epoch keeps in use at once: a bound the plan
         guarantees (:func:`~streamcache.cache.advice.working_set_bound`), the same for every
         epoch, rank and worker, so a budget accepted once holds for the whole run."""
-        sizes = [local_bytes_estimate(info) for info in self.index.shards]
-        return working_set_bound(self.index.shard_rows, sizes, self.shuffle)
-
-    def _check_budget(self, cache_limit: int) -> None:
-        needed = self.working_set_bytes()
-        if cache_limit < needed:
-            raise CacheBudgetError(
-                f"cache_limit={cache_limit:,} bytes is below the working set: with a shuffle "
-                f"window of {self.shuffle.window} {self.shuffle.window_unit}, any epoch keeps "
-                f"at most {needed:,} bytes of shards in use at once (a bound the plan "
-                f"guarantees, checked once for every epoch); give at least {needed:,} bytes, "
-                "or lower shuffle_window"
-            )
-
-    def _advise(self, epoch: int, position: int) -> None:
-        """Tell the prefetcher (and the cache's eviction) what the reader needs next."""
-        store = self.reader.store
-        if not isinstance(store, Prefetcher):
-            return
-        advice = self.advice(epoch)
-        count = (self.options.prefetch or PrefetchOptions()).lookahead(
-            advice.working_set_shards())
-        shards, next_use = advice.upcoming(position, count)
-        key = (epoch, int(shards[0]) if len(shards) else -1)
-        if key != self._advised or position % max(1, advice.stride * 16) < self.global_batch:
-            self._advised = key
-            store.update(shards, next_use)
+        return self._feed.working_set_bytes()
 
     # ------------------------------------------------------------ reading
 
     @property
     def reader(self) -> DatasetReader:
         """This process's reader (made again after fork: file locks and threads do not fork)."""
-        with self._lock:
-            if self._reader is None or self._reader_pid != os.getpid():
-                self._reader = DatasetReader(self.index, fields=self.schema.names,
-                                             store=self._make_store(),
-                                             storage_options=self.options.storage_options)
-                self._reader_pid = os.getpid()
-            return self._reader
-
-    def _make_store(self) -> ShardStore:
-        opts = self.options
-        folder = os.fspath(opts.cache_dir) if opts.cache_dir is not None else \
-            os.environ.get("STREAMCACHE_CACHE_DIR") or \
-            os.path.join(os.path.expanduser("~"), ".cache", "streamcache")
-        working_set = self.working_set_bytes() if opts.cache_limit is not None else None
-        cache = NodeCache(self.index, folder, cache_limit=opts.cache_limit,
-                          working_set_bytes=working_set, fetch_options=opts.fetch,
-                          storage_options=opts.storage_options)
-        prefetch = opts.prefetch or PrefetchOptions()
-        lookahead = prefetch.lookahead(self.advice(self.cursor.epoch).working_set_shards())
-        return Prefetcher(cache, dataclasses.replace(prefetch, lookahead_shards=lookahead))
+        return self._feed.reader(self.cursor)
 
     @property
     def transformed(self) -> bool:
@@ -441,7 +282,8 @@ class StreamDataset(IterableDataset):
                 continue
             for part in segment.worker_batches(order, schedule.rank, local_worker,
                                                num_workers):
-                self._advise(epoch, segment.step_span(part.step)[0])
+                self._feed.advise(self.cursor, epoch, segment.step_span(part.step)[0],
+                                  self.global_batch)
                 yield StepRef(epoch, segment, part.step, first + part.step), part
 
     def read_step(self, ref: StepRef, part: RankBatch) -> dict[str, Any]:
@@ -514,33 +356,13 @@ class StreamDataset(IterableDataset):
         for ref, part in self.planned(worker, workers, schedule):
             yield self.make_batch(ref, part)
 
-    # ------------------------------------------------------------ pickling for workers
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state.pop("_lock", None)
-        state["_reader"], state["_reader_pid"], state["_orders"] = None, -1, {}
-        state["_advice"], state["_advised"] = {}, None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.RLock()  # the reader property builds the store under it
-
     def close(self) -> None:
-        with self._lock:
-            reader, self._reader = self._reader, None
-        if reader is not None and self._reader_pid == os.getpid():
-            reader.close()
+        self._feed.close()
 
 
 __all__ = [
-    "RaggedMode",
     "Schedule",
     "StepRef",
     "StreamDataset",
-    "StreamOptions",
-    "TailMode",
-    "WindowUnit",
     "resolve_topology",
 ]

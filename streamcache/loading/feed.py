@@ -1,0 +1,143 @@
+"""ShardFeed: the shards a :class:`~streamcache.StreamDataset` reads, and how they get here.
+
+Each epoch's order and shard advice (where each shard is read), the cache budget the plan's
+working set allows, and this process's :class:`~streamcache.loading.dataset_reader.DatasetReader`
+over the node cache and its prefetcher, which the feed tells what the plan reads next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from ..cache.advice import ShardAdvice, working_set_bound
+from ..cache.node import NodeCache, local_bytes_estimate
+from ..cache.prefetch import Prefetcher, PrefetchOptions
+from ..errors import CacheBudgetError
+from ..format.index import DatasetIndex
+from ..plan import Cursor, EpochOrder, ShuffleOptions
+from .dataset_reader import DatasetReader, ShardStore
+from .options import StreamOptions
+
+
+class ShardFeed:
+    """The shards of one dataset for this process.
+
+    The cursor is passed in, not kept: the dataset's cursor moves (the loader replaces it), and
+    the epoch it is in reads its order through it (which checks the cursor fits the shards).
+
+    Thread safety: every method may be called from any thread. Pickling (for worker processes)
+    keeps the configuration only: orders, advice and the reader (file locks and threads do not
+    fork) are made again in the process that uses them.
+    """
+
+    def __init__(self, index: DatasetIndex, fields: Sequence[str], options: StreamOptions,
+                 shuffle: ShuffleOptions) -> None:
+        self.index = index
+        self.fields = fields
+        self.options = options
+        self.shuffle = shuffle
+        self._forget()
+
+    def _forget(self) -> None:
+        self._lock = threading.RLock()  # the reader is built under it
+        self._orders: dict[int, EpochOrder] = {}
+        self._advice: dict[int, ShardAdvice] = {}
+        self._advised: tuple[int, int] | None = None
+        self._reader: DatasetReader | None = None
+        self._reader_pid = -1
+
+    def order(self, cursor: Cursor, epoch: int) -> EpochOrder:
+        """The sample order of ``epoch`` (this and the previous epoch's are kept)."""
+        with self._lock:
+            order = self._orders.get(epoch)
+            if order is None:
+                order = cursor.order(self.index.shard_rows) if epoch == cursor.epoch \
+                    else EpochOrder(self.index.shard_rows, cursor.seed, epoch, self.shuffle)
+                self._orders = {epoch: order, **{e: o for e, o in self._orders.items()
+                                                 if e == epoch - 1}}
+        return order
+
+    def advice(self, cursor: Cursor, epoch: int) -> ShardAdvice:
+        """Where each shard is read in ``epoch`` (for prefetching and eviction)."""
+        with self._lock:
+            advice = self._advice.get(epoch)
+        if advice is None:
+            advice = ShardAdvice(self.order(cursor, epoch))
+            with self._lock:
+                self._advice = {epoch: advice, **{e: a for e, a in self._advice.items()
+                                                  if e == epoch - 1}}
+        return advice
+
+    def working_set_bytes(self) -> int:
+        """Local bytes of shards that no epoch keeps in use at once: a bound the plan
+        guarantees (:func:`~streamcache.cache.advice.working_set_bound`), the same for every
+        epoch, rank and worker, so a budget accepted once holds for the whole run."""
+        sizes = [local_bytes_estimate(info) for info in self.index.shards]
+        return working_set_bound(self.index.shard_rows, sizes, self.shuffle)
+
+    def check_budget(self, cache_limit: int) -> None:
+        """Raises :class:`CacheBudgetError` if ``cache_limit`` is below the working set."""
+        needed = self.working_set_bytes()
+        if cache_limit < needed:
+            raise CacheBudgetError(
+                f"cache_limit={cache_limit:,} bytes is below the working set: with a shuffle "
+                f"window of {self.shuffle.window} {self.shuffle.window_unit}, any epoch keeps "
+                f"at most {needed:,} bytes of shards in use at once (a bound the plan "
+                f"guarantees, checked once for every epoch); give at least {needed:,} bytes, "
+                "or lower shuffle_window"
+            )
+
+    def advise(self, cursor: Cursor, epoch: int, position: int, global_batch: int) -> None:
+        """Tell the prefetcher (and the cache's eviction) what the reader needs next."""
+        store = self.reader(cursor).store
+        if not isinstance(store, Prefetcher):
+            return
+        advice = self.advice(cursor, epoch)
+        count = (self.options.prefetch or PrefetchOptions()).lookahead(
+            advice.working_set_shards())
+        shards, next_use = advice.upcoming(position, count)
+        key = (epoch, int(shards[0]) if len(shards) else -1)
+        if key != self._advised or position % max(1, advice.stride * 16) < global_batch:
+            self._advised = key
+            store.update(shards, next_use)
+
+    def reader(self, cursor: Cursor) -> DatasetReader:
+        """This process's reader (made again after fork: file locks and threads do not fork)."""
+        with self._lock:
+            if self._reader is None or self._reader_pid != os.getpid():
+                self._reader = DatasetReader(self.index, fields=self.fields,
+                                             store=self._make_store(cursor),
+                                             storage_options=self.options.storage_options)
+                self._reader_pid = os.getpid()
+            return self._reader
+
+    def _make_store(self, cursor: Cursor) -> ShardStore:
+        opts = self.options
+        folder = os.fspath(opts.cache_dir) if opts.cache_dir is not None else \
+            os.environ.get("STREAMCACHE_CACHE_DIR") or \
+            os.path.join(os.path.expanduser("~"), ".cache", "streamcache")
+        working_set = self.working_set_bytes() if opts.cache_limit is not None else None
+        cache = NodeCache(self.index, folder, cache_limit=opts.cache_limit,
+                          working_set_bytes=working_set, fetch_options=opts.fetch,
+                          storage_options=opts.storage_options)
+        prefetch = opts.prefetch or PrefetchOptions()
+        lookahead = prefetch.lookahead(self.advice(cursor, cursor.epoch).working_set_shards())
+        return Prefetcher(cache, dataclasses.replace(prefetch, lookahead_shards=lookahead))
+
+    def close(self) -> None:
+        """Close this process's reader (a forked copy's belongs to its parent)."""
+        with self._lock:
+            reader, self._reader = self._reader, None
+        if reader is not None and self._reader_pid == os.getpid():
+            reader.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in ("index", "fields", "options", "shuffle")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._forget()
