@@ -101,7 +101,7 @@ from streamcache.cache.prefetch import Prefetcher, PrefetchOptions  # noqa: E402
 from streamcache.format.index import DatasetIndex  # noqa: E402
 from streamcache.format.reader import ShardReader  # noqa: E402
 from streamcache.plan import EpochOrder, ShuffleOptions  # noqa: E402
-from streamcache.remote.fetch import FetchOptions  # noqa: E402
+from streamcache.remote.options import FetchOptions  # noqa: E402
 
 OUT = os.path.join(HERE, "out")
 

@@ -45,7 +45,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from servers import MotoServer, S3Bucket, aws_test_environment  # noqa: E402
 
 from streamcache.format.checksum import checksum_bytes  # noqa: E402
-from streamcache.remote.fetch import Fetcher, FetchOptions, FetchRequest  # noqa: E402
+from streamcache.remote.fetch import Fetcher, FetchRequest  # noqa: E402
+from streamcache.remote.options import FetchOptions  # noqa: E402
 
 CASES = ("raw-cat", "fetch-mem", "raw-get", "fetch-file")
 RAW_OF = {"fetch-mem": "raw-cat", "fetch-file": "raw-get"}

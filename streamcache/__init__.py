@@ -52,7 +52,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time these load laz
     from .loading.dataset import StreamDataset
     from .loading.loader import StreamLoader
     from .loading.options import StreamOptions
-    from .remote.fetch import FetchError, FetchOptions
+    from .remote.options import FetchOptions
+    from .remote.retry import FetchError
     from .replicas.loader import ReplicaError
 
 # The torch-facing parts (and the fetcher, which imports aiohttp) are imported on first use,
@@ -68,8 +69,8 @@ _LAZY = {
     "CheckpointNotFoundError": "streamcache.checkpoint.errors",
     "CheckpointCorruptError": "streamcache.checkpoint.errors",
     "CheckpointUnsafeError": "streamcache.checkpoint.errors",
-    "FetchError": "streamcache.remote.fetch",
-    "FetchOptions": "streamcache.remote.fetch",
+    "FetchError": "streamcache.remote.retry",
+    "FetchOptions": "streamcache.remote.options",
     "PrefetchOptions": "streamcache.cache.prefetch",
     "ReplicaError": "streamcache.replicas.loader",
 }

@@ -24,15 +24,10 @@ from servers import FaultServer, S3Bucket
 
 from streamcache.errors import ChecksumMismatchError, StreamcacheError
 from streamcache.format.checksum import checksum_bytes
-from streamcache.remote.fetch import (
-    TEMP_SUFFIX,
-    Fetcher,
-    FetchError,
-    FetchOptions,
-    FetchRequest,
-    backoff_delay,
-    is_transient,
-)
+from streamcache.remote.download import TEMP_SUFFIX
+from streamcache.remote.fetch import Fetcher, FetchRequest
+from streamcache.remote.options import FetchOptions
+from streamcache.remote.retry import FetchError, backoff_delay, is_transient
 
 
 def fast(**overrides: Any) -> FetchOptions:

@@ -28,7 +28,10 @@ from streamcache.format.index import load_index
 from streamcache.format.writer import write_dataset
 from streamcache.loading.dataset import StreamDataset
 from streamcache.loading.dataset_reader import DatasetReader
-from streamcache.remote.fetch import TEMP_SUFFIX, Fetcher, FetchError, FetchOptions, backoff_delay
+from streamcache.remote.download import TEMP_SUFFIX
+from streamcache.remote.fetch import Fetcher
+from streamcache.remote.options import FetchOptions
+from streamcache.remote.retry import FetchError, backoff_delay
 
 
 def fast(**overrides: Any) -> FetchOptions:

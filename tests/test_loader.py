@@ -356,7 +356,7 @@ def test_errors_in_reader_threads_reach_the_loop(tmp_path) -> None:
         f.truncate(100)
     with tempfile.TemporaryDirectory() as cache, loader(url, cache, global_batch_size=40,
                                                         shuffle=False) as it:
-        from streamcache.remote.fetch import FetchError
+        from streamcache.remote.retry import FetchError
 
         with warnings.catch_warnings(), pytest.raises(FetchError, match="the index records"):
             list(it)

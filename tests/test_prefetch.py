@@ -28,7 +28,8 @@ from streamcache.cache.node import NodeCache
 from streamcache.cache.prefetch import Prefetcher, PrefetchOptions, ShardUsage
 from streamcache.format.index import DatasetIndex
 from streamcache.plan import EpochOrder, ShuffleOptions
-from streamcache.remote.fetch import FetchError, FetchOptions
+from streamcache.remote.options import FetchOptions
+from streamcache.remote.retry import FetchError
 
 BATCH = 16
 

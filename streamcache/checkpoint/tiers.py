@@ -5,7 +5,7 @@ itself when it is local, or a private temporary directory when ``root`` is remot
 uploads from there, so every file is checksummed from local disk before it leaves the node.
 
 Reads from a remote location (listings, markers, checksums) retry transient errors (5xx,
-throttling, timeouts, resets; :func:`streamcache.remote.fetch.is_transient` decides) with backoff,
+throttling, timeouts, resets; :func:`streamcache.remote.retry.is_transient` decides) with backoff,
 so that a flaky object store is never mistaken for a damaged checkpoint.
 """
 
@@ -24,7 +24,8 @@ import fsspec
 
 from ..format.checksum import checksum_bytes, checksum_file
 from ..remote import storage
-from ..remote.fetch import FetchOptions, backoff_delay, is_transient
+from ..remote.options import FetchOptions
+from ..remote.retry import backoff_delay, is_transient
 
 log = logging.getLogger("streamcache.checkpoint")
 

@@ -33,8 +33,8 @@ import pyarrow.parquet as pq
 
 from ..errors import EmptyDatasetError, IndexFormatError, IndexNotFoundError
 from ..remote import storage
-from ..remote.fetch import FetchOptions
-from ..remote.fetch import read_capped as fetch_capped
+from ..remote.capped import read_capped as fetch_capped
+from ..remote.options import FetchOptions
 from .checksum import checksum_bytes
 from .discovery import common_schema, discover_files, footer_info, with_checksum
 from .index_format import (
