@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers.stand_ins import Cursor
 
 from streamcache.checkpoint import (
     AsyncMode,
@@ -39,21 +40,6 @@ from streamcache.cli.main import main as cli_main
 # DCP warns on every single-process save/load that it assumes one process: that is the case
 # these tests are about.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-class Cursor:
-    """Stand-in for the StreamLoader: a global, JSON-able state identical on all ranks."""
-
-    global_state = True
-
-    def __init__(self, samples_consumed: int = 0) -> None:
-        self.samples_consumed = samples_consumed
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "samples_consumed": self.samples_consumed}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.samples_consumed = state_dict["samples_consumed"]
 
 
 def make_state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist import run_ranks
+from helpers.stand_ins import Cursor
 
 from streamcache.checkpoint import (
     Checkpointer,
@@ -28,21 +29,6 @@ from streamcache.checkpoint import (
 )
 
 SEED = 0
-
-
-class Cursor:
-    """Stand-in for the StreamLoader: global, JSON-able, identical on every rank."""
-
-    global_state = True
-
-    def __init__(self, samples_consumed: int = 0) -> None:
-        self.samples_consumed = samples_consumed
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"samples_consumed": self.samples_consumed}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.samples_consumed = state_dict["samples_consumed"]
 
 
 def draws() -> tuple[float, float, list[float]]:

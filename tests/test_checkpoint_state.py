@@ -13,25 +13,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.stand_ins import Cursor
 
 from streamcache.checkpoint import Checkpointer, CheckpointError, ModelState, commit
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-class Cursor:
-    """Stand-in for the StreamLoader: a global, JSON-able state."""
-
-    global_state = True
-
-    def __init__(self, samples_consumed: int = 0) -> None:
-        self.samples_consumed = samples_consumed
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"samples_consumed": self.samples_consumed}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.samples_consumed = state_dict["samples_consumed"]
 
 
 def model_and_optimizer(seed: int, width: int = 8) -> tuple[torch.nn.Module,
