@@ -6,7 +6,6 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from .fetch import Fetcher
 from .options import FetchOptions
 from .retry import FetchError
 
@@ -25,6 +24,8 @@ def read_capped(url: str, limit: int, *, options: FetchOptions | None = None,
         FileNotFoundError: there is no object at ``url`` (not retried).
         FetchError: any other failure, after the retries.
     """
+    from .fetch import Fetcher  # on first use: it imports the HTTP stacks under fsspec
+
     options = options or FetchOptions()
     if storage_options is not None:
         options = dataclasses.replace(options, storage_options=dict(storage_options))

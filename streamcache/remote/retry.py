@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import http.client
 import importlib
 from collections.abc import Mapping
@@ -94,11 +95,17 @@ def _optional_transient_types() -> tuple[type[BaseException], ...]:
 
 _PERMANENT_TYPES += (_SizeRefusedError,)
 
-_TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
+_BUILTIN_TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
     TimeoutError, asyncio.TimeoutError, ConnectionError, http.client.HTTPException,
     FSTimeoutError, ChecksumMismatchError, _SizeMismatchError, _RequestTimeoutError,
-    *_optional_transient_types(),
 )
+
+
+@functools.cache
+def _transient_types() -> tuple[type[BaseException], ...]:
+    """Looked up on the first failure, not at import: importing aiohttp and botocore costs a
+    fresh process a quarter of a second, and ``import streamcache`` reaches this module."""
+    return _BUILTIN_TRANSIENT_TYPES + _optional_transient_types()
 
 
 def _chain(error: BaseException) -> list[BaseException]:
@@ -143,7 +150,7 @@ def is_transient(error: BaseException) -> bool:
             return status in _HTTP_TRANSIENT or (
                 status >= 500 and status not in _HTTP_PERMANENT_5XX
             )
-        if isinstance(e, _TRANSIENT_TYPES):
+        if isinstance(e, _transient_types()):
             return True
     if isinstance(error, OSError):
         return error.errno not in _PERMANENT_ERRNOS
