@@ -45,6 +45,16 @@ def test_importing_the_package_and_its_errors_does_not_import_torch() -> None:
     assert result.stdout.strip() == "False"
 
 
+def test_importing_the_package_does_not_import_the_http_stacks() -> None:
+    # aiohttp and botocore cost every fresh process (the CLI too) a quarter of a second;
+    # the fetcher loads them when it first reads something remote
+    code = ("import sys, streamcache\n"
+            "print(sorted(m for m in ('aiohttp', 'botocore') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "[]"
+
+
 def test_lazily_loaded_checkpoint_errors_are_the_real_classes() -> None:
     from streamcache import CheckpointError, CursorMismatchError
     from streamcache.checkpoint.errors import CheckpointError as Real
