@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -171,6 +173,24 @@ def test_large_index_keeps_its_shards_in_a_parquet_side_file(large_dataset: str,
     assert sorted(ids) == list(range(56))  # the last partial batch dropped
     # the folder can be indexed again: the side file is not taken for data
     assert build_index(large_dataset, write=False).num_samples == 60
+
+
+def test_opening_a_dataset_never_imports_pandas(large_dataset: str, tmp_path: Path) -> None:
+    # pyarrow's pa.array / to_numpy / fill_null / read_table import pandas where it is
+    # installed: 0.4 s of every fresh process's first batch. Both index layouts, loaded as a
+    # StreamDataset does, fingerprint included.
+    small = str(tmp_path / "small")
+    write_dataset(({"x": np.full(4, i, np.int64)} for i in range(20)), small, shard_size=200)
+    code = ("import sys\n"
+            "from streamcache import StreamDataset\n"
+            "for url in sys.argv[1:]:\n"
+            "    dataset = StreamDataset(url, batch_size=4, rank=0, world_size=1)\n"
+            "    assert dataset.index.fingerprint and len(dataset.index.shards) > 1\n"
+            "print('pandas' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code, small, large_dataset],
+                            capture_output=True, text=True, check=True)
+    assert _side_file(large_dataset).exists()
+    assert result.stdout.strip() == "False"
 
 
 def test_the_fingerprint_covers_the_side_file(large_dataset: str) -> None:

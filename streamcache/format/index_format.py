@@ -180,7 +180,7 @@ def decode_shard_table(obj: dict[str, Any], url: str, version: int, read: ReadCa
                 f"{where} holds {meta.num_rows} shards in {decoded} bytes decoded, over the cap "
                 f"of {MAX_SHARDS} shards or {MAX_SHARD_TABLE_DECODED} bytes: rebuild the index"
             )
-        table = pq.read_table(pa.BufferReader(data))
+        table = pq.ParquetFile(pa.BufferReader(data)).read()  # read_table imports pandas
     except (ChecksumMismatchError, pa.ArrowInvalid, OSError) as exc:
         raise IndexFormatError(f"{where} is not a readable shard table ({exc}): rebuild the "
                                "index") from exc

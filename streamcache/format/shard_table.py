@@ -209,12 +209,12 @@ class ShardTable(Sequence[ShardInfo]):
             ) from exc
         columns = {name: table.column(name).combine_chunks() for name in ARROW_SCHEMA.names}
         _check_arrow_columns(columns, where)
-        formats = pc.index_in(columns["format"], pa.array(SHARD_FORMATS))
+        formats = pc.index_in(columns["format"], _string_array(SHARD_FORMATS, pa.string()))
         return cls(
-            columns["path"], formats.to_numpy(zero_copy_only=False).astype(np.uint8),
-            columns["rows"].to_numpy(), columns["bytes"].to_numpy(),
+            columns["path"], numpy_values(formats).astype(np.uint8),
+            numpy_values(columns["rows"]), numpy_values(columns["bytes"]),
             columns["checksum"], columns["compression"],
-            columns["raw_bytes"].fill_null(_UNKNOWN).to_numpy(),
+            numpy_values(columns["raw_bytes"], fill=_UNKNOWN),
         )
 
     # ------------------------------------------------------------ output
@@ -325,9 +325,30 @@ class _StringColumn:
         return str(self._data[self._offsets[k]:self._offsets[k + 1]], "utf-8")
 
 
+def numpy_values(array: pa.Array, *, fill: int | None = None) -> np.ndarray:
+    """The values of a null-free, fixed-width numeric Arrow array: a numpy view of its buffer.
+
+    pyarrow's own ``to_numpy`` (and ``pa.array`` of Python objects) imports pandas where it is
+    installed, to ask whether its input is a pandas object: 0.4 s of a fresh process's first
+    batch (``fill_null`` too: its ``pa.scalar`` does the same). Everything on the way from
+    ``index.json`` to a batch reads Arrow through this, the string builder below and
+    :func:`_null_mask` instead. Nulls become ``fill`` (a copy); without ``fill`` they are
+    refused.
+    """
+    dtype = np.dtype(str(array.type))
+    if len(array) == 0:
+        return np.zeros(0, dtype)
+    values = np.frombuffer(array.buffers()[1], dtype)[array.offset:array.offset + len(array)]
+    if not array.null_count:
+        return values
+    if fill is None:
+        raise ValueError(f"{array.null_count} nulls in an array read as plain values")
+    return np.where(_null_mask(array), dtype.type(fill), values)
+
+
 def _null_mask(column: pa.Array) -> np.ndarray:
-    """True where ``column`` is null, read from its validity bitmap (a boolean array's
-    ``to_numpy`` imports pandas where it is installed: 0.4 s of a fresh process's start)."""
+    """True where ``column`` is null, read from its validity bitmap (see
+    :func:`numpy_values`)."""
     bits = np.unpackbits(np.frombuffer(column.buffers()[0], np.uint8), bitorder="little")
     return bits[column.offset:column.offset + len(column)] == 0
 
@@ -346,9 +367,7 @@ def _exact_sum(values: np.ndarray) -> int:
 
 
 def _string_array(values: Sequence[str | None], type_: pa.DataType) -> pa.Array:
-    """An Arrow string array built from its buffers. ``pa.array`` of Python objects imports
-    pandas when it is installed (to ask whether the input is a pandas object), which costs a
-    fresh process 0.4 s before its first batch."""
+    """An Arrow string array built from its buffers (see :func:`numpy_values`)."""
     encoded = [b"" if value is None else value.encode() for value in values]
     offsets = np.zeros(len(encoded) + 1, np.int64 if type_ == pa.large_string() else np.int32)
     np.cumsum([len(item) for item in encoded], out=offsets[1:])
@@ -363,8 +382,8 @@ def _string_array(values: Sequence[str | None], type_: pa.DataType) -> pa.Array:
 def _strings_digest(column: pa.Array) -> str:
     """A checksum of a string column: lengths (-1 for null) and the concatenated characters
     (digested in place, without a copy)."""
-    lengths = pc.binary_length(column).cast(pa.int64()).fill_null(-1).to_numpy()
-    filled = column.fill_null("").cast(pa.large_string())
+    lengths = numpy_values(pc.binary_length(column).cast(pa.int64()), fill=-1)
+    filled = column.filter(pc.is_valid(column)).cast(pa.large_string())  # nulls add no bytes
     offsets = np.frombuffer(filled.buffers()[1], dtype=np.int64)[
         filled.offset:filled.offset + len(filled) + 1]
     values = filled.buffers()[2]
@@ -384,7 +403,7 @@ def _check_arrow_columns(columns: Mapping[str, pa.Array], where: str) -> None:
                        or pc.any(pc.match_substring(paths, "\0")).as_py()):
         raise IndexFormatError(f"{where}: a shard path is empty, over {MAX_PATH_CHARS} "
                                "characters, or holds a NUL")
-    unknown = pc.invert(pc.is_in(columns["format"], pa.array(SHARD_FORMATS)))
+    unknown = pc.invert(pc.is_in(columns["format"], _string_array(SHARD_FORMATS, pa.string())))
     if pc.any(unknown).as_py():
         raise IndexFormatError(f"{where}: unknown shard format(s) "
                                f"{pc.unique(columns['format'].filter(unknown)).to_pylist()}")
