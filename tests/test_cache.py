@@ -30,11 +30,12 @@ from streamcache import DatasetReader, load_index, write_dataset
 from streamcache.cache.accounting import ACCOUNTING_NAME
 from streamcache.cache.eviction import Resident, choose_victims, simulate_fetches
 from streamcache.cache.node import NodeCache
-from streamcache.cache.temporaries import FOREIGN_TEMP_IDLE_S, process_alive, process_token
+from streamcache.cache.temporaries import FOREIGN_TEMP_IDLE_S
 from streamcache.errors import CacheBudgetError, ChecksumMismatchError
 from streamcache.format.index import DatasetIndex
 from streamcache.format.materialize import is_local_layout
 from streamcache.format.reader import ShardReader
+from streamcache.processes import process_alive, process_token
 from streamcache.remote.options import FetchOptions
 from streamcache.remote.retry import FetchError
 
@@ -220,7 +221,7 @@ def test_stale_temporaries_of_dead_processes_are_removed_live_ones_kept(
         tmp_path: Path) -> None:
     dead = subprocess.run(
         [sys.executable, "-c",
-         "from streamcache.cache.temporaries import process_token as t; print(t())"],
+         "from streamcache.processes import process_token as t; print(t())"],
         check=True, capture_output=True, text=True).stdout.strip()
     assert process_alive(dead) is False and process_alive(process_token()) is True
     assert process_alive("garbage") is False and process_alive("nobootid-1-1-1") is False

@@ -176,6 +176,53 @@ def test_a_lease_left_by_a_killed_writer_is_taken_over(destination: tuple[str, A
     assert _ids(url, options) == [5]
 
 
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_lease_of_a_killed_writer_not_yet_reaped_is_taken_over(tmp_path: Path) -> None:
+    """A killed process stays a zombie until its parent reaps it (a launcher that has not
+    noticed yet); its pid still exists, but it holds nothing."""
+    url = str(tmp_path / "ds")
+    victim = _start_writer(url, None, 0, tmp_path)
+    _wait_for(tmp_path / "ready-0", victim)
+    victim.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while _state(victim.pid) != "Z":  # not reaped: poll() or communicate() would reap it
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        with ShardWriter(url) as writer:
+            writer.write({"x": 5})
+        assert _ids(url, None) == [5]
+    finally:
+        victim.communicate(timeout=60)
+
+
+def test_a_lease_whose_pid_was_reused_is_taken_over(tmp_path: Path) -> None:
+    """The lease names its process by start time too: a live process that merely has the
+    holder's pid (reused after a crash) does not keep the destination locked."""
+    url = str(tmp_path / "ds")
+    with ShardWriter(url) as writer:
+        writer.write({"x": 1})
+        lease = tmp_path / "ds" / LEASE_NAME
+        holder = json.loads(lease.read_text())
+        boot, namespace, pid, _start = holder["process"].split("-")
+        assert int(pid) == holder["pid"]
+        reused = {**holder, "token": "crashedwriter", "process": f"{boot}-{namespace}-{pid}-1"}
+        alive = {**holder, "token": "livewriter"}
+    for stale, taken in ((reused, True), (alive, False)):
+        lease.write_text(json.dumps(stale))
+        if taken:
+            with ShardWriter(url, overwrite=True) as writer:
+                writer.write({"x": 2})
+            assert _ids(url, None) == [2]
+        else:
+            with pytest.raises(DestinationError, match="is being written by writer livewriter"):
+                ShardWriter(url, overwrite=True)
+
+
 # ------------------------------------------------------------------ overwrite
 
 

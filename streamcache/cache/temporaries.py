@@ -12,74 +12,11 @@ import os
 import shutil
 import time
 
+from ..processes import process_alive, process_token
+
 #: Temporaries of a process in another pid namespace (another container) whose liveness
 #: cannot be checked are removed once nothing in them has changed for this long.
 FOREIGN_TEMP_IDLE_S = 3600.0
-
-_token: tuple[int, str] | None = None
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip().replace("-", "")[:12]
-    except OSError:
-        return "noboot"
-
-
-def _start_ticks(pid: int) -> str | None:
-    """The start time of ``pid`` (clock ticks since boot); None if it is gone or a zombie;
-    "" where /proc does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return None if os.path.isdir("/proc") else ""
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
-def _pid_namespace() -> str:
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return "0"
-
-
-def process_token() -> str:
-    """``<boot id>-<pid namespace>-<pid>-<start time>``: names this process's temporaries
-    uniquely across pid reuse, reboots and containers sharing the cache directory."""
-    global _token
-    pid = os.getpid()
-    if _token is None or _token[0] != pid:
-        _token = (pid, f"{_boot_id()}-{_pid_namespace()}-{pid}-{_start_ticks(pid) or 0}")
-    return _token[1]
-
-
-def process_alive(token: str) -> bool | None:
-    """Whether the process that made ``token`` still runs: False for a malformed token or
-    one of an earlier boot, None when it belongs to another pid namespace (another container
-    on this node: its pids mean nothing here)."""
-    parts = token.split("-")
-    if len(parts) != 4 or not parts[2].isdigit():
-        return False
-    boot, namespace, pid, start = parts[0], parts[1], int(parts[2]), parts[3]
-    if boot != _boot_id():
-        return False
-    if namespace != _pid_namespace():
-        return None
-    ticks = _start_ticks(pid)
-    if ticks == "":  # no /proc: the best we can do is ask whether the pid exists
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return ticks is not None and ticks == start
-
 
 def temp_dir(cache_dir: str, current: str | None, owner: object) -> str:
     """The temporary folder of ``owner`` in this process: ``current`` if it is still this

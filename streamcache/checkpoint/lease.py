@@ -32,14 +32,15 @@ import uuid
 from typing import Any
 
 from ..format.lease import LeaseHolder
+from ..processes import process_token
 from .errors import CheckpointError
 from .tiers import Location
 
 log = logging.getLogger("streamcache.checkpoint")
 
 LEASE_NAME = "LEASE.json"
-K_TOKEN, K_JOB, K_HOST, K_PID, K_RENEWALS, K_TTL = (
-    "token", "job_id", "host", "pid", "renewals", "ttl_s")
+K_TOKEN, K_JOB, K_HOST, K_PID, K_PROCESS, K_RENEWALS, K_TTL = (
+    "token", "job_id", "host", "pid", "process", "renewals", "ttl_s")
 
 
 class Lease:
@@ -131,9 +132,10 @@ class Lease:
             return True
         if self.job_id is not None and current.get(K_JOB) == self.job_id:
             return True
-        pid = current.get(K_PID)
+        pid, process = current.get(K_PID), current.get(K_PROCESS)
         holder = LeaseHolder(str(current.get(K_TOKEN)), str(current.get(K_HOST)),
-                             pid if isinstance(pid, int) else 0, 0.0)
+                             pid if isinstance(pid, int) else 0, 0.0,
+                             process if isinstance(process, str) else "")
         return holder.is_dead_here()  # the same liveness test as the shard writer's lease
 
     def _renew_loop(self) -> None:
@@ -156,7 +158,8 @@ class Lease:
         """This job's lease, one renewal later than the last one written."""
         self._renewals += 1
         return json.dumps({K_TOKEN: self.token, K_JOB: self.job_id, K_HOST: socket.gethostname(),
-                           K_PID: os.getpid(), K_RENEWALS: self._renewals, K_TTL: self.ttl_s,
+                           K_PID: os.getpid(), K_PROCESS: process_token(),
+                           K_RENEWALS: self._renewals, K_TTL: self.ttl_s,
                            "time": time.time()}).encode()
 
     def _read(self) -> dict[str, Any] | None:

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import DestinationError
+from ..processes import pid_gone, process_alive, process_token
 from ..remote import storage
 
 LEASE_NAME = "_streamcache-writer.lease"
@@ -57,13 +58,15 @@ class LeaseHolder:
     host: str
     pid: int
     taken: float
+    process: str = ""  # the holder's process token (processes.py); absent in older leases
 
     @classmethod
     def parse(cls, raw: bytes) -> LeaseHolder | None:
         """The holder in a lease file's bytes; None when they are not a lease (torn, foreign)."""
         try:
             obj = json.loads(raw[:_MAX_LEASE_BYTES])
-            return cls(str(obj["token"]), str(obj["host"]), int(obj["pid"]), float(obj["taken"]))
+            return cls(str(obj["token"]), str(obj["host"]), int(obj["pid"]), float(obj["taken"]),
+                       str(obj.get("process", "")))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -72,16 +75,13 @@ class LeaseHolder:
         return f"writer {self.token} (process {self.pid} on {self.host}, since {when})"
 
     def is_dead_here(self) -> bool:
-        """Whether this holder was a process of this host that no longer exists."""
+        """Whether this holder was a process of this host that no longer runs: gone, a
+        zombie not yet reaped, or its pid now reused by another process."""
         if self.host != socket.gethostname() or self.pid <= 0:
             return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False  # alive, someone else's
-        return False
+        if self.process:
+            return process_alive(self.process) is False
+        return pid_gone(self.pid)
 
 
 def new_token() -> str:
@@ -104,7 +104,8 @@ class WriterLease:
         self._fs = fs
         self.path = storage.join(root, LEASE_NAME)
         self.url = storage.unstrip(fs, self.path)
-        self.holder = LeaseHolder(token, socket.gethostname(), os.getpid(), time.time())
+        self.holder = LeaseHolder(token, socket.gethostname(), os.getpid(), time.time(),
+                                  process_token())
         self.held = False
 
     def acquire(self) -> None:
