@@ -66,7 +66,15 @@ from typing import Any
 
 import numpy as np
 
-from streamcache.plan import EpochOrder, EpochSegment, ShuffleOptions, TailPolicy
+from streamcache.plan import (
+    CONTIGUOUS,
+    EpochOrder,
+    EpochSegment,
+    RankAssignment,
+    ShuffleOptions,
+    TailPolicy,
+)
+from streamcache.plan.locality import LocalityAssignment, batch_shards, locality_key, shard_owners
 
 BIG_SHARDS = 10**6
 BIG_ROWS = 1000
@@ -149,6 +157,55 @@ def time_steps(options: ShuffleOptions, steps: int) -> dict[str, float]:
     return out
 
 
+#: (label, nodes, ranks per node): the multi-node split of a global batch of 1024.
+NODE_CASES = [("contiguous, 8 ranks", 1, 8), ("2 nodes x 4 ranks", 2, 4),
+              ("8 nodes x 1 rank", 8, 1), ("8 nodes x 8 ranks", 8, 8),
+              ("64 nodes x 1 rank", 64, 1)]
+
+
+def time_node_split(steps: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Per-step CPU cost of one rank's part under the locality assignment (docs/multinode.md),
+    against the contiguous split, cases interleaved, median of ``repeats``; with the samples
+    moved off their shard's node (the surplus balanced, as a fraction of the batch).
+
+    Each repeat builds a new order and assignment, so filling the assignment's per-shard table
+    as shards are first seen is included (4 windows of the default order)."""
+    rows = np.full(BIG_SHARDS, BIG_ROWS, dtype=np.int64)
+    start_position = 123_456_789
+    times: dict[str, list[float]] = {label: [] for label, _, _ in NODE_CASES}
+    moved: dict[str, float] = {}
+    for _ in range(repeats):
+        for label, nodes, per_node in NODE_CASES:
+            order = EpochOrder(rows, 9, 2, ShuffleOptions())
+            world = nodes * per_node
+            segment = EpochSegment(order.num_samples, start_position, STEP, world)
+            assignment: RankAssignment = CONTIGUOUS if nodes == 1 else \
+                LocalityAssignment(nodes, locality_key("bench"))
+            batches = segment.worker_batches(order, rank=world // 2 - 1, worker=0,
+                                             num_workers=1, assignment=assignment)
+            begin = time.process_time()
+            for _ in range(steps):
+                next(batches)
+            times[label].append((time.process_time() - begin) / steps * 1e6)
+            if isinstance(assignment, LocalityAssignment):
+                moved[label] = moved_fraction(order, segment, assignment, steps)
+    return {label: {"rank_part_us": statistics.median(times[label]),
+                    "moved_fraction": moved.get(label, 0.0)} for label in times}
+
+
+def moved_fraction(order: EpochOrder, segment: EpochSegment, assignment: LocalityAssignment,
+                   steps: int) -> float:
+    """Samples read by a node other than their shard's owner, as a fraction of all."""
+    moved = 0
+    for step in range(0, steps, 8):
+        first, _ = segment.step_span(step)
+        nodes = assignment.node_of_slots(order, first, segment.part_sizes(step))
+        owners = shard_owners(assignment.key, batch_shards(order, first, STEP),
+                              assignment.num_nodes)
+        moved += int((nodes != owners).sum())
+    return moved / (len(range(0, steps, 8)) * STEP)
+
+
 QUALITY_WINDOWS = [1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 10**7]
 
 
@@ -186,8 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="fewer steps and batches")
+    parser.add_argument("--nodes-only", action="store_true",
+                        help="only the multi-node split (section 4)")
     args = parser.parse_args(argv)
     steps = 256 if args.quick else 1024
+    if args.nodes_only:
+        print_node_split(time_node_split(steps, args.repeats), steps, args.repeats)
+        return 0
     batches = 40 if args.quick else 200
     report: dict[str, Any] = {"first_id": time_first_id(args.repeats), "steps": {},
                               "quality": {}, "first_use": time_first_use(args.repeats)}
@@ -219,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{quality['shards_per_batch_min']:5.0f} {quality['corr_position_id']:8.4f} "
                   f"{quality['consecutive_overlap_min']:11.3f} "
                   f"{quality['shards_per_window_run']:10.1f}")
+    report["nodes"] = time_node_split(steps, args.repeats)
+    print_node_split(report["nodes"], steps, args.repeats)
     out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench_plan.json")
@@ -226,6 +290,14 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(report, handle, indent=2)
     print(f"\nwrote {path}")
     return 0
+
+
+def print_node_split(result: dict[str, dict[str, float]], steps: int, repeats: int) -> None:
+    print(f"\n4. multi-node split of a global batch of {STEP} (one rank's part, us per step "
+          f"over {steps} steps, median of {repeats}, interleaved)")
+    print(f"   {'case':24} {'us/step':>8} {'moved':>7}")
+    for label, row in result.items():
+        print(f"   {label:24} {row['rank_part_us']:8.1f} {row['moved_fraction']:7.3f}")
 
 
 if __name__ == "__main__":

@@ -184,18 +184,25 @@ class EpochSegment:
         if order.num_samples != self.num_samples:
             raise PlanError(f"the order has {order.num_samples} samples but the segment "
                             f"{self.num_samples}")
-        first, _ = self.step_span(step)
-        sizes = self.part_sizes(step)
         if isinstance(assignment, ContiguousAssignment):
+            first, _ = self.step_span(step)
+            sizes = self.part_sizes(step)
             lo = first + sum(sizes[:rank])
             return self._contiguous(order, step, lo, lo + sizes[rank])
+        return self._batch(order, step, self._assigned(order, step, rank, assignment))
+
+    def _assigned(self, order: EpochOrder, step: int, rank: int,
+                  assignment: RankAssignment) -> np.ndarray:
+        """The (virtual) positions ``assignment`` gives ``rank`` at ``step``, checked."""
+        first, _ = self.step_span(step)
+        sizes = self.part_sizes(step)
         slots = np.asarray(assignment.slots(order, first, sizes, rank), dtype=np.int64)
         if slots.shape != (sizes[rank],) or (slots.size and (
                 slots.min() < 0 or slots.max() >= sum(sizes)
                 or np.unique(slots).size != slots.size)):
             raise PlanError(f"rank assignment returned slots {slots!r} for rank {rank}; "
                             f"expected {sizes[rank]} distinct slots in [0, {sum(sizes)})")
-        return self._batch(order, step, first + slots)
+        return first + slots
 
     def check_assignment(self, order: EpochOrder, step: int,
                          assignment: RankAssignment) -> None:
@@ -230,12 +237,14 @@ class EpochSegment:
         """
         steps = list(steps)
         full = [s for s in steps if self._is_full(s)]
-        if not isinstance(assignment, ContiguousAssignment) or len(full) < 2:
+        if len(full) < 2:
             return [self.rank_batch(order, step, rank, assignment) for step in steps]
         check_int("rank", rank, minimum=0, maximum=self.world_size - 1)
         if order.num_samples != self.num_samples:
             raise PlanError(f"the order has {order.num_samples} samples but the segment "
                             f"{self.num_samples}")
+        if not isinstance(assignment, ContiguousAssignment):
+            return self._assigned_batches(order, steps, rank, assignment)
         width = self.per_rank
         firsts = (self.start + rank * width
                   + np.asarray(full, dtype=np.int64) * self.global_batch)
@@ -245,6 +254,18 @@ class EpochSegment:
                    for i, step in enumerate(full)}
         return [batches[step] if step in batches else self.rank_batch(order, step, rank)
                 for step in steps]
+
+    def _assigned_batches(self, order: EpochOrder, steps: list[int], rank: int,
+                          assignment: RankAssignment) -> list[RankBatch]:
+        """:meth:`rank_batch` of several steps with one lookup of all their samples (the
+        assignment still decides each step's slots on its own)."""
+        virtual = [self._assigned(order, step, rank, assignment) for step in steps]
+        bounds = np.cumsum([0] + [len(v) for v in virtual])
+        joined = np.concatenate(virtual)
+        arrays = (joined % self.num_samples, *order.samples_at(joined % self.num_samples),
+                  joined >= self.num_samples)
+        return [RankBatch(step, *(a[bounds[i]:bounds[i + 1]] for a in arrays))
+                for i, step in enumerate(steps)]
 
     def _is_full(self, step: int) -> bool:
         """Whether a step is a whole batch inside the epoch (only the last step may not be)."""
