@@ -11,9 +11,12 @@ answer "rank 0 of 1" would make every rank read every global batch whole; that i
 from __future__ import annotations
 
 import os
+import socket
+from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError
 from ..plan import PlanError
 
 # Variables that launchers (torchrun, Lightning, accelerate, DeepSpeed) set in every process of
@@ -88,4 +91,126 @@ def resolve_topology(rank: int | None, world_size: int | None) -> tuple[int, int
     return rank, world_size
 
 
-__all__ = ["resolve_topology"]
+@dataclass(frozen=True)
+class NodeTopology:
+    """Where a rank runs: ranks ``[n * L, (n + 1) * L)`` are node ``n``'s, ``L`` ranks a node
+    (contiguous, as torchrun numbers them).
+
+    Raises:
+        PlanError: an impossible combination (the world not a multiple of the node count).
+    """
+
+    rank: int
+    world_size: int
+    num_nodes: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise PlanError(f"rank {self.rank} is impossible with world size {self.world_size}")
+        if self.num_nodes < 1 or self.world_size % self.num_nodes:
+            raise PlanError(f"{self.num_nodes} nodes cannot share {self.world_size} ranks: "
+                            "every node must run the same number of ranks (the world size "
+                            "must be a multiple of the node count)")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.num_nodes
+
+    @property
+    def node_rank(self) -> int:
+        """This rank's node, ``0 .. num_nodes - 1``."""
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index among its node's ranks."""
+        return self.rank % self.ranks_per_node
+
+
+def check_nodes_option(nodes: int | None) -> int | None:
+    """``nodes=`` as given to a dataset: None or an int >= 1, else a :class:`ConfigError`."""
+    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int)
+                              or nodes < 1):
+        raise ConfigError(f"nodes must be an integer >= 1 (the number of nodes the ranks run "
+                          f"on), or None to take it from the launcher; got {nodes!r}")
+    return nodes
+
+
+def resolve_nodes(rank: int, world_size: int, nodes: int | None = None, *,
+                  collective: bool = True) -> NodeTopology:
+    """How many nodes the ranks run on, and this rank's, when a pass starts.
+
+    In order: ``nodes`` (the dataset's argument; ``nodes=1`` turns locality off); else
+    torchrun's environment (``LOCAL_WORLD_SIZE``, checked against ``GROUP_RANK`` or
+    ``NODE_RANK`` and ``LOCAL_RANK``) when it describes this job (its ``WORLD_SIZE`` and
+    ``RANK``, where set, are ``world_size`` and ``rank``); else, with ``collective`` and a
+    process group of this world, the host names of its ranks (one ``all_gather_object``:
+    every rank must be starting a pass, as in data-parallel training); else one node.
+
+    Raises:
+        PlanError: a topology that cannot be: ``LOCAL_WORLD_SIZE`` not dividing the world
+            size, a node or local rank that contradicts contiguous numbering, hosts whose
+            ranks are not contiguous or not equally many, ``nodes`` not dividing the world.
+    """
+    if nodes is not None:
+        return NodeTopology(rank, world_size, check_nodes_option(nodes) or 1)
+    per_node = _env_ranks_per_node(rank, world_size)
+    if per_node is not None:
+        return NodeTopology(rank, world_size, world_size // per_node)
+    if collective and world_size > 1 and _group_matches(rank, world_size):
+        return NodeTopology(rank, world_size, _nodes_from_hosts(_gather_hostnames()))
+    return NodeTopology(rank, world_size, 1)
+
+
+def _env_ranks_per_node(rank: int, world_size: int) -> int | None:
+    """``LOCAL_WORLD_SIZE`` where the environment describes this job, checked; else None."""
+    per_node = _env_int("LOCAL_WORLD_SIZE")
+    env_world, env_rank = _env_int("WORLD_SIZE"), _env_int("RANK")
+    if per_node is None or (env_world is not None and env_world != world_size) or (
+            env_rank is not None and env_rank != rank):
+        return None  # another launcher, or rank= and world_size= describing another job
+    fix = "pass nodes= explicitly (nodes=1 reads without locality)"
+    if per_node < 1 or world_size % per_node:
+        raise PlanError(f"LOCAL_WORLD_SIZE={per_node} does not divide the world size "
+                        f"{world_size}: every node must run the same number of ranks; {fix}")
+    for name in ("GROUP_RANK", "NODE_RANK"):
+        node = _env_int(name)
+        if node is not None and node != rank // per_node:
+            raise PlanError(f"{name}={node} but rank {rank} with {per_node} ranks a node is on "
+                            f"node {rank // per_node}: the ranks of a node must be numbered "
+                            f"contiguously (as torchrun does); {fix}")
+    local = _env_int("LOCAL_RANK")
+    if local is not None and local != rank % per_node:
+        raise PlanError(f"LOCAL_RANK={local} but rank {rank} is local rank {rank % per_node} "
+                        f"of its node with {per_node} ranks a node: the ranks of a node must "
+                        f"be numbered contiguously (as torchrun does); {fix}")
+    return per_node
+
+
+def _group_matches(rank: int, world_size: int) -> bool:
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized()
+                and dist.get_world_size() == world_size and dist.get_rank() == rank)
+
+
+def _gather_hostnames() -> list[str]:
+    names: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(names, socket.gethostname())
+    return [str(name) for name in names]
+
+
+def _nodes_from_hosts(hosts: list[str]) -> int:
+    """The node count of ranks on ``hosts`` (one name per rank): refused unless each host's
+    ranks are contiguous and every host has as many."""
+    runs = [host for i, host in enumerate(hosts) if i == 0 or host != hosts[i - 1]]
+    per_node = len(hosts) // len(runs)
+    if len(set(runs)) != len(runs) or any(host != runs[i // per_node]
+                                          for i, host in enumerate(hosts)):
+        raise PlanError(f"the ranks' hosts {hosts} are not contiguous runs of equal length: "
+                        "node locality needs the ranks of a node numbered contiguously and "
+                        "as many ranks on every node (as torchrun does); pass nodes= "
+                        "explicitly (nodes=1 reads without locality)")
+    return len(runs)
+
+
+__all__ = ["NodeTopology", "check_nodes_option", "resolve_nodes", "resolve_topology"]

@@ -143,6 +143,13 @@ class LocalityAssignment:
         shards = batch_shards(order, batch_start, sum(sizes))
         return self._nodes(shards, self._node_targets(sizes))
 
+    def owners(self, shards: np.ndarray | Sequence[int]) -> np.ndarray:
+        """The node (int64) that owns each shard (as :func:`shard_owners`, from the table)."""
+        shards = np.asarray(shards, dtype=np.int64)
+        if self.num_nodes == 1 or shards.size == 0:
+            return np.zeros(shards.shape, dtype=np.int64)
+        return (self._lookup(shards.ravel()) & _NODE_MASK).reshape(shards.shape)
+
     # ------------------------------------------------------------ the split
 
     def _split(self, order: ShardPositions, batch_start: int,
