@@ -8,6 +8,15 @@ Everything read from an index is untrusted: :meth:`ShardTable.from_json` and
 :meth:`ShardTable.from_arrow` check the type and range of every field (rows and bytes are
 integers in ``[0, 2**63)``, checksums ``xxh64:`` plus 16 hex digits, formats known, at most
 :data:`MAX_SHARDS` shards) and raise :class:`IndexFormatError` naming the shard and the rule.
+
+A shard written in chunks (several record batches of ``chunk_rows`` rows each, the last one
+shorter; see writer.py) also records its chunk layout: ``chunk_rows``, and the size and
+checksum of its tail (the Arrow IPC footer and what follows it), so a range reader maps a row
+to its chunk without reading any batch header and reads the footer in one verified request
+(cache/ranges.py). The three are optional (absent in older indexes and for files written by
+others), present together or not at all, and not part of the fingerprint: they describe how
+the bytes are laid out, which the checksum already covers, and an older streamcache reads such
+an index as before.
 """
 
 from __future__ import annotations
@@ -32,7 +41,9 @@ MAX_PATH_CHARS = 4096
 MAX_NAME_CHARS = 64  # compression names
 _CHECKSUM = re.compile(r"xxh64:[0-9a-f]{16}")
 _CHECKSUM_PATTERN = r"^xxh64:[0-9a-f]{16}$"
-_UNKNOWN = -1  # raw_bytes not recorded
+_UNKNOWN = -1  # raw_bytes (or a chunk layout) not recorded
+#: The smallest tail an Arrow IPC file can have: footer length (4 bytes) and magic (6 bytes).
+MIN_TAIL_BYTES = 10
 _CHUNK = 65536  # shards turned into Python objects at a time when iterating
 
 ARROW_SCHEMA = pa.schema([
@@ -44,6 +55,12 @@ ARROW_SCHEMA = pa.schema([
     pa.field("compression", pa.string()),
     pa.field("raw_bytes", pa.int64()),
 ])
+#: Columns of a side file that only indexes of chunked shards have.
+CHUNK_FIELDS = (
+    pa.field("chunk_rows", pa.int64()),
+    pa.field("tail_bytes", pa.int64()),
+    pa.field("tail_checksum", pa.string()),
+)
 
 
 @dataclass(frozen=True)
@@ -57,13 +74,25 @@ class ShardInfo:
     checksum: str | None = None  # "xxh64:<hex>" of the object's bytes; None: size only
     compression: str | None = None  # of the stored buffers, for information
     raw_bytes: int | None = None  # uncompressed size of the data, when known
+    chunk_rows: int | None = None  # rows per record batch (the last may have fewer)
+    tail_bytes: int | None = None  # bytes of the Arrow IPC footer and what follows it
+    tail_checksum: str | None = None  # "xxh64:<hex>" of those tail bytes
+
+    @property
+    def chunked(self) -> bool:
+        """Whether the index records this shard's chunk layout (range reads by chunk)."""
+        return self.chunk_rows is not None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "path": self.path, "format": self.format, "rows": self.rows, "bytes": self.bytes,
             "checksum": self.checksum, "compression": self.compression,
             "raw_bytes": self.raw_bytes,
         }
+        if self.chunk_rows is not None:  # (absent otherwise: older indexes read the same)
+            out.update(chunk_rows=self.chunk_rows, tail_bytes=self.tail_bytes,
+                       tail_checksum=self.tail_checksum)
+        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> ShardInfo:
@@ -80,7 +109,8 @@ class ShardRow(tuple[Any, ...]):
 
 def validated_row(obj: Any) -> ShardRow:
     """Check one JSON shard entry: (path, format, rows, bytes, checksum, compression,
-    raw_bytes), each of the right type and range, or :class:`IndexFormatError`."""
+    raw_bytes, chunk_rows, tail_bytes, tail_checksum), each of the right type and range, or
+    :class:`IndexFormatError`."""
     if type(obj) is not dict and not isinstance(obj, Mapping):
         raise IndexFormatError(f"a shard entry is a {type(obj).__name__}, not an object")
     path = obj.get("path")
@@ -103,9 +133,29 @@ def validated_row(obj: Any) -> ShardRow:
     if compression is not None and not (type(compression) is str
                                         and len(compression) <= MAX_NAME_CHARS):
         raise IndexFormatError(f"shard {path!r} has a malformed compression {compression!r}")
-    return ShardRow((path, fmt, _count(obj.get("rows"), path, "rows"),
-                     _count(obj.get("bytes"), path, "bytes"), checksum, compression,
-                     _count(obj.get("raw_bytes"), path, "raw_bytes", optional=True)))
+    rows, nbytes = _count(obj.get("rows"), path, "rows"), _count(obj.get("bytes"), path, "bytes")
+    return ShardRow((path, fmt, rows, nbytes, checksum, compression,
+                     _count(obj.get("raw_bytes"), path, "raw_bytes", optional=True),
+                     *_chunk_layout(obj, path, fmt, nbytes)))
+
+
+def _chunk_layout(obj: Any, path: str, fmt: str, nbytes: int,
+                  ) -> tuple[int | None, int | None, str | None]:
+    """(chunk_rows, tail_bytes, tail_checksum) of an entry: all three or none, in range."""
+    values = (obj.get("chunk_rows"), obj.get("tail_bytes"), obj.get("tail_checksum"))
+    if values == (None, None, None):
+        return None, None, None
+    chunk_rows, tail_bytes, tail_checksum = values
+    if not (fmt == "arrow" and type(chunk_rows) is int and 1 <= chunk_rows < MAX_COUNT
+            and type(tail_bytes) is int and MIN_TAIL_BYTES <= tail_bytes <= nbytes
+            and type(tail_checksum) is str and _CHECKSUM.fullmatch(tail_checksum)):
+        raise IndexFormatError(
+            f"shard {path!r} has a malformed chunk layout (chunk_rows={chunk_rows!r}, "
+            f"tail_bytes={tail_bytes!r}, tail_checksum={tail_checksum!r}); it must be an "
+            f"'arrow' shard with chunk_rows >= 1, {MIN_TAIL_BYTES} <= tail_bytes <= "
+            "bytes and an 'xxh64:' checksum, all three or none: rebuild the index"
+        )
+    return chunk_rows, tail_bytes, tail_checksum
 
 
 def shard_entry_hook(obj: dict[str, Any]) -> Any:
@@ -136,13 +186,15 @@ class ShardTable(Sequence[ShardInfo]):
     Thread safety: immutable; any thread may read.
     """
 
-    __slots__ = ("_checksums", "_compressions", "_digest", "_formats", "_paths", "_raw_bytes",
-                 "_strings",
+    __slots__ = ("_checksums", "_chunk_rows", "_compressions", "_digest", "_formats", "_paths",
+                 "_raw_bytes", "_strings", "_tail_bytes", "_tail_checksums",
                  "nbytes", "rows", "total_rows")
 
     def __init__(self, paths: pa.Array, formats: np.ndarray, rows: np.ndarray,
                  nbytes: np.ndarray, checksums: pa.Array, compressions: pa.Array,
-                 raw_bytes: np.ndarray) -> None:
+                 raw_bytes: np.ndarray, chunk_rows: np.ndarray | None = None,
+                 tail_bytes: np.ndarray | None = None,
+                 tail_checksums: pa.Array | None = None) -> None:
         self._paths = paths.cast(pa.large_string())
         self._formats = np.ascontiguousarray(formats, dtype=np.uint8)
         self.rows = _frozen(rows)
@@ -150,16 +202,22 @@ class ShardTable(Sequence[ShardInfo]):
         self._checksums = checksums.cast(pa.string())
         self._compressions = compressions.cast(pa.string())
         self._raw_bytes = _frozen(raw_bytes)
-        self._digest: str | None = None
-        self._strings = tuple(_StringColumn(c) for c in
-                              (self._paths, self._checksums, self._compressions))
         count = len(self._paths)
+        unknown = np.full(count, _UNKNOWN, np.int64)
+        self._chunk_rows = _frozen(unknown if chunk_rows is None else chunk_rows)
+        self._tail_bytes = _frozen(unknown if tail_bytes is None else tail_bytes)
+        self._tail_checksums = (pa.nulls(count, pa.string()) if tail_checksums is None
+                                else tail_checksums.cast(pa.string()))
+        self._digest: str | None = None
+        self._strings = tuple(_StringColumn(c) for c in (
+            self._paths, self._checksums, self._compressions, self._tail_checksums))
         if count > MAX_SHARDS:
             raise IndexFormatError(f"the index lists {count} shards; at most {MAX_SHARDS} are "
                                    "supported: write larger shards")
         if not all(len(c) == count for c in (self._formats, self.rows, self.nbytes,
                                              self._checksums, self._compressions,
-                                             self._raw_bytes)):
+                                             self._raw_bytes, self._chunk_rows,
+                                             self._tail_bytes, self._tail_checksums)):
             raise IndexFormatError("the shard table's columns have different lengths")
         self.total_rows = _exact_sum(self.rows)
         if self.total_rows >= MAX_COUNT:
@@ -188,48 +246,94 @@ class ShardTable(Sequence[ShardInfo]):
 
     @classmethod
     def from_rows(cls, rows: Sequence[ShardRow]) -> ShardTable:
-        paths, formats, counts, sizes, checksums, compressions, raw = (
-            zip(*rows, strict=True) if rows else ((),) * 7)
+        (paths, formats, counts, sizes, checksums, compressions, raw, chunk_rows, tail_bytes,
+         tail_checksums) = zip(*rows, strict=True) if rows else ((),) * 10
         return cls(
             _string_array(paths, pa.large_string()),
             np.array([SHARD_FORMATS.index(f) for f in formats], np.uint8),
             np.array(counts, np.int64), np.array(sizes, np.int64),
             _string_array(checksums, pa.string()), _string_array(compressions, pa.string()),
-            np.array([_UNKNOWN if r is None else r for r in raw], np.int64),
+            _known(raw), _known(chunk_rows), _known(tail_bytes),
+            _string_array(tail_checksums, pa.string()),
         )
 
     @classmethod
     def from_arrow(cls, table: pa.Table, where: str) -> ShardTable:
         """A table from a side file's Arrow table (columns of :data:`ARROW_SCHEMA`)."""
+        chunked = "chunk_rows" in table.schema.names
+        schema = pa.schema([*ARROW_SCHEMA, *CHUNK_FIELDS]) if chunked else ARROW_SCHEMA
         try:
-            table = table.select(ARROW_SCHEMA.names).cast(ARROW_SCHEMA)
+            table = table.select(schema.names).cast(schema)
         except (KeyError, pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
             raise IndexFormatError(
                 f"{where} is not a shard table with the columns {ARROW_SCHEMA.names}: {exc}"
             ) from exc
-        columns = {name: table.column(name).combine_chunks() for name in ARROW_SCHEMA.names}
+        columns = {name: table.column(name).combine_chunks() for name in schema.names}
         _check_arrow_columns(columns, where)
         formats = pc.index_in(columns["format"], _string_array(SHARD_FORMATS, pa.string()))
-        return cls(
+        shards = cls(
             columns["path"], numpy_values(formats).astype(np.uint8),
             numpy_values(columns["rows"]), numpy_values(columns["bytes"]),
             columns["checksum"], columns["compression"],
             numpy_values(columns["raw_bytes"], fill=_UNKNOWN),
+            *((numpy_values(columns["chunk_rows"], fill=_UNKNOWN),
+               numpy_values(columns["tail_bytes"], fill=_UNKNOWN), columns["tail_checksum"])
+              if chunked else ()),
         )
+        if chunked:
+            shards._check_chunk_layouts(where)
+        return shards
+
+    def _check_chunk_layouts(self, where: str) -> None:
+        """The chunk layouts of a side file obey the rules of a JSON entry (vectorized for
+        the usual case; the first offending shard is named by the entry's own check)."""
+        known = self._chunk_rows != _UNKNOWN
+        if not known.any():
+            return
+        recorded = [known, self._tail_bytes != _UNKNOWN,
+                    ~_null_mask(self._tail_checksums) if self._tail_checksums.null_count
+                    else np.ones(len(self), bool)]
+        fine = (recorded[0] == recorded[1]).all() and (recorded[0] == recorded[2]).all() and (
+            (self._chunk_rows[known] >= 1).all()
+            and (self._tail_bytes[known] >= MIN_TAIL_BYTES).all()
+            and (self._tail_bytes[known] <= self.nbytes[known]).all()
+            and (self._formats[known] == SHARD_FORMATS.index("arrow")).all())
+        checksums = self._tail_checksums.drop_null()
+        if fine and (not len(checksums) or pc.all(pc.match_substring_regex(
+                checksums, _CHECKSUM_PATTERN)).as_py()):
+            return
+        for k in np.flatnonzero(known | recorded[1] | recorded[2]).tolist():
+            try:
+                validated_row(self[k].to_json())
+            except IndexFormatError as exc:
+                raise IndexFormatError(f"{where}: {exc}") from None
+        raise IndexFormatError(f"{where}: a chunk layout is malformed")  # (not reached)
 
     # ------------------------------------------------------------ output
 
     def to_arrow(self) -> pa.Table:
         raw = pa.array(self._raw_bytes, pa.int64(), mask=self._raw_bytes == _UNKNOWN)
         formats = pa.array(SHARD_FORMATS, pa.string()).take(pa.array(self._formats))
-        return pa.table([self._paths, formats, pa.array(self.rows), pa.array(self.nbytes),
-                         self._checksums, self._compressions, raw], schema=ARROW_SCHEMA)
+        columns = [self._paths, formats, pa.array(self.rows), pa.array(self.nbytes),
+                   self._checksums, self._compressions, raw]
+        if not self.has_chunk_layouts:  # the columns an older streamcache reads
+            return pa.table(columns, schema=ARROW_SCHEMA)
+        columns += [pa.array(self._chunk_rows, pa.int64(), mask=self._chunk_rows == _UNKNOWN),
+                    pa.array(self._tail_bytes, pa.int64(), mask=self._tail_bytes == _UNKNOWN),
+                    self._tail_checksums]
+        return pa.table(columns, schema=pa.schema([*ARROW_SCHEMA, *CHUNK_FIELDS]))
+
+    @property
+    def has_chunk_layouts(self) -> bool:
+        """Whether any shard records its chunk layout."""
+        return bool((self._chunk_rows != _UNKNOWN).any())
 
     def to_json(self) -> list[dict[str, Any]]:
         return [shard.to_json() for shard in self]
 
     def digest(self) -> str:
-        """A checksum of every column's content (what the fingerprint covers)."""
+        """A checksum of every column's content (what the fingerprint covers), chunk layouts
+        excepted (see the module docstring)."""
         if self._digest is None:
             parts = [checksum_bytes(column.tobytes()) for column in
                      (self._formats, self.rows, self.nbytes, self._raw_bytes)]
@@ -253,19 +357,20 @@ class ShardTable(Sequence[ShardInfo]):
         if isinstance(index, slice):
             return tuple(self[k] for k in range(*index.indices(len(self))))
         k = range(len(self))[index]  # IndexError for a shard that does not exist
-        raw = int(self._raw_bytes[k])
         return ShardInfo(
             cast(str, self._strings[0][k]), SHARD_FORMATS[self._formats[k]], int(self.rows[k]),
             int(self.nbytes[k]), self._strings[1][k], self._strings[2][k],
-            None if raw == _UNKNOWN else raw,
+            _optional(self._raw_bytes[k]), _optional(self._chunk_rows[k]),
+            _optional(self._tail_bytes[k]), self._strings[3][k],
         )
 
     def __iter__(self) -> Iterator[ShardInfo]:
         for start in range(0, len(self), _CHUNK):
-            for path, fmt, rows, nbytes, checksum, compression, raw in zip(
-                    *self._columns(start, start + _CHUNK), strict=True):
+            for (path, fmt, rows, nbytes, checksum, compression, raw, chunk_rows, tail_bytes,
+                 tail_checksum) in zip(*self._columns(start, start + _CHUNK), strict=True):
                 yield ShardInfo(path, fmt, rows, nbytes, checksum, compression,
-                                None if raw == _UNKNOWN else raw)
+                                _optional(raw), _optional(chunk_rows), _optional(tail_bytes),
+                                tail_checksum)
 
     def _columns(self, start: int, stop: int) -> list[list[Any]]:
         """Python lists of every column over shards [start, stop), in ShardInfo's order."""
@@ -274,7 +379,9 @@ class ShardTable(Sequence[ShardInfo]):
                 self.rows[start:stop].tolist(), self.nbytes[start:stop].tolist(),
                 self._checksums[start:stop].to_pylist(),
                 self._compressions[start:stop].to_pylist(),
-                self._raw_bytes[start:stop].tolist()]
+                self._raw_bytes[start:stop].tolist(), self._chunk_rows[start:stop].tolist(),
+                self._tail_bytes[start:stop].tolist(),
+                self._tail_checksums[start:stop].to_pylist()]
 
     def identity_rows(self) -> list[list[Any]]:
         """[path, format, rows, bytes, checksum] per shard (what a version-1 index digests)."""
@@ -301,7 +408,8 @@ class ShardTable(Sequence[ShardInfo]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (ShardTable, (self._paths, self._formats, self.rows, self.nbytes,
-                             self._checksums, self._compressions, self._raw_bytes))
+                             self._checksums, self._compressions, self._raw_bytes,
+                             self._chunk_rows, self._tail_bytes, self._tail_checksums))
 
 
 class _StringColumn:
@@ -351,6 +459,15 @@ def _null_mask(column: pa.Array) -> np.ndarray:
     :func:`numpy_values`)."""
     bits = np.unpackbits(np.frombuffer(column.buffers()[0], np.uint8), bitorder="little")
     return bits[column.offset:column.offset + len(column)] == 0
+
+
+def _known(values: Sequence[int | None]) -> np.ndarray:
+    return np.array([_UNKNOWN if v is None else v for v in values], np.int64)
+
+
+def _optional(value: Any) -> int | None:
+    value = int(value)
+    return None if value == _UNKNOWN else value
 
 
 def _frozen(values: np.ndarray) -> np.ndarray:

@@ -6,6 +6,11 @@ parallel. ``index.json`` is published last and atomically, only by a clean ``clo
 exception inside the ``with`` body (or :meth:`ShardWriter.abort`) publishes no index, so a
 half-written dataset is never readable.
 
+Each shard is a sequence of record batches ("chunks") of about ``chunk_size`` bytes, with a
+digest of each chunk in the footer and the chunk layout in the index (format/chunks.py), so
+a reader can fetch the rows it needs by range instead of the whole shard (cache/ranges.py).
+Installing a shard still decodes it into the one-batch local layout (materialize.py).
+
 One writer per destination: a writer holds the destination's lease (lease.py) from its start
 to its end, a second one is refused, and the index is published only if the lease is still
 this writer's. Every shard's name carries the writer's token, so no two writers (nor two
@@ -31,6 +36,7 @@ import pyarrow.ipc as ipc
 from ..errors import DestinationError, EmptyDatasetError, SchemaError, StreamcacheError
 from ..remote import storage
 from .checksum import checksum_bytes, checksum_file
+from .chunks import DEFAULT_CHUNK_SIZE, chunk_digest, chunk_rows_for, footer_metadata, tail_size
 from .columns import build_column, field_from_arrow, normalize_value, to_canonical
 from .index import INDEX_NAME, DatasetIndex, ShardInfo, load_index, save_index
 from .lease import WriterLease, new_token
@@ -64,6 +70,9 @@ class ShardWriter:
         shard_size: target uncompressed bytes per shard.
         compression: ``"zstd"`` (default), ``"lz4"`` or None for the Arrow IPC buffers.
         compression_level: codec level (None: the codec's default).
+        chunk_size: target uncompressed bytes per chunk (record batch) of a shard: the unit
+            a range read fetches (default 64 KiB; a sample larger than that is a chunk of
+            its own). Rows per chunk are fixed per shard (from its average row size).
         overwrite: replace a dataset already at ``dst``. The old version stays readable
             until the new index is published; then the old version's shards that this
             writer's naming produced are removed (files of other origins, such as Parquet
@@ -89,13 +98,17 @@ class ShardWriter:
     def __init__(self, dst: str, *, schema: Schema | Mapping[str, Field | str] | None = None,
                  shard_size: int = DEFAULT_SHARD_SIZE, compression: str | None = "zstd",
                  compression_level: int | None = None, overwrite: bool = False,
-                 storage_options: Mapping[str, Any] | None = None, max_pending: int = 2) -> None:
+                 storage_options: Mapping[str, Any] | None = None, max_pending: int = 2,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         if compression == "none":
             compression = None
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
         if shard_size <= 0:
             raise ValueError("shard_size must be positive")
+        if chunk_size <= 0:
+            raise ValueError("chunk_size must be positive")
+        self.chunk_size = int(chunk_size)
         self.url = dst
         self.schema: Schema | None = Schema.coerce(schema) if schema is not None else None
         self.shard_size = int(shard_size)
@@ -245,26 +258,44 @@ class ShardWriter:
         path = storage.join(self._root, name)
         with storage.destination_errors(self._fs, path):
             if storage.is_local(self._fs):
-                size, checksum = self._store_local(path, batch)
+                size, checksum, tail = self._store_local(path, batch)
             else:
                 data = self._encode(pa.BufferOutputStream(), batch).getvalue()
                 size, checksum = data.size, checksum_bytes(data)
+                tail = data[data.size - tail_size(data, data.size):].to_pybytes()
                 self._fs.pipe_file(path, data.to_pybytes())
         return ShardInfo(name, "arrow", batch.num_rows, size, checksum, self.compression,
-                         batch.nbytes)
+                         batch.nbytes, chunk_rows_for(batch.num_rows, batch.nbytes,
+                                                      self.chunk_size),
+                         len(tail), checksum_bytes(tail))
 
     def _encode(self, sink: Any, batch: pa.RecordBatch) -> Any:
-        with ipc.new_file(sink, batch.schema, options=self._options) as writer:
-            writer.write_batch(batch)
+        """Write ``batch`` as chunks of a fixed row count, their digests in the footer."""
+        rows = chunk_rows_for(batch.num_rows, batch.nbytes, self.chunk_size)
+        assert self.schema is not None
+        chunks = [batch.slice(start, rows) for start in range(0, batch.num_rows, rows)]
+        metadata = footer_metadata(rows, [chunk_digest(c, self.schema) for c in chunks])
+        with ipc.new_file(sink, batch.schema, options=self._options,
+                          metadata=metadata) as writer:
+            for chunk in chunks:
+                writer.write_batch(chunk)
         return sink
 
-    def _store_local(self, path: str, batch: pa.RecordBatch) -> tuple[int, str]:
-        """Encode straight into a temporary file, checksum it, fsync, rename into place."""
+    def _store_local(self, path: str, batch: pa.RecordBatch) -> tuple[int, str, bytes]:
+        """Encode straight into a temporary file, checksum it, fsync, rename into place;
+        returns (bytes, checksum, the file's tail)."""
         with storage.atomic_path(path) as temp:
             with pa.OSFile(temp, "wb") as sink:
                 self._encode(sink, batch)
             checksum = checksum_file(temp)
-        return os.path.getsize(path), checksum
+            size = os.path.getsize(temp)
+            with open(temp, "rb") as file:
+                file.seek(max(0, size - 10))
+                footer = int.from_bytes(file.read(4), "little")  # (then the magic)
+                file.seek(max(0, size - 10 - footer))
+                tail = file.read()
+            tail_size(tail, size)  # it is the end of an Arrow IPC file
+        return size, checksum, tail
 
     def _raise_background_errors(self) -> None:
         for future in self._futures:
