@@ -34,7 +34,7 @@ import os
 import random
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import fsspec
@@ -228,6 +228,34 @@ class Fetcher:
         received = self._with_retries(url, attempt)
         self._count(bytes=received, objects=1)
         return received
+
+    def fetch_ranges(self, url: str, ranges: Sequence[tuple[int, int]], *,
+                     verify: Callable[[list[bytes]], None] | None = None) -> list[bytes]:
+        """Byte ranges ``[start, end)`` of the object at ``url`` (concurrent requests on
+        s3, gs, az and http; see :meth:`.transfer.Transfers.read_ranges`), with the retries
+        of :meth:`fetch`; a range that comes back short is retried, the whole set at once.
+
+        Args:
+            verify: called with the ranges' bytes inside each attempt; a
+                :class:`~streamcache.errors.ChecksumMismatchError` it raises is retried like
+                a body that fails its checksum (the last one is raised).
+
+        Raises: as :meth:`fetch`.
+        """
+
+        def attempt() -> list[bytes]:
+            fs, path = self._filesystem(url)
+            self._count(requests=len(ranges) - 1)  # (the attempt itself counted one)
+            blocks = self._transfers.read_ranges(fs, path, url, ranges)
+            if verify is not None:
+                verify(blocks)
+            return blocks
+
+        if not ranges:
+            return []
+        blocks = self._with_retries(url, attempt)
+        self._count(bytes=sum(len(block) for block in blocks))
+        return blocks
 
     def fetch_many(self, requests: Iterable[FetchRequest]) -> list[FetchResult]:
         """Fetch several objects in parallel (within ``max_concurrency``), results in order.

@@ -17,7 +17,7 @@ import concurrent.futures
 import contextlib
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import StreamcacheError
@@ -74,6 +74,33 @@ class Transfers:
             local = storage.is_local(fs) or "memory" in _protocols(fs)
             _check_size(total, size, max_bytes, url, local=local)
         return total
+
+    def read_ranges(self, fs: Any, path: str, url: str,
+                    ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """One request per byte range ``[start, end)`` of ``path`` in ``fs`` (the object at
+        ``url``): concurrently on an asynchronous filesystem (at most ``max_concurrency`` at
+        once, each within ``timeout_s`` as a whole: keep ranges small), one after another on
+        a synchronous one. Every range must come back exactly as long as asked: a short one
+        is retried like a short read, a longer one (a server that ignores ranges) is refused.
+        """
+        if getattr(fs, "async_impl", False):
+            blocks = self._run(fs, _gather_ranges(fs, path, ranges, self.options.timeout_s,
+                                                  self.options.max_concurrency))
+        else:
+            blocks = []
+            for start, end in ranges:
+                blocks.append(bytes(fs.cat_file(path, start=start, end=end)))
+                self.check_open()
+        local = storage.is_local(fs) or "memory" in _protocols(fs)
+        for (start, end), block in zip(ranges, blocks, strict=True):
+            if len(block) > end - start:
+                raise _SizeRefusedError(f"asked {url} for bytes [{start}, {end}) and received "
+                                        f"{len(block)} bytes: the server ignores ranges")
+            if len(block) < end - start:
+                message = (f"bytes [{start}, {end}) of {url}: received {len(block)} (a short "
+                           "read, or the object is shorter than the index records)")
+                raise _SizeRefusedError(message) if local else _SizeMismatchError(message)
+        return blocks
 
     def _next_read(self, total: int, limit: int | None) -> int:
         """How many bytes to ask for next: a block, but never past ``limit``."""
@@ -167,6 +194,17 @@ async def _within(awaitable: Any, timeout: float) -> Any:
         return await asyncio.wait_for(awaitable, timeout)
     except asyncio.TimeoutError:
         raise _RequestTimeoutError(f"no response within timeout_s={timeout:g}") from None
+
+
+async def _gather_ranges(fs: Any, path: str, ranges: Sequence[tuple[int, int]], timeout: float,
+                         limit: int) -> list[bytes]:
+    gate = asyncio.Semaphore(limit)
+
+    async def one(start: int, end: int) -> bytes:
+        async with gate:
+            return bytes(await _within(fs._cat_file(path, start=start, end=end), timeout))
+
+    return list(await asyncio.gather(*(one(start, end) for start, end in ranges)))
 
 
 async def _read_block(stream: Any, block_size: int, timeout: float, offset: int) -> bytes:
