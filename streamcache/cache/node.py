@@ -196,6 +196,15 @@ class NodeCache(Installer, CopyLookup):
         self._count(installs=1, bytes_fetched=downloaded)
         return downloaded
 
+    def installed(self, shard: int) -> bool:
+        """Whether ``shard`` can be served now without a download: read in place, or
+        installed and current. Never blocks and never makes a request: a copy whose currency
+        would need one (an index without checksums) counts as installed only once this
+        process has confirmed it."""
+        if self.contains(shard):
+            return True
+        return self.index.shards[shard].checksum is not None and self._confirm(shard)
+
     def set_next_use(self, next_use: Callable[[int], float] | None) -> None:
         """Where each shard of this dataset is read next (a plan position; ``math.inf`` when
         not again). Eviction removes the farthest first; None falls back to LRU."""

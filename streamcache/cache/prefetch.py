@@ -42,6 +42,7 @@ from .._native import (
     SchedulerCounters,
 )
 from ..errors import ConfigError, PrefetchError
+from ..remote.fetch import Fetcher
 from .node import NodeCache
 
 #: Priority of a shard a reader is blocked on: ahead of every plan position.
@@ -236,6 +237,18 @@ class Prefetcher:
                 raise PrefetchError(f"the prefetcher was closed while shard {shard} was awaited")
             if code in (WAIT_READY, WAIT_NOT_SCHEDULED):
                 scheduler.submit(shard, URGENT, self._stored_bytes(shard))
+
+    def ready(self, shard: int) -> bool:
+        """Whether ``shard`` is installed now (non-blocking; no request is made): a reader
+        may read it from the cache without waiting. A reader that finds it not ready may
+        read the rows it needs by range instead (cache/ranges.py) and let the download
+        threads install it in first-use order."""
+        return self.cache.installed(shard)
+
+    @property
+    def fetcher(self) -> Fetcher:
+        """The cache's Fetcher (range reads share its concurrency bound and options)."""
+        return self.cache.fetcher
 
     @property
     def stats(self) -> PrefetchStats:

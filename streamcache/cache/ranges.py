@@ -1,0 +1,473 @@
+"""Range reads: given rows of a remote shard, with the fewest bytes and requests.
+
+A cold reader should not wait for whole shards to read a few of their rows. The
+:class:`RangeReader` reads just those rows, in memory, installing nothing:
+
+- a chunked Arrow IPC shard (written by ShardWriter; format/chunks.py): its tail (footer) in
+  one request, verified against the index, then only the chunks holding the rows, byte ranges
+  a few KiB apart coalesced, all fetched concurrently; every chunk is checked against its
+  digest in the footer;
+- a Parquet file of several row groups: its footer (one tail read, a second one only for a
+  footer over 64 KiB), then the byte ranges of the row groups holding the rows;
+- anything else (a one-batch Arrow file, an Arrow stream, a Parquet file of one row group):
+  the whole object, verified by size and checksum like an install, kept in a small in-memory
+  cache of decoded shards.
+
+Requests go through the :class:`~streamcache.remote.fetch.Fetcher` (its concurrency bound,
+stall timeouts, retries and errors); a chunk that fails its digest, or a footer that fails
+its checksum, is fetched again like a body that fails its checksum, then raised as
+:class:`~streamcache.errors.ChecksumMismatchError`. What cannot be checked on a partial read
+is said in docs/cache.md ("Range reads"): for Parquet and for indexes without a chunk layout
+there is no checksum short of the whole object, so a range read relies on the size in the
+index and on the file's own structure (and Parquet page CRCs, where the writer wrote them).
+
+Thread safety: every method may be called from any number of threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+
+from ..errors import ChecksumMismatchError, RowOutOfRangeError, SchemaError, ShardCorruptError
+from ..format.checksum import verify_bytes
+from ..format.chunks import (
+    Block,
+    chunk_digest,
+    read_footer_metadata,
+    record_batch_blocks,
+)
+from ..format.columns import column_buffers, to_canonical
+from ..format.index import DatasetIndex
+from ..format.materialize import decode_shard
+from ..format.reader import ShardReader
+from ..format.schema import Schema
+from ..remote.fetch import Fetcher
+
+#: Two ranges closer than this are fetched as one (a request costs more than a few KiB).
+COALESCE_GAP = 16 << 10
+#: A coalesced range never grows beyond this (each range must arrive within ``timeout_s``).
+MAX_RANGE = 8 << 20
+#: The first read of a Parquet footer (the tail of the file): one request for most footers.
+PARQUET_TAIL = 64 << 10
+#: Parsed footers kept (per reader), and decoded whole shards (bytes, per reader).
+FOOTERS_KEPT = 256
+WHOLE_SHARD_BYTES = 256 << 20
+
+
+@dataclass
+class RangeStats:
+    """Counters of a :class:`RangeReader` (a snapshot; see :attr:`RangeReader.stats`).
+
+    Attributes:
+        shards: shard reads served (one per shard per batch).
+        rows: rows served.
+        chunks: chunks (or row groups) fetched.
+        requests: range requests made for them (footers included; retries not counted).
+        bytes: bytes those requests returned.
+        whole: whole objects fetched (shards that are not addressable).
+    """
+
+    shards: int = 0
+    rows: int = 0
+    chunks: int = 0
+    requests: int = 0
+    bytes: int = 0
+    whole: int = 0
+
+
+class MemoryShard(ShardReader):
+    """Rows of a shard decoded into memory, readable by the native gather like a mapped one.
+
+    Thread safety: read-only after construction.
+    """
+
+    def __init__(self, batch: pa.RecordBatch, schema: Schema, *, where: str) -> None:
+        # (not ShardReader's constructor: nothing is mapped; the gather needs only buffers)
+        self.path = where
+        self.schema = schema
+        self.num_rows = batch.num_rows
+        self._batch = batch
+        self._buffers = {f.name: column_buffers(f, batch.column(f.name)) for f in schema}
+
+    def close(self) -> None:
+        self._buffers.clear()
+
+
+@dataclass
+class _Footer:
+    """What a range read of one shard needs from its footer."""
+
+    pieces: list[tuple[int, bytes]]  # the tail: (offset, bytes)
+    starts: np.ndarray  # first row of each chunk / row group, and the total at the end
+    blocks: list[Block]  # the byte range of each chunk / row group
+    digests: list[str] | None = None  # chunk digests (chunked Arrow shards)
+    whole: bool = False  # not addressable: read the whole object
+    nbytes: int = field(default=0)
+
+
+class RangeReader:
+    """Reads rows of a dataset's shards by range requests, into memory.
+
+    Args:
+        index: the dataset's index.
+        fetcher: the Fetcher that makes the requests (its options decide timeouts, retries
+            and the concurrency bound). Not closed by :meth:`close`.
+        schema: the fields to read (default: all of the index's).
+        threads: shards read at once by :meth:`read_many`.
+
+    Owns: a pool of ``threads`` named daemon threads (``streamcache-ranges-*``), started on
+    first use and stopped by :meth:`close`.
+    """
+
+    def __init__(self, index: DatasetIndex, fetcher: Fetcher, *, schema: Schema | None = None,
+                 threads: int = 16) -> None:
+        self.index = index
+        self.fetcher = fetcher
+        self.schema = schema or index.schema
+        self._threads = max(1, threads)
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._footers: collections.OrderedDict[int, _Footer] = collections.OrderedDict()
+        self._whole: collections.OrderedDict[int, MemoryShard] = collections.OrderedDict()
+        self._whole_bytes = 0
+        self._stats = RangeStats()
+
+    @property
+    def stats(self) -> RangeStats:
+        with self._lock:
+            return RangeStats(**vars(self._stats))
+
+    def addressable(self, shard: int) -> bool:
+        """Whether rows of ``shard`` can be read without its whole object: a chunked Arrow
+        shard, or a Parquet file of several row groups (its footer is read to know)."""
+        info = self.index.shards[shard]
+        if info.chunked:
+            return info.chunk_rows is not None and info.chunk_rows < info.rows
+        if info.format != "parquet":
+            return False
+        return not self._footer(shard).whole
+
+    def read_rows(self, shard: int, rows: np.ndarray) -> tuple[ShardReader, np.ndarray]:
+        """Rows ``rows`` of ``shard``: an in-memory shard reader holding them (and perhaps
+        their neighbours) and the row numbers to gather from it, in the order given.
+
+        Raises:
+            FetchError: a request failed after the Fetcher's retries.
+            ChecksumMismatchError: the footer or a chunk does not match what the index (or the
+                footer) records, on every attempt: the object is corrupt or was rewritten.
+            ShardCorruptError, SchemaError: the object is not the shard the index describes.
+            RowOutOfRangeError: a row does not exist.
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        info = self.index.shards[shard]
+        if rows.size and (rows.min() < 0 or rows.max() >= info.rows):
+            raise RowOutOfRangeError(f"rows {rows.min()}..{rows.max()} of shard {shard}: it "
+                                     f"has {info.rows}")
+        if not self.addressable(shard):
+            reader = self._whole_shard(shard)
+            self._count(shards=1, rows=int(rows.size))
+            return reader, rows
+        footer = self._footer(shard)
+        units = np.searchsorted(footer.starts, rows, side="right") - 1
+        needed = np.unique(units)
+        batches = self._read_units(shard, footer, needed.tolist())
+        sizes = np.array([b.num_rows for b in batches], np.int64)
+        local_starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        position = np.searchsorted(needed, units)
+        local = local_starts[position] + rows - footer.starts[units]
+        table = pa.Table.from_batches(batches, schema=self.schema.arrow_schema())
+        batch = table.combine_chunks().to_batches()[0] if table.num_rows else \
+            _empty_batch(self.schema)
+        self._count(shards=1, rows=int(rows.size), chunks=len(needed))
+        return MemoryShard(batch, self.schema, where=self.index.shard_url(shard)), local
+
+    def submit(self, shard: int, rows: np.ndarray) -> Future[tuple[ShardReader, np.ndarray]]:
+        """:meth:`read_rows` on this reader's threads."""
+        return self._executor().submit(self.read_rows, shard, rows)
+
+    def read_many(self, requests: Sequence[tuple[int, np.ndarray]],
+                  ) -> list[tuple[ShardReader, np.ndarray]]:
+        """:meth:`read_rows` for several shards at once (concurrently), results in order."""
+        if len(requests) <= 1:
+            return [self.read_rows(shard, rows) for shard, rows in requests]
+        pool = self._executor()
+        futures = [pool.submit(self.read_rows, shard, rows) for shard, rows in requests]
+        return [future.result() for future in futures]
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self._footers.clear()
+            self._whole.clear()
+            self._whole_bytes = 0
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------------ footers
+
+    def _footer(self, shard: int) -> _Footer:
+        with self._lock:
+            footer = self._footers.get(shard)
+            if footer is not None:
+                self._footers.move_to_end(shard)
+                return footer
+        info = self.index.shards[shard]
+        footer = self._arrow_footer(shard) if info.chunked else self._parquet_footer(shard)
+        with self._lock:
+            self._footers[shard] = footer
+            while len(self._footers) > FOOTERS_KEPT:
+                self._footers.popitem(last=False)
+        return footer
+
+    def _arrow_footer(self, shard: int) -> _Footer:
+        """The verified footer of a chunked Arrow shard: one request for exactly its tail."""
+        info = self.index.shards[shard]
+        url = self.index.shard_url(shard)
+        assert info.chunk_rows is not None and info.tail_bytes is not None
+        start = info.bytes - info.tail_bytes
+
+        def verify(blocks: list[bytes]) -> None:
+            verify_bytes(blocks[0], info.tail_checksum, what=f"{url} (its footer)")
+
+        tail = self._fetch(url, [(start, info.bytes)], verify)[0]
+        chunks = -(-info.rows // info.chunk_rows)
+        try:
+            blocks = record_batch_blocks(tail, info.bytes)
+            if len(blocks) != chunks:
+                raise ValueError(f"its footer lists {len(blocks)} record batches, the index "
+                                 f"says {chunks} chunks of {info.chunk_rows} rows")
+            reader = ipc.open_file(_sparse_file(info.bytes, [(start, tail)]))
+            _check_schema(reader.schema, self.index.schema, url)
+            digests = read_footer_metadata(reader.metadata, chunks=chunks,
+                                           chunk_rows=info.chunk_rows, where=url)
+        except (ValueError, pa.ArrowInvalid, OSError) as exc:
+            raise ShardCorruptError(f"{url} is not the chunked shard its index describes "
+                                    f"({exc}): rebuild the index or rewrite the dataset") from exc
+        starts = np.minimum(np.arange(chunks + 1, dtype=np.int64) * info.chunk_rows, info.rows)
+        return _Footer([(start, tail)], starts, blocks, digests, nbytes=len(tail))
+
+    def _parquet_footer(self, shard: int) -> _Footer:
+        """A Parquet file's footer and the byte range of each row group."""
+        info = self.index.shards[shard]
+        url = self.index.shard_url(shard)
+        first = min(info.bytes, PARQUET_TAIL)
+        pieces = [(info.bytes - first, self._fetch(url, [(info.bytes - first, info.bytes)])[0])]
+        tail = pieces[0][1]
+        try:
+            if len(tail) < 8 or tail[-4:] != b"PAR1":
+                raise ValueError("the object does not end like a Parquet file")
+            length = int.from_bytes(tail[-8:-4], "little") + 8
+            if length > info.bytes - 4:
+                raise ValueError(f"the footer length {length} does not fit the object")
+            if length > len(tail):
+                more = info.bytes - length
+                pieces.insert(0, (more, self._fetch(url, [(more, info.bytes - first)])[0]))
+            metadata = pq.ParquetFile(_sparse_file(info.bytes, pieces)).metadata
+        except (ValueError, pa.ArrowInvalid, OSError) as exc:
+            raise ShardCorruptError(f"{url} is not a readable Parquet file ({exc}); it is "
+                                    "truncated, corrupt or was rewritten: rebuild the index"
+                                    ) from exc
+        groups = [metadata.row_group(i) for i in range(metadata.num_row_groups)]
+        counts = np.array([g.num_rows for g in groups], np.int64)
+        if int(counts.sum()) != info.rows:
+            raise ShardCorruptError(f"{url} holds {int(counts.sum())} rows but the index says "
+                                    f"{info.rows}; it was rewritten after indexing: rebuild "
+                                    "the index")
+        starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        blocks = [_row_group_block(g, info.bytes) for g in groups]
+        nbytes = sum(len(p) for _, p in pieces)
+        return _Footer(pieces, starts, blocks, whole=len(groups) <= 1, nbytes=nbytes)
+
+    # ------------------------------------------------------------------ chunks
+
+    def _read_units(self, shard: int, footer: _Footer, units: list[int]) -> list[pa.RecordBatch]:
+        """Fetch and decode chunks (or row groups) ``units`` of ``shard``, verified."""
+        info = self.index.shards[shard]
+        url = self.index.shard_url(shard)
+        spans = coalesce([footer.blocks[u] for u in units])
+        decoded: list[pa.RecordBatch] = []
+
+        def verify(blocks: list[bytes]) -> None:
+            pieces = footer.pieces + [(s.offset, b) for s, b in zip(spans, blocks, strict=True)]
+            source = _sparse_file(info.bytes, pieces)
+            try:
+                file: Any = ipc.open_file(source) if footer.digests is not None else \
+                    pq.ParquetFile(source, page_checksum_verification=True)
+            except (pa.ArrowInvalid, OSError) as exc:  # (the footer was read before)
+                raise ShardCorruptError(f"{url}: its footer cannot be read again ({exc})"
+                                        ) from exc
+            decoded[:] = [self._decode(file, footer, u, url) for u in units]
+
+        self._fetch(url, [(s.offset, s.offset + s.length) for s in spans], verify)
+        return decoded
+
+    def _decode(self, file: Any, footer: _Footer, unit: int, url: str) -> pa.RecordBatch:
+        """Chunk ``unit`` from an open Arrow IPC file or ParquetFile, checked."""
+        expected = int(footer.starts[unit + 1] - footer.starts[unit])
+        try:
+            if footer.digests is not None:
+                batch = file.get_batch(unit)
+            else:
+                table = file.read_row_group(unit, columns=self.schema.names)
+                batch = table.combine_chunks().to_batches()[0] if table.num_rows else None
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise ChecksumMismatchError(f"{url}: chunk {unit} cannot be decoded ({exc}); the "
+                                        "bytes are corrupt or the object was rewritten") from exc
+        rows = 0 if batch is None else batch.num_rows
+        if rows != expected:
+            raise ShardCorruptError(f"{url}: chunk {unit} holds {rows} rows, its footer "
+                                    f"says {expected}: rebuild the index")
+        if batch is None:
+            return _empty_batch(self.schema)
+        columns = [to_canonical(f, batch.column(f.name), where=url) for f in self.index.schema
+                   if footer.digests is not None or f.name in self.schema.names]
+        if footer.digests is not None:
+            full = pa.RecordBatch.from_arrays(columns, schema=self.index.schema.arrow_schema())
+            if chunk_digest(full, self.index.schema) != footer.digests[unit]:
+                raise ChecksumMismatchError(
+                    f"{url}: chunk {unit} does not match its digest in the footer; the bytes "
+                    "are corrupt or the object was rewritten after indexing")
+            columns = [full.column(f.name) for f in self.schema]
+        return pa.RecordBatch.from_arrays(columns, schema=self.schema.arrow_schema())
+
+    # ------------------------------------------------------------------ whole objects
+
+    def _whole_shard(self, shard: int) -> MemoryShard:
+        with self._lock:
+            reader = self._whole.get(shard)
+            if reader is not None:
+                self._whole.move_to_end(shard)
+                return reader
+        info = self.index.shards[shard]
+        url = self.index.shard_url(shard)
+        data = self.fetcher.fetch(url, size=info.bytes, checksum=info.checksum)
+        self._count(requests=1, bytes=len(data), whole=1)
+        batch = decode_shard(data, info.format, self.index.schema, where=url,
+                             expected_rows=info.rows)
+        batch = pa.RecordBatch.from_arrays([batch.column(f.name) for f in self.schema],
+                                           schema=self.schema.arrow_schema())
+        reader = MemoryShard(batch, self.schema, where=url)
+        with self._lock:
+            self._whole[shard] = reader
+            self._whole_bytes += batch.nbytes
+            while self._whole_bytes > WHOLE_SHARD_BYTES and len(self._whole) > 1:
+                _, dropped = self._whole.popitem(last=False)
+                self._whole_bytes -= dropped._batch.nbytes
+        return reader
+
+    # ------------------------------------------------------------------ helpers
+
+    def _fetch(self, url: str, ranges: list[tuple[int, int]], verify: Any = None) -> list[bytes]:
+        blocks = self.fetcher.fetch_ranges(url, ranges, verify=verify)
+        self._count(requests=len(ranges), bytes=sum(len(b) for b in blocks))
+        return blocks
+
+    def _count(self, **increments: int) -> None:
+        with self._lock:
+            for name, value in increments.items():
+                setattr(self._stats, name, getattr(self._stats, name) + value)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._threads,
+                                                thread_name_prefix="streamcache-ranges")
+            return self._pool
+
+
+def coalesce(blocks: Sequence[Block], gap: int = COALESCE_GAP,
+             limit: int = MAX_RANGE) -> list[Block]:
+    """Byte ranges covering ``blocks`` (in file order): neighbours less than ``gap`` bytes
+    apart merge into one range, while it stays within ``limit`` bytes."""
+    spans: list[Block] = []
+    for block in sorted(blocks, key=lambda b: b.offset):
+        if spans:
+            last = spans[-1]
+            end = max(last.offset + last.length, block.offset + block.length)
+            if block.offset - (last.offset + last.length) <= gap and end - last.offset <= limit:
+                spans[-1] = Block(last.offset, end - last.offset)
+                continue
+        spans.append(block)
+    return spans
+
+
+def _row_group_block(group: Any, file_size: int) -> Block:
+    """The bytes of one Parquet row group: from its first column chunk's first page to its
+    last column chunk's end."""
+    starts, ends = [], []
+    for j in range(group.num_columns):
+        column = group.column(j)
+        first = column.data_page_offset
+        if column.dictionary_page_offset is not None and column.dictionary_page_offset > 0:
+            first = min(first, column.dictionary_page_offset)
+        starts.append(first)
+        ends.append(first + column.total_compressed_size)
+    start, end = min(starts), max(ends)
+    if not 4 <= start < end <= file_size:
+        raise ShardCorruptError(f"a row group spans bytes [{start}, {end}) of a "
+                                f"{file_size}-byte file")
+    return Block(start, end - start)
+
+
+def _check_schema(actual: pa.Schema, expected: Schema, url: str) -> None:
+    for f in expected:
+        index = actual.get_field_index(f.name)
+        if index < 0 or not actual.field(index).type.equals(f.arrow_type()):
+            raise SchemaError(f"{url}: column {f.name!r} is missing or not of type "
+                              f"{f.arrow_type()}; the shard is not the one indexed")
+
+
+def _empty_batch(schema: Schema) -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays([pa.array([], type=f.arrow_type()) for f in schema],
+                                      schema=schema.arrow_schema())
+
+
+def _sparse_file(size: int, pieces: list[tuple[int, bytes]]) -> pa.PythonFile:
+    """A read-only file of ``size`` bytes of which only some ranges were fetched; reading
+    elsewhere is an error (pyarrow reads only what the footer points at)."""
+    return pa.PythonFile(_Pieces(size, pieces), mode="r")
+
+
+class _Pieces(io.RawIOBase):
+    def __init__(self, size: int, pieces: list[tuple[int, bytes]]) -> None:
+        self._size = size
+        self._pieces = sorted(pieces, key=lambda p: p[0])
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self._position, self._size)[whence]
+        self._position = base + offset
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        wanted = max(0, min(len(buffer), self._size - self._position))
+        for start, piece in self._pieces:
+            if start <= self._position and self._position + wanted <= start + len(piece):
+                at = self._position - start
+                buffer[:wanted] = piece[at:at + wanted]
+                self._position += wanted
+                return wanted
+        raise OSError(f"bytes [{self._position}, {self._position + wanted}) were not fetched")
+
+
+__all__ = ["COALESCE_GAP", "MemoryShard", "RangeReader", "RangeStats", "coalesce"]
