@@ -9,25 +9,42 @@ Its default store is a :class:`~streamcache.cache.node.NodeCache` (no byte budge
 prefetching): local shards already in the local layout are read in place, once verified
 against the index; anything else (remote, compressed, Parquet) is fetched whole, verified and
 materialized into the cache folder, once.
+
+Some rows are read by range instead (:class:`~streamcache.cache.ranges.RangeReader`: only the
+chunks that hold them, into memory, installing nothing):
+
+- the rows of shards the caller's ``by_range`` picks (e.g. shards another node caches);
+- the cold-start rule: with a store that installs in the background (a
+  :class:`~streamcache.cache.prefetch.Prefetcher`, which has ``ready(shard)``), the rows of
+  shards that are not installed yet and can be read by range (chunked Arrow shards, Parquet
+  files of several row groups), so the first batches do not wait for whole shards while the
+  prefetcher installs them in first-use order; once installed, rows come from the cache.
+
+Either way the rows are the same canonical arrays, gathered by the same native gather: a
+batch is identical cold, warm, or read by range.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import shutil
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..cache.identity import local_size_error
 from ..cache.node import NodeCache
+from ..cache.ranges import RangeReader, RangeStats
 from ..errors import RowOutOfRangeError, ShardNotFoundError, StreamcacheError
 from ..format.index import DatasetIndex, load_index
 from ..format.reader import Ragged, ShardReader, first_row, gather
+from ..remote.fetch import Fetcher
 from ..remote.options import FetchOptions
 from ..remote.retry import FetchError
 
@@ -65,6 +82,13 @@ class DatasetReader:
             :class:`~streamcache.remote.options.FetchOptions`).
         verify: hash a local shard read in place against the index's checksum before it is
             first served (once per file version); False checks its size only.
+        by_range: given the unique shards of a batch (int64 array), True for those whose rows
+            are to be read by range requests rather than from a local copy (nothing is
+            installed for them). Any shard format works; chunked Arrow shards and Parquet
+            files of several row groups cost only the bytes of the chunks read.
+        cold_ranges: with a store that has ``ready(shard)`` (a Prefetcher), read the rows of
+            shards that are not installed yet by range when they are addressable, instead of
+            waiting for the whole shard (the cold-start rule; see the module docstring).
 
     Thread safety: ``read_batch`` may be called from several threads.
     """
@@ -73,7 +97,9 @@ class DatasetReader:
                  local_dir: str | None = None, store: ShardStore | None = None,
                  storage_options: Mapping[str, Any] | None = None,
                  max_open_shards: int = 256, allow_external_paths: bool = False,
-                 fetch: FetchOptions | None = None, verify: bool = True) -> None:
+                 fetch: FetchOptions | None = None, verify: bool = True,
+                 by_range: Callable[[np.ndarray], np.ndarray] | None = None,
+                 cold_ranges: bool = True) -> None:
         self.index = source if isinstance(source, DatasetIndex) else load_index(
             source, storage_options, allow_external_paths=allow_external_paths, fetch=fetch
         )
@@ -87,6 +113,14 @@ class DatasetReader:
             store = NodeCache(self.index, local_dir, fetch_options=fetch, durable=durable,
                               storage_options=storage_options, verify_in_place=verify)
         self.store: ShardStore = store
+        self.by_range = by_range
+        self.cold_ranges = cold_ranges
+        ready = getattr(store, "ready", None)
+        self._ready: Callable[[int], bool] | None = ready if callable(ready) else None
+        self._fetch_options = fetch
+        self._storage_options = storage_options
+        self._ranges: RangeReader | None = None
+        self._own_fetcher: Fetcher | None = None
         rows = self.index.shard_rows
         self._starts = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(rows, out=self._starts[1:])
@@ -160,8 +194,66 @@ class DatasetReader:
                      ) -> dict[str, np.ndarray | Ragged]:
         """Rows ``rows[i]`` of shards ``shards[i]`` (index order) as batch arrays."""
         unique, which = np.unique(shards, return_inverse=True)
-        readers = [self.shard_reader(int(s)) for s in unique]
+        ranged = self._ranged(unique)
+        if ranged is None:
+            readers = [self.shard_reader(int(s)) for s in unique]
+            return gather(readers, which.astype(np.int32), rows, list(self.schema))
+        rows = np.array(rows, dtype=np.int64)
+        ranges = self.range_reader()
+        pending: dict[int, Future[tuple[ShardReader, np.ndarray]]] = {
+            k: ranges.submit(int(unique[k]), rows[which == k])
+            for k in np.flatnonzero(ranged).tolist()}
+        # (the shards that are not range-read are opened, or awaited, meanwhile)
+        found: list[ShardReader | None] = [None if ranged[k] else self.shard_reader(int(s))
+                                           for k, s in enumerate(unique)]
+        for k, future in pending.items():
+            try:
+                found[k], rows[which == k] = future.result()
+            except (FileNotFoundError, FetchError) as error:
+                if not _is_gone(error):
+                    raise
+                raise self._gone(int(unique[k])) from error
+        readers = [r for r in found if r is not None]
         return gather(readers, which.astype(np.int32), rows, list(self.schema))
+
+    def _ranged(self, unique: np.ndarray) -> np.ndarray | None:
+        """Which of a batch's shards to read by range (None: none of them)."""
+        ranged = None
+        if self.by_range is not None:
+            ranged = np.asarray(self.by_range(unique), dtype=bool)
+            if ranged.shape != unique.shape:
+                raise ValueError(f"by_range returned {ranged.shape} flags for "
+                                 f"{unique.shape[0]} shards")
+        if self.cold_ranges and self._ready is not None:
+            with self._lock:
+                open_now = set(self._readers)
+            ready = self._ready
+            cold = [s not in open_now and not ready(s) and self.range_reader().addressable(s)
+                    for s in unique.tolist()]
+            ranged = np.array(cold, bool) if ranged is None else ranged | cold
+        return ranged if ranged is not None and ranged.any() else None
+
+    def range_reader(self) -> RangeReader:
+        """The reader of rows by range (made on first use; it shares the store's Fetcher
+        when the store has one, so its options and concurrency bound apply)."""
+        with self._lock:
+            if self._ranges is None:
+                fetcher = getattr(self.store, "fetcher", None)
+                if not isinstance(fetcher, Fetcher):
+                    options = self._fetch_options or FetchOptions()
+                    if self._storage_options is not None:
+                        options = dataclasses.replace(
+                            options, storage_options=dict(self._storage_options))
+                    fetcher = self._own_fetcher = Fetcher(options)
+                self._ranges = RangeReader(self.index, fetcher, schema=self.schema)
+            return self._ranges
+
+    @property
+    def range_stats(self) -> RangeStats:
+        """What range reads cost so far (all zero when there were none)."""
+        with self._lock:
+            ranges = self._ranges
+        return ranges.stats if ranges is not None else RangeStats()
 
     def __getitem__(self, sample_id: int) -> dict[str, Any]:
         batch = self.read_batch([int(sample_id)])
@@ -173,6 +265,10 @@ class DatasetReader:
         for reader in readers.values():
             with contextlib.suppress(Exception):
                 reader.close()
+        if self._ranges is not None:
+            self._ranges.close()
+        if self._own_fetcher is not None:
+            self._own_fetcher.close()
         self.store.close()
         if self._owned_dir is not None:
             shutil.rmtree(self._owned_dir, ignore_errors=True)

@@ -1,0 +1,409 @@
+"""Range reads (cache/ranges.py) and the cold start they make possible.
+
+Chunked shards (format/chunks.py) let a reader fetch a footer and the chunks holding the rows it
+needs; these tests count requests and bytes on a real HTTP server and on moto S3, check that
+damaged or changed objects are errors, that older layouts still work, and that every batch is
+identical whether it is read cold (by range), warm (from the cache) or by range on request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+import pytest
+from servers import FaultServer, S3Bucket
+
+from streamcache import DatasetReader, ShardWriter, StreamDataset, load_index, write_dataset
+from streamcache.cache.node import NodeCache
+from streamcache.cache.prefetch import Prefetcher, PrefetchOptions
+from streamcache.cache.ranges import COALESCE_GAP, RangeReader, coalesce
+from streamcache.errors import ChecksumMismatchError, IndexFormatError, ShardCorruptError
+from streamcache.format.chunks import (
+    FOOTER_KEY,
+    Block,
+    chunk_digest,
+    record_batch_blocks,
+    tail_size,
+)
+from streamcache.format.index import build_index
+from streamcache.format.reader import Ragged
+from streamcache.remote.fetch import Fetcher
+from streamcache.remote.options import FetchOptions
+from streamcache.remote.retry import FetchError
+
+ROWS = 2000
+NO_RETRIES = FetchOptions(retries=0, backoff_initial_s=0.0)
+
+
+def sample(i: int) -> dict[str, Any]:
+    # ~1 KB, not compressible to nothing: a chunk of 64 KiB holds about 60 rows
+    rng = np.random.default_rng(i)
+    return {"tokens": rng.integers(0, 50_000, 200 + i % 50, dtype=np.int32), "id": i,
+            "name": f"s{i}"}
+
+
+def write(folder: Path | str, **options: Any) -> str:
+    options.setdefault("shard_size", 512 << 10)
+    write_dataset((sample(i) for i in range(ROWS)), str(folder), **options)
+    return str(folder)
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, Ragged):
+            assert x.kind == y.kind
+            np.testing.assert_array_equal(x.values, y.values)
+            np.testing.assert_array_equal(x.offsets, y.offsets)
+        else:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def every_shard(unique: np.ndarray) -> np.ndarray:
+    return np.ones(len(unique), bool)
+
+
+def served_bytes(server: FaultServer) -> int:
+    return sum(server.requests.bytes_sent(path) for path in server.requests.counts())
+
+
+@pytest.fixture
+def served(fault_server: FaultServer) -> tuple[FaultServer, str]:
+    write(Path(fault_server.root or "") / "ds")
+    return fault_server, fault_server.url_for("ds")
+
+
+# --------------------------------------------------------------------------- the format
+
+
+def test_shards_are_written_in_chunks_with_their_layout_in_the_index(tmp_path: Path) -> None:
+    index = load_index(write(tmp_path / "ds"))
+    assert len(index.shards) > 1
+    for info in index.shards:
+        assert info.chunked and 40 <= info.chunk_rows <= 80  # ~64 KiB of ~1 KB rows
+        data = (tmp_path / "ds" / info.path).read_bytes()
+        assert info.tail_bytes == tail_size(data, len(data))
+        reader = ipc.open_file(pa.BufferReader(data))
+        assert reader.num_record_batches == -(-info.rows // info.chunk_rows)
+        assert len(record_batch_blocks(data[-info.tail_bytes:], len(data))) == \
+            reader.num_record_batches
+        digests = json.loads(reader.metadata[FOOTER_KEY])["digests"]
+        first = reader.get_batch(0)
+        assert digests[:16] == chunk_digest(first, index.schema).partition(":")[2]
+        assert all(reader.get_batch(i).num_rows == info.chunk_rows
+                   for i in range(reader.num_record_batches - 1))
+
+
+def test_a_chunk_digest_ignores_slicing_and_compression(tmp_path: Path) -> None:
+    index = load_index(write(tmp_path / "ds"))
+    table = pa.Table.from_batches(
+        [ipc.open_file(str(tmp_path / "ds" / index.shards[0].path)).get_batch(1)])
+    whole = table.combine_chunks().to_batches()[0]
+    sliced = pa.concat_tables([table, table]).combine_chunks().to_batches()[0].slice(
+        whole.num_rows, whole.num_rows)
+    assert chunk_digest(whole, index.schema) == chunk_digest(sliced, index.schema)
+    assert chunk_digest(whole, index.schema) != chunk_digest(whole.slice(1), index.schema)
+
+
+def test_an_index_without_chunk_layouts_loads_and_reads_as_before(tmp_path: Path) -> None:
+    folder = write(tmp_path / "ds")
+    path = Path(folder, "index.json")
+    doc = json.loads(path.read_text())
+    fingerprint = doc["fingerprint"]
+    for entry in doc["shards"]:
+        for key in ("chunk_rows", "tail_bytes", "tail_checksum"):
+            del entry[key]
+    path.write_text(json.dumps(doc))
+    index = load_index(folder)  # the fingerprint does not cover the layout: still valid
+    assert index.fingerprint == fingerprint and not index.shards[0].chunked
+    with DatasetReader(folder) as reader:
+        assert reader[1234]["id"] == 1234
+
+
+@pytest.mark.parametrize("edit", [
+    {"chunk_rows": 0}, {"tail_bytes": 3}, {"tail_bytes": 10**9},
+    {"tail_checksum": "md5:x"}, {"tail_checksum": None}, {"chunk_rows": "32"},
+])
+def test_a_malformed_chunk_layout_is_refused(tmp_path: Path, edit: dict[str, Any]) -> None:
+    folder = write(tmp_path / "ds")
+    path = Path(folder, "index.json")
+    doc = json.loads(path.read_text())
+    doc["shards"][1].update(edit)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(IndexFormatError, match="malformed chunk layout"):
+        load_index(folder)
+
+
+def test_chunk_layouts_survive_a_side_file(tmp_path: Path, monkeypatch: Any) -> None:
+    from streamcache.format import index_format
+    monkeypatch.setattr(index_format, "SHARD_TABLE_MIN_SHARDS", 2)
+    folder = write(tmp_path / "ds")
+    index = load_index(folder)
+    assert index.has_side_table and index.shards[1].chunked
+    assert list(index.shards) == list(load_index(folder).shards)
+    side = next(Path(folder).glob("_streamcache-shards-*"))
+    table = pq.read_table(side)
+    tails = table.column("tail_bytes").to_pylist()
+    tails[0] = 2  # below the smallest tail
+    pq.write_table(table.set_column(table.schema.get_field_index("tail_bytes"), "tail_bytes",
+                                    pa.array(tails, pa.int64())), side)
+    doc = json.loads(Path(folder, "index.json").read_text())
+    from streamcache.format.checksum import checksum_bytes
+    doc["shard_table"].update(bytes=side.stat().st_size,
+                              checksum=checksum_bytes(side.read_bytes()))
+    Path(folder, "index.json").write_text(json.dumps(doc))
+    with pytest.raises(IndexFormatError, match="malformed chunk layout"):
+        load_index(folder)
+
+
+def test_installing_a_chunked_shard_gives_the_one_batch_local_layout(tmp_path: Path) -> None:
+    folder = write(tmp_path / "ds", compression=None)
+    index = load_index(folder)
+    with NodeCache(index, str(tmp_path / "cache")) as cache:
+        path = cache.local_path(0)
+        assert path != str(tmp_path / "ds" / index.shards[0].path)  # not read in place
+        assert ipc.open_file(path).num_record_batches == 1
+
+
+def test_coalesce_merges_near_blocks_within_the_limit() -> None:
+    blocks = [Block(100, 10), Block(0, 10), Block(10_000, 10), Block(115, 5)]
+    assert coalesce(blocks, gap=16) == [Block(0, 10), Block(100, 20), Block(10_000, 10)]
+    assert coalesce(blocks, gap=200) == [Block(0, 120), Block(10_000, 10)]
+    assert coalesce(blocks, gap=10**6, limit=50) == [Block(0, 10), Block(100, 20),
+                                                     Block(10_000, 10)]
+
+
+# --------------------------------------------------------------------------- range reads
+
+
+def test_a_range_read_costs_the_chunks_not_the_shard(served: tuple[FaultServer, str]) -> None:
+    server, url = served
+    index = load_index(url)
+    info = index.shards[1]
+    ids = [int(index.shard_rows[0]) + r for r in (3, 5, info.chunk_rows * 4 + 1)]
+    with DatasetReader(str(Path(server.root or "") / "ds")) as warm:
+        expected = warm.read_batch(ids)
+    server.requests.reset()
+    with DatasetReader(index, by_range=every_shard) as reader:
+        same(reader.read_batch(ids), expected)
+        stats = reader.range_stats
+    assert server.requests.counts() == {f"/ds/{info.path}": 3}  # tail + two chunks
+    assert stats.chunks == 2 and stats.whole == 0
+    assert served_bytes(server) == stats.bytes
+    assert stats.bytes < info.tail_bytes + 3 * (info.bytes // (info.rows // info.chunk_rows))
+    assert stats.bytes < info.bytes / 4
+
+
+def test_range_reads_match_the_warm_path_for_random_batches(
+        served: tuple[FaultServer, str]) -> None:
+    server, url = served
+    rng = np.random.default_rng(7)
+    with DatasetReader(str(Path(server.root or "") / "ds")) as warm, \
+            DatasetReader(load_index(url), by_range=every_shard) as ranged, \
+            DatasetReader(load_index(url), fields=["name", "id"],
+                          by_range=every_shard) as some:
+        for size in (1, 7, 64, 500):
+            ids = rng.choice(ROWS, size, replace=False)
+            expected = warm.read_batch(ids)
+            same(ranged.read_batch(ids), expected)
+            same(some.read_batch(ids), {k: expected[k] for k in ("name", "id")})
+        assert ranged.range_stats.whole == 0 and ranged.range_stats.rows == 572
+
+
+def test_range_reads_from_s3(s3_bucket: S3Bucket, tmp_path: Path) -> None:
+    folder = write(tmp_path / "ds")
+    for name in os.listdir(folder):
+        s3_bucket.put(f"ranges/{name}", Path(folder, name).read_bytes())
+    options = s3_bucket.storage_options()
+    index = load_index(s3_bucket.url("ranges"), options)
+    ids = np.arange(0, ROWS, 400)
+    with DatasetReader(folder) as warm, DatasetReader(
+            index, storage_options=options, by_range=every_shard) as reader:
+        same(reader.read_batch(ids), warm.read_batch(ids))
+        stats = reader.range_stats
+    assert stats.whole == 0 and stats.chunks == 5 and stats.bytes < index.total_bytes / 3
+
+
+def test_old_one_batch_shards_are_read_whole_and_verified(fault_server: FaultServer) -> None:
+    folder = write(Path(fault_server.root or "") / "ds", chunk_size=1 << 30)  # one chunk each
+    index = load_index(fault_server.url_for("ds"))
+    assert not RangeReader(index, Fetcher()).addressable(0)
+    ids = np.arange(0, ROWS, 50)
+    with DatasetReader(folder) as warm, DatasetReader(index, by_range=every_shard) as reader:
+        expected = warm.read_batch(ids)
+        same(reader.read_batch(ids), expected)
+        same(reader.read_batch(ids), expected)  # the decoded shards are kept
+        assert reader.range_stats.whole == len(index.shards)
+
+
+def test_parquet_row_groups_are_read_by_range(fault_server: FaultServer, tmp_path: Path) -> None:
+    root = Path(fault_server.root or "") / "pq"
+    root.mkdir()
+    table = pa.table({"id": pa.array(range(4000), pa.int64()),
+                      "payload": pa.array([os.urandom(200) for _ in range(4000)])})
+    pq.write_table(table.slice(0, 3000), root / "a.parquet", row_group_size=250)
+    pq.write_table(table.slice(3000), root / "b.parquet")  # one row group: read whole
+    build_index(str(root))
+    index = load_index(fault_server.url_for("pq"))
+    fault_server.requests.reset()
+    ids = [5, 6, 2600, 3999]
+    with DatasetReader(index, by_range=every_shard) as reader:
+        batch = reader.read_batch(ids)
+        stats = reader.range_stats
+    assert batch["id"].tolist() == ids
+    assert [batch["payload"][i] for i in range(4)] == [table["payload"][i].as_py() for i in ids]
+    assert stats.chunks == 2 and stats.whole == 1
+    a_bytes = fault_server.requests.bytes_sent("/pq/a.parquet")
+    assert a_bytes < (root / "a.parquet").stat().st_size / 3
+
+
+# --------------------------------------------------------------------------- integrity
+
+
+def test_a_corrupt_chunk_is_an_error(fault_server: FaultServer) -> None:
+    folder = write(Path(fault_server.root or "") / "ds", compression=None)
+    index = load_index(fault_server.url_for("ds"))
+    info = index.shards[0]
+    path = Path(folder, info.path)
+    data = bytearray(path.read_bytes())
+    block = record_batch_blocks(bytes(data[-info.tail_bytes:]), len(data))[2]
+    data[block.offset + block.length - 64] ^= 0x01  # a value byte of chunk 2
+    path.write_bytes(bytes(data))
+    with DatasetReader(index, by_range=every_shard, fetch=NO_RETRIES) as reader:
+        reader.read_batch([0, 1])  # chunk 0 is intact
+        with pytest.raises(ChecksumMismatchError, match="chunk 2 does not match its digest"):
+            reader.read_batch([info.chunk_rows * 2 + 1])
+
+
+def test_a_changed_object_is_an_error(fault_server: FaultServer, tmp_path: Path) -> None:
+    folder = write(Path(fault_server.root or "") / "ds")
+    index = load_index(fault_server.url_for("ds"))
+    info = index.shards[0]
+    other = write(tmp_path / "other", shard_size=600 << 10)  # other rows, same names soon
+    replacement = Path(other, load_index(other).shards[0].path).read_bytes()
+    Path(folder, info.path).write_bytes(replacement[:info.bytes].ljust(info.bytes, b"\0"))
+    with DatasetReader(index, by_range=every_shard, fetch=NO_RETRIES) as reader, \
+            pytest.raises((ChecksumMismatchError, ShardCorruptError), match="footer"):
+        reader.read_batch([0])
+
+
+def test_a_truncated_object_is_an_error(fault_server: FaultServer) -> None:
+    folder = write(Path(fault_server.root or "") / "ds")
+    index = load_index(fault_server.url_for("ds"))
+    path = Path(folder, index.shards[0].path)
+    path.write_bytes(path.read_bytes()[:-100])
+    with DatasetReader(index, by_range=every_shard, fetch=NO_RETRIES) as reader, \
+            pytest.raises(FetchError, match="received"):
+        reader.read_batch([0])
+
+
+def test_a_chunk_corrupted_in_transit_is_fetched_again(served: tuple[FaultServer, str]) -> None:
+    server, url = served
+    index = load_index(url)
+    info = index.shards[0]
+    server.faults.script(f"/ds/{info.path}", [None, "corrupt"])  # tail fine, chunk flipped
+    with DatasetReader(str(Path(server.root or "") / "ds")) as warm, DatasetReader(
+            index, by_range=every_shard,
+            fetch=FetchOptions(retries=2, backoff_initial_s=0.0)) as reader:
+        same(reader.read_batch([40]), warm.read_batch([40]))
+    assert server.requests.count(f"/ds/{info.path}") == 3
+
+
+# --------------------------------------------------------------------------- cold start
+
+
+def test_ready_says_whether_a_shard_is_installed_without_a_request(
+        served: tuple[FaultServer, str], tmp_path: Path) -> None:
+    server, url = served
+    index = load_index(url)
+    with Prefetcher(NodeCache(index, str(tmp_path / "cache"))) as prefetcher:
+        server.requests.reset()
+        assert not prefetcher.ready(0)
+        assert server.requests.counts() == {}
+        prefetcher.local_path(0)
+        assert prefetcher.ready(0) and not prefetcher.ready(1)
+    with Prefetcher(NodeCache(index, str(tmp_path / "cache"))) as again:  # another process
+        assert again.ready(0)
+
+
+def test_a_cold_batch_reads_its_chunks_and_waits_for_no_shard(
+        served: tuple[FaultServer, str], tmp_path: Path) -> None:
+    server, url = served
+    index = load_index(url)
+    ids = np.random.default_rng(1).choice(ROWS, 4, replace=False)
+    with DatasetReader(str(Path(server.root or "") / "ds")) as warm:
+        expected = warm.read_batch(ids)
+    cache = NodeCache(index, str(tmp_path / "cache"))
+    with DatasetReader(index, store=Prefetcher(cache)) as reader:
+        server.requests.reset()
+        same(reader.read_batch(ids), expected)
+        stats = reader.range_stats
+        touched = len(set(reader.locate(ids)[0].tolist()))
+        assert stats.shards == touched and stats.whole == 0
+        assert server.requests.count() == touched + stats.chunks - _merged(stats, reader)
+        assert served_bytes(server) == stats.bytes <= _chunk_bound(index, server, stats)
+        assert stats.bytes < index.total_bytes / 3
+        assert cache.stats.installs == 0  # a range read installs nothing
+        for shard in range(len(index.shards)):
+            cache.install(shard)
+        server.requests.reset()
+        same(reader.read_batch(ids), expected)  # now from the cache
+        assert server.requests.counts() == {} and reader.range_stats == stats
+
+
+def _chunk_bound(index: Any, server: FaultServer, stats: Any) -> int:
+    """The most a range read of ``stats.chunks`` chunks may cost: every shard's tail, the
+    chunks at the largest chunk's size, and the gaps that coalescing fetches."""
+    tails, largest = 0, 0
+    for info in index.shards:
+        data = Path(server.root or "", "ds", info.path).read_bytes()
+        tails += info.tail_bytes
+        largest = max(largest, *(b.length for b in record_batch_blocks(
+            data[-info.tail_bytes:], len(data))))
+    return tails + stats.chunks * (largest + COALESCE_GAP)
+
+
+def _merged(stats: Any, reader: DatasetReader) -> int:
+    """Chunk fetches saved by coalescing (requests = tails + chunk ranges)."""
+    return stats.chunks - (stats.requests - stats.shards)
+
+
+def test_stream_batches_are_identical_cold_warm_and_by_range(
+        served: tuple[FaultServer, str], tmp_path: Path) -> None:
+    _, url = served
+
+    def epoch(cache: str, by_range: bool = False) -> tuple[list[dict[str, Any]], Any]:
+        dataset = StreamDataset(url, global_batch_size=100, rank=0, world_size=1, seed=5,
+                                cache_dir=cache, shuffle_window=ROWS,
+                                prefetch=PrefetchOptions(workers=1))
+        if by_range:
+            dataset.reader.by_range = every_shard
+        batches = [{k: np.asarray(v) if isinstance(v, list) else v.numpy().copy()
+                    for k, v in batch.items()} for batch in dataset]
+        stats = dataset.reader.range_stats
+        dataset.close()
+        return batches, stats
+
+    cold, cold_stats = epoch(str(tmp_path / "a"))
+    warm, warm_stats = epoch(str(tmp_path / "a"))
+    ranged, ranged_stats = epoch(str(tmp_path / "b"), by_range=True)
+    assert cold_stats.rows > 0 and warm_stats.rows == 0 and ranged_stats.rows == ROWS
+    ids = np.concatenate([b["__id__"] for b in cold])
+    assert sorted(ids.tolist()) == list(range(ROWS))  # exactly once
+    for a, b, c in zip(cold, warm, ranged, strict=True):
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+            np.testing.assert_array_equal(a[key], c[key])
+
+
+def test_a_new_writer_option_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="chunk_size"):
+        ShardWriter(str(tmp_path / "x"), chunk_size=0)
