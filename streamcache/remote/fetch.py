@@ -232,8 +232,10 @@ class Fetcher:
     def fetch_ranges(self, url: str, ranges: Sequence[tuple[int, int]], *,
                      verify: Callable[[list[bytes]], None] | None = None) -> list[bytes]:
         """Byte ranges ``[start, end)`` of the object at ``url`` (concurrent requests on
-        s3, gs, az and http; see :meth:`.transfer.Transfers.read_ranges`), with the retries
-        of :meth:`fetch`; a range that comes back short is retried, the whole set at once.
+        s3, gs, az and http, as many as the concurrency slots free at the time allow, so
+        ``max_concurrency`` bounds them too; see :meth:`.transfer.Transfers.read_ranges`),
+        with the retries of :meth:`fetch`; a range that comes back short is retried, the
+        whole set at once.
 
         Args:
             verify: called with the ranges' bytes inside each attempt; a
@@ -246,7 +248,14 @@ class Fetcher:
         def attempt() -> list[bytes]:
             fs, path = self._filesystem(url)
             self._count(requests=len(ranges) - 1)  # (the attempt itself counted one)
-            blocks = self._transfers.read_ranges(fs, path, url, ranges)
+            extra = 0  # slots free now, besides the attempt's own: ranges in flight at once
+            while extra < len(ranges) - 1 and self._slots.acquire(blocking=False):
+                extra += 1
+            try:
+                blocks = self._transfers.read_ranges(fs, path, url, ranges, 1 + extra)
+            finally:
+                for _ in range(extra):
+                    self._slots.release()
             if verify is not None:
                 verify(blocks)
             return blocks

@@ -75,17 +75,17 @@ class Transfers:
             _check_size(total, size, max_bytes, url, local=local)
         return total
 
-    def read_ranges(self, fs: Any, path: str, url: str,
-                    ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    def read_ranges(self, fs: Any, path: str, url: str, ranges: Sequence[tuple[int, int]],
+                    parallel: int = 1) -> list[bytes]:
         """One request per byte range ``[start, end)`` of ``path`` in ``fs`` (the object at
-        ``url``): concurrently on an asynchronous filesystem (at most ``max_concurrency`` at
-        once, each within ``timeout_s`` as a whole: keep ranges small), one after another on
-        a synchronous one. Every range must come back exactly as long as asked: a short one
+        ``url``): concurrently on an asynchronous filesystem (at most ``parallel`` at once,
+        each within ``timeout_s`` as a whole: keep ranges small), one after another on a
+        synchronous one. Every range must come back exactly as long as asked: a short one
         is retried like a short read, a longer one (a server that ignores ranges) is refused.
         """
         if getattr(fs, "async_impl", False):
             blocks = self._run(fs, _gather_ranges(fs, path, ranges, self.options.timeout_s,
-                                                  self.options.max_concurrency))
+                                                  max(1, parallel)))
         else:
             blocks = []
             for start, end in ranges:
