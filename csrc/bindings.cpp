@@ -180,6 +180,57 @@ StatusTuple py_gather_var(const std::vector<Bytes>& values, const std::vector<In
   return to_tuple(s);
 }
 
+// One Python bytes object per row, each filled by one copy from the shards. The objects are
+// made with the GIL held, as empty buffers of the rows' sizes (PyBytes_FromStringAndSize with
+// no data), and the pool threads then write only into those buffers, never into an object's
+// header or reference count: nothing else can see the objects before this function returns
+// them. This is the GIL rule's "allocate outputs with the GIL" with outputs that are objects.
+std::tuple<int, int64_t, std::string, nb::list> py_gather_bytes(const std::vector<Bytes>& values,
+                                                                const std::vector<Int64s>& offsets,
+                                                                const Int32s& which,
+                                                                const Int64s& rows) {
+  Status s = check_batch(which, rows);
+  std::vector<VarSource> sources;
+  if (s.ok()) sources = var_sources(values, offsets, &s);
+  const size_t n = which.size();
+  std::vector<int64_t> out_offsets(n + 1, 0);
+  int64_t total = 0;
+  if (s.ok()) {
+    nb::gil_scoped_release release;
+    s = guarded([&] {
+      return var_offsets(sources, 1, which.data(), rows.data(), n, out_offsets.data(), &total);
+    });
+  }
+  nb::list result;
+  if (!s.ok()) return {static_cast<int>(s.code), s.item, s.message, result};
+  std::vector<nb::object> objects;
+  std::vector<uint8_t*> dests;
+  objects.reserve(n);
+  dests.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* object = PyBytes_FromStringAndSize(nullptr, out_offsets[i + 1] - out_offsets[i]);
+    if (object == nullptr) {  // out of memory: a status, as every other native failure
+      PyErr_Clear();
+      s = Status::Error(StatusCode::kInternal, static_cast<int64_t>(i),
+                        "out of memory for the bytes of batch item " + std::to_string(i));
+      return {static_cast<int>(s.code), s.item, s.message, result};
+    }
+    objects.push_back(nb::steal(object));
+    dests.push_back(reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(object)));
+  }
+  {
+    nb::gil_scoped_release release;
+    s = guarded([&] {
+      return gather_var_rows(sources, 1, which.data(), rows.data(), n, out_offsets.data(),
+                             dests.data());
+    });
+  }
+  if (s.ok()) {
+    for (auto& object : objects) result.append(object);
+  }
+  return {static_cast<int>(s.code), s.item, s.message, result};
+}
+
 // ---------------------------------------------------------------- test support
 // Pool jobs that the tests steer: a chunk can throw, or wait until the tests open a gate.
 // They let tests prove that a throwing chunk reaches the caller and that concurrent jobs
@@ -295,6 +346,10 @@ NB_MODULE(_core, m) {
         nb::arg("offsets").noconvert(), nb::arg("elem_size"), nb::arg("which").noconvert(),
         nb::arg("rows").noconvert(), nb::arg("out_offsets").noconvert(),
         nb::arg("out_values").noconvert(), "Copy variable-width rows; returns (code, item, message).");
+  m.def("gather_bytes", &py_gather_bytes, nb::arg("values").noconvert(),
+        nb::arg("offsets").noconvert(), nb::arg("which").noconvert(), nb::arg("rows").noconvert(),
+        "Rows of byte columns as one bytes object each, one copy per row; returns (code, item, "
+        "message, list of bytes).");
   m.def("set_num_threads", [](size_t n) { set_global_pool_size(n); }, nb::arg("threads"),
         "Size of the native thread pool (0 = hardware concurrency).");
   m.def("get_num_threads", []() { return global_pool_size(); },

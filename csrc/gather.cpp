@@ -195,4 +195,36 @@ Status gather_var(const std::vector<VarSource>& sources, size_t elem_size, const
   return error.take();
 }
 
+Status gather_var_rows(const std::vector<VarSource>& sources, size_t elem_size,
+                       const int32_t* which, const int64_t* rows, size_t n,
+                       const int64_t* out_offsets, uint8_t* const* dests) {
+  if (elem_size == 0) return Status::Error(StatusCode::kInvalid, -1, "elem_size must be positive");
+  const int64_t last = n > 0 ? out_offsets[n] : 0;
+  FirstError error;
+  auto body = [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end && !error.before(i); ++i) {
+      Status s = check_shard(i, which[i], sources.size());
+      if (!s.ok()) return error.set(std::move(s));
+      const VarSource& src = sources[static_cast<size_t>(which[i])];
+      int64_t row_begin = 0, row_end = 0;
+      s = var_row(src, elem_size, i, which[i], rows[i], &row_begin, &row_end);
+      if (!s.ok()) return error.set(std::move(s));
+      if (row_end - row_begin != out_offsets[i + 1] - out_offsets[i]) {
+        return error.set(Status::Error(StatusCode::kInvalid, static_cast<int64_t>(i),
+                                       "out_offsets do not match the rows asked for"));
+      }
+      size_t bytes = static_cast<size_t>(row_end - row_begin) * elem_size;
+      if (bytes > 0) {
+        std::memcpy(dests[i], src.values.data + static_cast<size_t>(row_begin) * elem_size, bytes);
+      }
+    }
+  };
+  if (last < 0 || static_cast<size_t>(last) * elem_size < kParallelBytes) {
+    body(0, n);
+  } else {
+    global_pool().parallel_for(n, 1, body);
+  }
+  return error.take();
+}
+
 }  // namespace streamcache

@@ -39,4 +39,11 @@ Status gather_var(const std::vector<VarSource>& sources, size_t elem_size, const
                   const int64_t* rows, size_t n, const int64_t* out_offsets, uint8_t* out_values,
                   size_t out_size);
 
+// Copy the chosen rows' elements into separate destinations: row i into dests[i], which holds
+// out_offsets[i + 1] - out_offsets[i] elements (out_offsets as produced by var_offsets for the
+// same request). For outputs that are one object per row, such as Python bytes.
+Status gather_var_rows(const std::vector<VarSource>& sources, size_t elem_size,
+                       const int32_t* which, const int64_t* rows, size_t n,
+                       const int64_t* out_offsets, uint8_t* const* dests);
+
 }  // namespace streamcache

@@ -27,6 +27,11 @@ def var_offsets(values: Sequence[Annotated[NDArray[numpy.uint8], dict(shape=(Non
 def gather_var(values: Sequence[Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)]], offsets: Sequence[Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]], elem_size: int, which: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu', writable=False)], rows: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], out_offsets: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], out_values: Annotated[NDArray, dict(order='C', device='cpu')]) -> tuple[int, int, str]:
     """Copy variable-width rows; returns (code, item, message)."""
 
+def gather_bytes(values: Sequence[Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)]], offsets: Sequence[Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]], which: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu', writable=False)], rows: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> tuple[int, int, str, list]:
+    """
+    Rows of byte columns as one bytes object each, one copy per row; returns (code, item, message, list of bytes).
+    """
+
 def set_num_threads(threads: int) -> None:
     """Size of the native thread pool (0 = hardware concurrency)."""
 

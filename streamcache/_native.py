@@ -59,6 +59,8 @@ class Backend(Protocol):
     def gather_var(self, values: Sequence[np.ndarray], offsets: Sequence[np.ndarray],
                    elem_size: int, which: np.ndarray, rows: np.ndarray,
                    out_offsets: np.ndarray, out_values: np.ndarray) -> tuple[int, int, str]: ...
+    def gather_bytes(self, values: Sequence[np.ndarray], offsets: Sequence[np.ndarray],
+                     which: np.ndarray, rows: np.ndarray) -> tuple[int, int, str, list[Any]]: ...
     def set_num_threads(self, threads: int) -> None: ...
     def get_num_threads(self) -> int: ...
     @property
@@ -187,7 +189,7 @@ def gather_fixed(
 
 def gather_var(
     values: Sequence[np.ndarray], offsets: Sequence[np.ndarray], elem_size: int,
-    which: np.ndarray, rows: np.ndarray,
+    which: np.ndarray, rows: np.ndarray, allocate: Callable[[int], np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Gather variable-width rows; returns (values as uint8 bytes, int64 offsets in elements).
 
@@ -195,6 +197,8 @@ def gather_var(
         values: one-dimensional C-contiguous uint8 arrays, one per shard; offsets: their
             C-contiguous int64 offsets (rows + 1 entries, in elements of ``elem_size`` bytes).
         which: C-contiguous int32 shard indices; rows: C-contiguous int64 row numbers.
+        allocate: makes the values' output (a writable, C-contiguous uint8 array of the
+            number of bytes it is given); default ``np.empty``.
 
     Raises:
         RowOutOfRangeError: a row or shard that does not exist.
@@ -212,9 +216,32 @@ def gather_var(
         _refused(exc, _twin_checks.check_var_args("var_offsets", values, offsets, which, rows,
                                                   out_offsets))
     _raise(code, item, message)
-    out_values = np.empty(int(total) * elem_size, dtype=np.uint8)
+    nbytes = int(total) * elem_size
+    out_values = allocate(nbytes) if allocate is not None else np.empty(nbytes, dtype=np.uint8)
     _raise(*_backend.gather_var(values, offsets, elem_size, which, rows, out_offsets, out_values))
     return out_values, out_offsets
+
+
+def gather_bytes(
+    values: Sequence[np.ndarray], offsets: Sequence[np.ndarray], which: np.ndarray,
+    rows: np.ndarray,
+) -> list[bytes]:
+    """The chosen rows of byte columns (``elem_size`` 1), one ``bytes`` object per row.
+
+    Each row is copied once, from the shard straight into its bytes object (in parallel, GIL
+    released): the form a ``bytes`` field takes in a batch, without a contiguous copy first.
+
+    Args, Raises: as :func:`gather_var`.
+    """
+    values = list(values)
+    offsets = list(offsets)
+    try:
+        code, item, message, result = _backend.gather_bytes(values, offsets, which, rows)
+    except TypeError as exc:
+        _refused(exc, _twin_checks.check_var_args("gather_bytes", values, offsets, which, rows,
+                                                  np.zeros(1, np.int64)))
+    _raise(code, item, message)
+    return list(result)
 
 
 def set_num_threads(threads: int) -> None:

@@ -235,6 +235,26 @@ def gather_var(
     return OK, -1, ""
 
 
+def gather_bytes(
+    values: Sequence[np.ndarray], offsets: Sequence[np.ndarray], which: np.ndarray,
+    rows: np.ndarray,
+) -> tuple[int, int, str, list[bytes]]:
+    """The rows of byte columns as one ``bytes`` each (checked as :func:`var_offsets`)."""
+    err = check_var_args("gather_bytes", values, offsets, which, rows, np.zeros(1, np.int64))
+    if err is not None:
+        return (*err, [])
+    if len(which) != len(rows):
+        return INVALID, -1, "which and rows differ in length", []
+    out_offsets = np.empty(len(rows) + 1, dtype=np.int64)
+    code, item, message, _ = var_offsets(values, offsets, 1, which, rows, out_offsets)
+    if code != OK:
+        return code, item, message, []
+    return OK, -1, "", [
+        values[shard][int(offsets[shard][row]):int(offsets[shard][row + 1])].tobytes()
+        for shard, row in zip(which.tolist(), rows.tolist(), strict=True)
+    ]
+
+
 def set_num_threads(threads: int) -> None:
     global _num_threads
     _num_threads = max(1, threads)
