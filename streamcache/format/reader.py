@@ -9,8 +9,9 @@ a :class:`Ragged` (values plus int64 offsets).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,25 +20,64 @@ import pyarrow.ipc as ipc
 
 from .. import _native
 from ..errors import SchemaError, ShardCorruptError
+from .buffers import POOL
 from .columns import ColumnBuffers, column_buffers
 from .schema import Field, Schema
 
 
-@dataclass(frozen=True)
 class Ragged:
     """A batch of variable-length rows: row i is ``values[offsets[i]:offsets[i+1]]``.
 
     ``kind`` is the field kind: for ``str`` and ``bytes`` the values are UTF-8 / raw bytes.
+
+    A batch of a ``bytes`` field may also hold its rows as ``bytes`` objects
+    (:meth:`from_rows`, what the gather makes inside :func:`bytes_as_rows`): then indexing and
+    :meth:`tolist` hand out those objects as they are, and ``values``/``offsets`` are built
+    (one copy) only if asked for.
+
+    Thread safety: read-only after construction (building ``values`` from rows twice on two
+    threads gives equal arrays).
     """
 
-    values: np.ndarray
-    offsets: np.ndarray  # int64, len(self) + 1 entries
-    kind: str = "sequence"
+    __slots__ = ("_offsets", "_rows", "_values", "kind")
+
+    def __init__(self, values: np.ndarray, offsets: np.ndarray, kind: str = "sequence") -> None:
+        self._values: np.ndarray | None = values
+        self._offsets: np.ndarray | None = offsets  # int64, len(self) + 1 entries
+        self._rows: list[bytes] | None = None
+        self.kind = kind
+
+    @classmethod
+    def from_rows(cls, rows: list[bytes]) -> Ragged:
+        """A ``bytes`` batch whose rows are these objects (kept, not copied)."""
+        ragged = cls.__new__(cls)
+        ragged._values = ragged._offsets = None
+        ragged._rows = rows
+        ragged.kind = "bytes"
+        return ragged
+
+    @property
+    def values(self) -> np.ndarray:
+        if self._values is None:
+            assert self._rows is not None
+            self._values = np.frombuffer(b"".join(self._rows), dtype=np.uint8)
+        return self._values
+
+    @property
+    def offsets(self) -> np.ndarray:
+        if self._offsets is None:
+            assert self._rows is not None
+            offsets = np.zeros(len(self._rows) + 1, dtype=np.int64)
+            np.cumsum([len(row) for row in self._rows], out=offsets[1:])
+            self._offsets = offsets
+        return self._offsets
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1
+        return len(self._rows) if self._rows is not None else len(self.offsets) - 1
 
     def __getitem__(self, i: int) -> Any:
+        if self._rows is not None:
+            return self._rows[i]
         row = self.values[self.offsets[i]:self.offsets[i + 1]]
         if self.kind == "bytes":
             return row.tobytes()
@@ -46,10 +86,15 @@ class Ragged:
         return row
 
     def __iter__(self) -> Iterator[Any]:
+        if self._rows is not None:
+            return iter(self._rows)
         return (self[i] for i in range(len(self)))
 
     def tolist(self) -> list[Any]:
         return list(self)
+
+    def __repr__(self) -> str:
+        return f"Ragged(rows={len(self)}, kind={self.kind!r})"
 
     @property
     def lengths(self) -> np.ndarray:
@@ -144,9 +189,30 @@ def first_row(field: Field, value: Any) -> Any:
     return row.item() if field.shape == () and isinstance(row, np.generic) else row
 
 
+_BYTES_AS_ROWS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "streamcache_bytes_as_rows", default=False)
+
+
+@contextlib.contextmanager
+def bytes_as_rows() -> Iterator[None]:
+    """Inside the block, :func:`gather` (on this thread) makes each ``bytes`` field a
+    :meth:`Ragged.from_rows`: one ``bytes`` object per row, copied once from the shard, which
+    is what a batch of encoded images becomes. Outside it, bytes fields are contiguous values
+    plus offsets, as every other variable-width field (what ``ragged="offsets"`` hands out)."""
+    token = _BYTES_AS_ROWS.set(True)
+    try:
+        yield
+    finally:
+        _BYTES_AS_ROWS.reset(token)
+
+
 def gather(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray,
            fields: Sequence[Field]) -> dict[str, np.ndarray | Ragged]:
     """Rows ``rows[i]`` of ``shards[which[i]]`` for each field, as contiguous batch arrays.
+
+    Fixed-width fields are one ``[B, ...]`` array, variable-width ones a :class:`Ragged`
+    (``bytes`` fields as ``bytes`` objects per row inside :func:`bytes_as_rows`). Arrays are
+    written into pooled buffers (:mod:`~streamcache.format.buffers`).
 
     Args:
         which: int32 indices into ``shards``; rows: int64 row numbers inside those shards.
@@ -161,13 +227,20 @@ def gather(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray,
     for field in fields:
         views = [shard.buffers(field.name) for shard in shards]
         if field.fixed_width:
-            array = np.empty((len(rows), *field.shape), dtype=field.numpy_dtype)
+            # a pooled buffer: no page faults on fresh memory (see buffers.py)
+            array = POOL.take(len(rows) * field.row_bytes).view(field.numpy_dtype).reshape(
+                (len(rows), *field.shape))
             _native.gather_fixed([v.data for v in views], field.row_bytes, which, rows, array)
             out[field.name] = array
             continue
+        if field.kind == "bytes" and _BYTES_AS_ROWS.get():
+            out[field.name] = Ragged.from_rows(_native.gather_bytes(
+                [v.data for v in views], [v.offsets for v in views],  # type: ignore[misc]
+                which, rows))
+            continue
         values, offsets = _native.gather_var(
             [v.data for v in views], [v.offsets for v in views],  # type: ignore[misc]
-            field.elem_size, which, rows,
+            field.elem_size, which, rows, POOL.take,
         )
         dtype = field.numpy_dtype
         if field.kind == "sequence" and field.elem_size != dtype.itemsize:

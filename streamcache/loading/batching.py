@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import _random
 import contextlib
 import random
 from collections.abc import Callable, Iterator, Mapping
@@ -23,7 +24,7 @@ import torch
 from torch.utils.data import default_collate
 
 from ..errors import TransformError
-from ..format.reader import Ragged
+from ..format.reader import Ragged, bytes_as_rows
 from ..format.schema import Field
 from ..plan.bijection import derive_key, derive_keys
 
@@ -57,6 +58,27 @@ def seed_global_rngs(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (1 << 32))
     torch.random.default_generator.manual_seed(seed % (1 << 63))
+
+
+def _sample_seeder() -> Callable[[int], None]:
+    """:func:`seed_global_rngs` for a loop over many samples, with the same result.
+
+    The same three seeds, without the Python layers above the C calls that did the seeding:
+    ``random.seed`` of a non-negative int is the C seed of the module's generator plus
+    ``gauss_next = None``. Measured: 7.9 us per sample instead of 12.
+    """
+    python_rng: Any = random._inst  # what random.random() and the other functions draw from
+    seed_python = _random.Random.seed
+    seed_numpy = np.random.seed
+    torch_rng = torch.random.default_generator
+
+    def seed_all(seed: int) -> None:
+        seed_python(python_rng, seed)
+        python_rng.gauss_next = None
+        seed_numpy(seed & 0xFFFF_FFFF)
+        torch_rng.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
+
+    return seed_all
 
 
 @contextlib.contextmanager
@@ -134,17 +156,31 @@ def to_torch(arrays: Mapping[str, Any], fields: Mapping[str, Field], *, ragged: 
     return out
 
 
+def gathering(ragged: str, *, transform: bool, batch_transform: bool,
+              ) -> contextlib.AbstractContextManager[None]:
+    """The form to gather ``bytes`` fields in for a batch of this kind: one ``bytes`` object per
+    row, copied once from the shard, where the batch hands out bytes objects (``ragged=
+    "padded"``, or a per-sample transform); contiguous values plus offsets where it hands out
+    those (``ragged="offsets"``, or a batch transform, which receives :class:`Ragged`)."""
+    if not batch_transform and (ragged == "padded" or transform):
+        return bytes_as_rows()
+    return contextlib.nullcontext()
+
+
 def split_samples(arrays: Mapping[str, Any], fields: Mapping[str, Field]) -> list[dict[str, Any]]:
     """Per-sample dicts of a gathered batch (numpy rows, bytes, str, Python scalars)."""
-    size = len(next(iter(arrays.values())))
-    samples: list[dict[str, Any]] = [{} for _ in range(size)]
+    columns: list[list[Any]] = []
     for name, column in arrays.items():
         field = fields.get(name)
         scalar = field is None or (field.kind == "tensor" and field.shape == ())
-        for i in range(size):
-            value = column[i]
-            samples[i][name] = value.item() if scalar and isinstance(value, np.generic) else value
-    return samples
+        if isinstance(column, np.ndarray):
+            # tolist(): the Python scalars that item() gives; list(): the rows as array views
+            columns.append(column.tolist() if scalar and column.ndim == 1 else list(column))
+        else:
+            columns.append([value.item() if scalar and isinstance(value, np.generic) else value
+                            for value in column])
+    names = list(arrays)
+    return [dict(zip(names, values, strict=True)) for values in zip(*columns, strict=True)]
 
 
 def apply_sample_transform(arrays: Mapping[str, Any], fields: Mapping[str, Field],
@@ -165,11 +201,12 @@ def apply_sample_transform(arrays: Mapping[str, Any], fields: Mapping[str, Field
     """
     samples = split_samples(arrays, fields)
     seeds = global_rng_seeds(np.asarray(arrays[SEED_KEY], dtype=np.uint64))
+    seed_all = _sample_seeder()
     outputs = []
     for sample, seed in zip(samples, seeds, strict=True):
-        seed_global_rngs(seed)
+        seed_all(seed)
         output = transform(sample)
-        if collate is None:
+        if collate is None and type(output) is not dict:
             check_transform_output(output, transform, "transform",
                                    f"the sample with __id__ {sample[ID_KEY]}")
         outputs.append(output)

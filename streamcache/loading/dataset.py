@@ -37,6 +37,7 @@ from .batching import (
     apply_batch_transform,
     apply_sample_transform,
     empty_like,
+    gathering,
     preserved_global_rngs,
     seed_global_rngs,
     step_seed,
@@ -289,7 +290,9 @@ class StreamDataset(IterableDataset):
     def read_step(self, ref: StepRef, part: RankBatch) -> dict[str, Any]:
         """This rank's raw arrays of one step (no transform). Safe from any thread."""
         opts = self.options
-        arrays: dict[str, Any] = dict(self.reader.read_located(part.shards, part.rows))
+        with gathering(opts.ragged, transform=opts.transform is not None,
+                       batch_transform=opts.batch_transform is not None):
+            arrays: dict[str, Any] = dict(self.reader.read_located(part.shards, part.rows))
         arrays[ID_KEY] = part.sample_ids
         if self.tail is TailPolicy.PAD:
             arrays[PADDING_KEY] = part.is_padding
