@@ -10,12 +10,13 @@ that choice follow the cache:
    node that left (each to its second choice) and nothing else. The key comes from the
    dataset's fingerprint, not the seed or epoch: a node keeps its shards every epoch.
 2. **Samples to nodes**: each sample of the global batch goes to its shard's owner. A node
-   whose count exceeds what its ranks take (its surplus) releases the samples of its
-   weakest-held shards first (a fixed per-shard priority, so across the steps a shard is in
-   use the same few shards are shared); each released sample goes to its shard's second
-   choice if that node is short of samples (so a shard's overflow tends to land on one
-   node, the one that would own it if its owner left), else to the lowest node still
-   short. Only surplus samples move: the fewest moves that balance the nodes.
+   whose count exceeds what its ranks take (its surplus) releases samples picked by a hash
+   of their position (spread over its shards, so a node reading another's rows needs few
+   rows of any one shard at a time: small range reads); each released sample goes to its
+   shard's second choice if that node is short of samples (so a shard's overflow tends to
+   land on one node, the one that would own it if its owner left, which then reads that
+   shard's footer once), else to the lowest node still short. Only surplus samples move:
+   the fewest moves that balance the nodes.
 3. **Samples to ranks** within a node: the node's slots in batch order, cut into its ranks'
    parts in rank order (ranks of a node are contiguous, as torchrun numbers them).
 
@@ -35,15 +36,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from ._util import PlanError, check_int
-from .bijection import MASK64, derive_key, derive_keys, mix64_array
+from .bijection import MASK64, counter_hash, derive_key, derive_keys, mix64_array
 
 TAG_NODES = 5  # domain tag of the node keys (see bijection's tags)
-TAG_RELEASE = 6  # domain tag of the per-shard release priority
+TAG_RELEASE = 6  # domain tag of the release priority of a position
 #: Nodes an assignment can spread a batch over (a node index takes 11 bits of a sort key).
 MAX_NODES = (1 << 11) - 1
 _PRIORITY_BITS = 20
 _NODE_MASK = np.int64(MAX_NODES)
-_PRIORITY_MASK = np.int64(((1 << _PRIORITY_BITS) - 1) << 32)
 _SLOT_MASK = np.int64((1 << 32) - 1)
 
 
@@ -107,8 +107,7 @@ class LocalityAssignment:
         self._release_key = derive_key(self.key, TAG_RELEASE)
         self._last: tuple[Any, int, tuple[int, ...], np.ndarray, np.ndarray] | None = None
         self._lock = threading.Lock()
-        # per shard index: release priority << 32 | second choice << 16 | owner (-1: not
-        # computed yet)
+        # per shard index: second choice << 16 | owner (-1: not computed yet)
         self._table = np.full(0, -1, dtype=np.int64)
 
     def __repr__(self) -> str:
@@ -141,7 +140,7 @@ class LocalityAssignment:
         """The node (int64) that reads each slot of the global batch at ``batch_start``."""
         sizes = tuple(map(int, part_sizes))
         shards = batch_shards(order, batch_start, sum(sizes))
-        return self._nodes(shards, self._node_targets(sizes))
+        return self._nodes(shards, self._node_targets(sizes), batch_start)
 
     def owners(self, shards: np.ndarray | Sequence[int]) -> np.ndarray:
         """The node (int64) that owns each shard (as :func:`shard_owners`, from the table)."""
@@ -177,7 +176,7 @@ class LocalityAssignment:
                             f"(at most {int(_SLOT_MASK)})")
         return np.asarray(sizes, dtype=np.int64).reshape(self.num_nodes, -1).sum(axis=1)
 
-    def _nodes(self, shards: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    def _nodes(self, shards: np.ndarray, targets: np.ndarray, batch_start: int) -> np.ndarray:
         """The node of each slot: its shard's owner, balanced to ``targets`` with the fewest
         moves."""
         if self.num_nodes == 1:
@@ -187,14 +186,14 @@ class LocalityAssignment:
         surplus = np.bincount(nodes, minlength=self.num_nodes) - targets
         if not surplus.any():
             return nodes
-        released = self._released(entries, surplus)
+        released = self._released(nodes, batch_start, surplus)
         nodes[released] = self._receivers(entries[released], np.maximum(0, -surplus))
         return nodes
 
     def _lookup(self, shards: np.ndarray) -> np.ndarray:
-        """Each shard's table entry, ``priority << 32 | second choice << 16 | owner``, from
-        a table filled as shards are first seen (a shard is in many consecutive batches, and
-        a table lookup is much cheaper than hashing)."""
+        """Each shard's table entry, ``second choice << 16 | owner``, from a table filled as
+        shards are first seen (a shard is in many consecutive batches, and a table lookup is
+        much cheaper than hashing)."""
         table = self._table
         if shards.size and int(shards.max()) < table.size:
             entries = table[shards]
@@ -218,16 +217,18 @@ class LocalityAssignment:
             owner = np.argmax(scores, axis=1)
             scores[np.arange(missing.size), owner] = 0
             second = np.argmax(scores, axis=1) if self.num_nodes > 1 else owner
-            priority = derive_keys(self._release_key, missing) >> np.uint64(64 - _PRIORITY_BITS)
-            self._table[missing] = ((priority.astype(np.int64) << np.int64(32))
-                                    | (second << 16) | owner)
+            self._table[missing] = (second << 16) | owner
 
-    def _released(self, entries: np.ndarray, surplus: np.ndarray) -> np.ndarray:
-        """The slots each node with a surplus gives away: its samples of the shards with the
-        lowest release priority first, then by slot."""
+    def _released(self, nodes: np.ndarray, batch_start: int,
+                  surplus: np.ndarray) -> np.ndarray:
+        """The slots each node with a surplus gives away: its samples with the lowest
+        release priority (a hash of the position), then by slot."""
+        slots = np.arange(nodes.size, dtype=np.int64)
+        priority = counter_hash(self._release_key, slots + batch_start)
         # one int64 key orders by (node, priority, slot): 11 + 20 + 32 bits
-        keys = ((entries & _NODE_MASK) << np.int64(52)) | (entries & _PRIORITY_MASK)
-        keys |= np.arange(entries.size, dtype=np.int64)
+        keys = (nodes << np.int64(52)) | (
+            (priority >> np.uint64(64 - _PRIORITY_BITS)).astype(np.int64) << np.int64(32))
+        keys |= slots
         keys.sort()
         nodes = keys >> np.int64(52)
         rank_in_node = np.arange(keys.size) - np.searchsorted(nodes, nodes, side="left")
