@@ -21,9 +21,10 @@ import pytest
 from servers import FaultServer, S3Bucket
 
 from streamcache import DatasetReader, ShardWriter, StreamDataset, load_index, write_dataset
+from streamcache.cache import ranges
 from streamcache.cache.node import NodeCache
 from streamcache.cache.prefetch import Prefetcher, PrefetchOptions
-from streamcache.cache.ranges import COALESCE_GAP, RangeReader, coalesce
+from streamcache.cache.ranges import RangeReader, coalesce
 from streamcache.errors import ChecksumMismatchError, IndexFormatError, ShardCorruptError
 from streamcache.format.chunks import (
     FOOTER_KEY,
@@ -73,6 +74,13 @@ def every_shard(unique: np.ndarray) -> np.ndarray:
 
 def served_bytes(server: FaultServer) -> int:
     return sum(server.requests.bytes_sent(path) for path in server.requests.counts())
+
+
+@pytest.fixture(autouse=True)
+def small_gaps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These shards are ~500 KB: with the default 256 KiB gap most reads would merge into one
+    range, and the counts below could not tell a chunk from a shard."""
+    monkeypatch.setattr(ranges, "COALESCE_GAP", 16 << 10)
 
 
 @pytest.fixture
@@ -368,7 +376,7 @@ def _chunk_bound(index: Any, server: FaultServer, stats: Any) -> int:
         tails += info.tail_bytes
         largest = max(largest, *(b.length for b in record_batch_blocks(
             data[-info.tail_bytes:], len(data))))
-    return tails + stats.chunks * (largest + COALESCE_GAP)
+    return tails + stats.chunks * (largest + ranges.COALESCE_GAP)
 
 
 def _merged(stats: Any, reader: DatasetReader) -> int:

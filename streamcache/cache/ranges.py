@@ -54,12 +54,20 @@ from ..format.reader import ShardReader
 from ..format.schema import Schema
 from ..remote.fetch import Fetcher
 
-#: Two ranges closer than this are fetched as one (a request costs more than a few KiB).
-COALESCE_GAP = 16 << 10
+#: Two ranges closer than this are fetched as one. A request costs about what a few hundred KiB
+#: to a few MiB of transfer do (an object store's time to first byte, ~20-50 ms, at one
+#: connection's rate; the CPU of a request on both ends here): 256 KiB saves requests
+#: without making a cold start's bytes much larger than its chunks'.
+COALESCE_GAP = 256 << 10
 #: A coalesced range never grows beyond this (each range must arrive within ``timeout_s``).
 MAX_RANGE = 8 << 20
 #: The first read of a Parquet footer (the tail of the file): one request for most footers.
 PARQUET_TAIL = 64 << 10
+#: The most a cold start reads of a shard by range, as a fraction of its stored bytes, before it
+#: waits for the shard's install instead (:meth:`RangeReader.cold_budget_left`): range reads
+#: that the install makes redundant cost at most a quarter more transfer than the whole-shard
+#: path, however long the install takes.
+COLD_BUDGET = 0.25
 #: Parsed footers kept (per reader), and decoded whole shards (bytes, per reader).
 FOOTERS_KEPT = 256
 WHOLE_SHARD_BYTES = 256 << 20
@@ -136,12 +144,14 @@ class RangeReader:
         self.fetcher = fetcher
         self.schema = schema or index.schema
         self._threads = max(1, threads)
+        self.coalesce_gap = COALESCE_GAP
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._footers: collections.OrderedDict[int, _Footer] = collections.OrderedDict()
         self._whole: collections.OrderedDict[int, MemoryShard] = collections.OrderedDict()
         self._whole_bytes = 0
         self._stats = RangeStats()
+        self._shard_bytes: dict[int, int] = {}  # bytes range-read per shard
 
     @property
     def stats(self) -> RangeStats:
@@ -157,6 +167,13 @@ class RangeReader:
         if info.format != "parquet":
             return False
         return not self._footer(shard).whole
+
+    def cold_budget_left(self, shard: int) -> bool:
+        """Whether a cold start may still read ``shard`` by range: less than
+        :data:`COLD_BUDGET` of its stored bytes were range-read so far."""
+        with self._lock:
+            used = self._shard_bytes.get(shard, 0)
+        return used < COLD_BUDGET * self.index.shards[shard].bytes
 
     def read_rows(self, shard: int, rows: np.ndarray) -> tuple[ShardReader, np.ndarray]:
         """Rows ``rows`` of ``shard``: an in-memory shard reader holding them (and perhaps
@@ -240,7 +257,7 @@ class RangeReader:
         def verify(blocks: list[bytes]) -> None:
             verify_bytes(blocks[0], info.tail_checksum, what=f"{url} (its footer)")
 
-        tail = self._fetch(url, [(start, info.bytes)], verify)[0]
+        tail = self._fetch(shard, url, [(start, info.bytes)], verify)[0]
         chunks = -(-info.rows // info.chunk_rows)
         try:
             blocks = record_batch_blocks(tail, info.bytes)
@@ -262,8 +279,8 @@ class RangeReader:
         info = self.index.shards[shard]
         url = self.index.shard_url(shard)
         first = min(info.bytes, PARQUET_TAIL)
-        pieces = [(info.bytes - first, self._fetch(url, [(info.bytes - first, info.bytes)])[0])]
-        tail = pieces[0][1]
+        tail = self._fetch(shard, url, [(info.bytes - first, info.bytes)])[0]
+        pieces = [(info.bytes - first, tail)]
         try:
             if len(tail) < 8 or tail[-4:] != b"PAR1":
                 raise ValueError("the object does not end like a Parquet file")
@@ -272,7 +289,7 @@ class RangeReader:
                 raise ValueError(f"the footer length {length} does not fit the object")
             if length > len(tail):
                 more = info.bytes - length
-                pieces.insert(0, (more, self._fetch(url, [(more, info.bytes - first)])[0]))
+                pieces.insert(0, (more, self._fetch(shard, url, [(more, info.bytes - first)])[0]))
             metadata = pq.ParquetFile(_sparse_file(info.bytes, pieces)).metadata
         except (ValueError, pa.ArrowInvalid, OSError) as exc:
             raise ShardCorruptError(f"{url} is not a readable Parquet file ({exc}); it is "
@@ -295,7 +312,7 @@ class RangeReader:
         """Fetch and decode chunks (or row groups) ``units`` of ``shard``, verified."""
         info = self.index.shards[shard]
         url = self.index.shard_url(shard)
-        spans = coalesce([footer.blocks[u] for u in units])
+        spans = coalesce([footer.blocks[u] for u in units], self.coalesce_gap)
         decoded: list[pa.RecordBatch] = []
 
         def verify(blocks: list[bytes]) -> None:
@@ -309,7 +326,7 @@ class RangeReader:
                                         ) from exc
             decoded[:] = [self._decode(file, footer, u, url) for u in units]
 
-        self._fetch(url, [(s.offset, s.offset + s.length) for s in spans], verify)
+        self._fetch(shard, url, [(s.offset, s.offset + s.length) for s in spans], verify)
         return decoded
 
     def _decode(self, file: Any, footer: _Footer, unit: int, url: str) -> pa.RecordBatch:
@@ -368,9 +385,13 @@ class RangeReader:
 
     # ------------------------------------------------------------------ helpers
 
-    def _fetch(self, url: str, ranges: list[tuple[int, int]], verify: Any = None) -> list[bytes]:
+    def _fetch(self, shard: int, url: str, ranges: list[tuple[int, int]],
+               verify: Any = None) -> list[bytes]:
         blocks = self.fetcher.fetch_ranges(url, ranges, verify=verify)
-        self._count(requests=len(ranges), bytes=sum(len(b) for b in blocks))
+        nbytes = sum(len(b) for b in blocks)
+        self._count(requests=len(ranges), bytes=nbytes)
+        with self._lock:
+            self._shard_bytes[shard] = self._shard_bytes.get(shard, 0) + nbytes
         return blocks
 
     def _count(self, **increments: int) -> None:

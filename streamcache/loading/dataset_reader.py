@@ -18,7 +18,9 @@ chunks that hold them, into memory, installing nothing):
   :class:`~streamcache.cache.prefetch.Prefetcher`, which has ``ready(shard)``), the rows of
   shards that are not installed yet and can be read by range (chunked Arrow shards, Parquet
   files of several row groups), so the first batches do not wait for whole shards while the
-  prefetcher installs them in first-use order; once installed, rows come from the cache.
+  prefetcher installs them in first-use order; once installed, rows come from the cache. A
+  shard is read so until a quarter of its bytes were (``ranges.COLD_BUDGET``), then awaited:
+  the cold start never costs more than 1.25 times the whole-shard path's transfer.
 
 Either way the rows are the same canonical arrays, gathered by the same native gather: a
 batch is identical cold, warm, or read by range.
@@ -228,8 +230,9 @@ class DatasetReader:
             with self._lock:
                 open_now = set(self._readers)
             ready = self._ready
-            cold = [s not in open_now and not ready(s) and self.range_reader().addressable(s)
-                    for s in unique.tolist()]
+            ranges = self.range_reader()
+            cold = [s not in open_now and not ready(s) and ranges.addressable(s)
+                    and ranges.cold_budget_left(s) for s in unique.tolist()]
             ranged = np.array(cold, bool) if ranged is None else ranged | cold
         return ranged if ranged is not None and ranged.any() else None
 
