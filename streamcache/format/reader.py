@@ -20,7 +20,7 @@ import pyarrow.ipc as ipc
 
 from .. import _native
 from ..errors import SchemaError, ShardCorruptError
-from .buffers import POOL
+from .buffers import POOL, settle_allocator
 from .columns import ColumnBuffers, column_buffers
 from .schema import Field, Schema
 
@@ -234,6 +234,7 @@ def gather(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray,
             out[field.name] = array
             continue
         if field.kind == "bytes" and _BYTES_AS_ROWS.get():
+            settle_allocator()
             out[field.name] = Ragged.from_rows(_native.gather_bytes(
                 [v.data for v in views], [v.offsets for v in views],  # type: ignore[misc]
                 which, rows))
