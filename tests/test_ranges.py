@@ -415,3 +415,23 @@ def test_stream_batches_are_identical_cold_warm_and_by_range(
 def test_a_new_writer_option_is_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="chunk_size"):
         ShardWriter(str(tmp_path / "x"), chunk_size=0)
+
+
+def test_a_cold_shard_is_read_by_range_within_its_budget_then_installed(
+        served: tuple[FaultServer, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(ranges, "COLD_BUDGET", 0.25)
+    server, url = served
+    index = load_index(url)
+    info = index.shards[0]
+    cache = NodeCache(index, str(tmp_path / "cache"))
+    with DatasetReader(str(Path(server.root or "") / "ds")) as warm, \
+            DatasetReader(index, store=Prefetcher(cache)) as reader:
+        for chunk in range(-(-info.rows // info.chunk_rows)):
+            ids = [chunk * info.chunk_rows]
+            before = reader.range_stats.bytes
+            same(reader.read_batch(ids), warm.read_batch(ids))
+            if reader.range_stats.bytes == before:  # not read by range: installed for it
+                break
+        assert cache.stats.installs == 1 and reader.range_stats.whole == 0
+        assert 0.25 * info.bytes <= before < 0.25 * info.bytes + info.bytes / chunk

@@ -65,9 +65,11 @@ MAX_RANGE = 8 << 20
 PARQUET_TAIL = 64 << 10
 #: The most a cold start reads of a shard by range, as a fraction of its stored bytes, before it
 #: waits for the shard's install instead (:meth:`RangeReader.cold_budget_left`): range reads
-#: that the install makes redundant cost at most a quarter more transfer than the whole-shard
-#: path, however long the install takes.
-COLD_BUDGET = 0.25
+#: that the install makes redundant cost at most 1/16 more transfer than the whole-shard path,
+#: however long the install takes. The first batches are served by range; later ones wait for
+#: installs, which range reads would otherwise slow down (benchmarks/bench_cold.py: with 1/4
+#: the samples/s over the first 4,096 samples dropped further below the whole-shard path's).
+COLD_BUDGET = 1 / 16
 #: Parsed footers kept (per reader), and decoded whole shards (bytes, per reader).
 FOOTERS_KEPT = 256
 WHOLE_SHARD_BYTES = 256 << 20
@@ -152,6 +154,7 @@ class RangeReader:
         self._whole_bytes = 0
         self._stats = RangeStats()
         self._shard_bytes: dict[int, int] = {}  # bytes range-read per shard
+        self._whole_only: set[int] = set()  # Parquet files found to have one row group
 
     @property
     def stats(self) -> RangeStats:
@@ -164,9 +167,12 @@ class RangeReader:
         info = self.index.shards[shard]
         if info.chunked:
             return info.chunk_rows is not None and info.chunk_rows < info.rows
-        if info.format != "parquet":
+        if info.format != "parquet" or shard in self._whole_only:
             return False
-        return not self._footer(shard).whole
+        if self._footer(shard).whole:
+            self._whole_only.add(shard)  # (remembered beyond the footers kept)
+            return False
+        return True
 
     def cold_budget_left(self, shard: int) -> bool:
         """Whether a cold start may still read ``shard`` by range: less than
