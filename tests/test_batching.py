@@ -77,3 +77,33 @@ def test_bytes_as_rows_ends_with_its_block() -> None:
     with bytes_as_rows():
         assert _inside()
     assert not _inside()
+
+
+def test_a_loader_hands_out_bytes_fields_in_each_form(tmp_path) -> None:
+    from streamcache import StreamDataset, StreamLoader, write_dataset
+
+    write_dataset(({"b": bytes([i]) * (i % 4), "x": i} for i in range(12)),
+                  str(tmp_path / "ds"))
+    want = [bytes([i]) * (i % 4) for i in range(6)]
+
+    def first_batch(**options: object) -> dict:
+        dataset = StreamDataset(str(tmp_path / "ds"), global_batch_size=6, shuffle=False,
+                                cache_dir=str(tmp_path / "cache"), rank=0, world_size=1,
+                                **options)  # type: ignore[arg-type]
+        with StreamLoader(dataset) as loader:
+            return next(iter(loader))
+
+    padded = first_batch()
+    assert padded["b"] == want and all(type(row) is bytes for row in padded["b"])
+    offsets = first_batch(ragged="offsets")
+    assert offsets["b"].numpy().tobytes() == b"".join(want)
+    assert offsets["b_offsets"].tolist() == [0, 0, 1, 3, 6, 6, 7]
+    seen = first_batch(transform=lambda s: {"b": type(s["b"]).__name__, "n": len(s["b"])})
+    assert seen["b"] == ["bytes"] * 6 and seen["n"].tolist() == [len(w) for w in want]
+
+    def batch_transform(arrays: dict) -> dict:
+        assert isinstance(arrays["b"], Ragged)
+        return {"b_values": arrays["b"].values.copy(), "x": arrays["x"]}
+
+    batched = first_batch(batch_transform=batch_transform)
+    assert batched["b_values"].numpy().tobytes() == b"".join(want)
