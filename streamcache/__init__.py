@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time these load laz
     from .loading.dataset import StreamDataset
     from .loading.loader import StreamLoader
     from .loading.options import StreamOptions
+    from .loading.source import Source
     from .remote.options import FetchOptions
     from .remote.retry import FetchError
     from .replicas.loader import ReplicaError
@@ -63,6 +64,7 @@ _LAZY = {
     "StreamDataset": "streamcache.loading.dataset",
     "StreamOptions": "streamcache.loading.options",
     "StreamLoader": "streamcache.loading.loader",
+    "Source": "streamcache.loading.source",
     "Checkpointer": "streamcache.checkpoint",
     "CheckpointError": "streamcache.checkpoint.errors",
     "CheckpointWriteError": "streamcache.checkpoint.errors",
@@ -124,6 +126,7 @@ __all__ = [
     "ShardCorruptError",
     "ShardNotFoundError",
     "ShardWriter",
+    "Source",
     "SourceError",
     "StorageError",
     "StreamDataset",

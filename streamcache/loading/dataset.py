@@ -9,6 +9,7 @@ global sample ids in ``__id__``. Progress is a :class:`~streamcache.plan.Cursor`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -20,7 +21,6 @@ from ..cache.advice import ShardAdvice
 from ..cache.prefetch import PrefetchOptions
 from ..format.index import DatasetIndex, load_index
 from ..plan import (
-    Cursor,
     EpochOrder,
     EpochSegment,
     RankBatch,
@@ -45,8 +45,11 @@ from .batching import (
 )
 from .dataset_reader import DatasetReader
 from .feed import ShardFeed
+from .mixture import MixtureFeed
+from .mixture_store import MixtureReader
 from .options import RaggedMode, StreamOptions, TailMode, WindowUnit
-from .schedule import Schedule, StepRef
+from .schedule import Schedule, StepRef, later_epoch_samples
+from .source import Source
 from .topology import resolve_topology
 
 
@@ -54,7 +57,9 @@ class StreamDataset(IterableDataset):
     """Batches of a streamcache dataset for this rank, exactly once per epoch over all ranks.
 
     Args:
-        url: dataset folder or index.json (any fsspec URL).
+        url: dataset folder or index.json (any fsspec URL); or a list of :class:`Source`: a
+            weighted mixture, whose batches also carry ``__source__`` (the index in the list)
+            and ``__id__`` within that source (docs/mixtures.md).
         batch_size: samples per rank per step; or ``global_batch_size``: samples per step
             over all ranks (keep it fixed to resume on another world size with identical
             global batches). Exactly one.
@@ -121,7 +126,7 @@ class StreamDataset(IterableDataset):
 
     def __init__(
         self,
-        url: str | DatasetIndex,
+        url: str | DatasetIndex | Sequence[Source],
         *,
         batch_size: int | None = None,
         global_batch_size: int | None = None,
@@ -158,20 +163,26 @@ class StreamDataset(IterableDataset):
             allow_external_paths=allow_external_paths, rank=rank, world_size=world_size,
         )
         opts = self.options
-        self.index = url if isinstance(url, DatasetIndex) else load_index(
-            url, opts.storage_options, allow_external_paths=opts.allow_external_paths,
-            fetch=opts.fetch,
-        )
-        self.schema = self.index.schema.select(opts.fields)
-        self._fields = {f.name: f for f in self.schema}
         self.tail = TailPolicy(opts.tail)
         self.shuffle = ShuffleOptions(enabled=opts.shuffle, window=opts.shuffle_window,
                                       window_unit=opts.shuffle_window_unit)
-        self.cursor = Cursor(self.index.fingerprint, self.index.num_samples, opts.seed,
-                             self.shuffle)
+        self._feed: ShardFeed | MixtureFeed
+        if isinstance(url, (str, DatasetIndex)):
+            self.index = url if isinstance(url, DatasetIndex) else load_index(
+                url, opts.storage_options, allow_external_paths=opts.allow_external_paths,
+                fetch=opts.fetch,
+            )
+            self.schema = self.index.schema.select(opts.fields)
+            self._feed = ShardFeed(self.index, self.schema.names, opts, self.shuffle)
+        else:  # a mixture: its sources' indexes, and transforms of their own, are its feed's
+            self._feed = MixtureFeed(url, opts, self.shuffle)
+            self.schema = self._feed.schema
+            self.options = opts = dataclasses.replace(
+                opts, transform=self._feed.transform() or opts.transform)
+        self._fields = {f.name: f for f in self.schema}
+        self.cursor: Any = self._feed.start_cursor()  # a MixtureCursor for a mixture
         self._topology: tuple[int, int] | None = None  # as resolved when the last pass started
         self._validate()
-        self._feed = ShardFeed(self.index, self.schema.names, opts, self.shuffle)
         if opts.cache_limit is not None:
             self._feed.check_budget(opts.cache_limit)
 
@@ -228,16 +239,17 @@ class StreamDataset(IterableDataset):
         """Start epoch ``epoch`` from its beginning at the next iteration; the epoch the
         cursor is in already keeps its cursor (``set_epoch`` before every epoch, as with a
         DistributedSampler, also right after a mid-epoch resume)."""
-        if epoch == self.cursor.epoch:
-            return
-        self.cursor = Cursor(self.cursor.dataset_fingerprint, self.cursor.num_samples,
-                             self.cursor.seed, self.cursor.shuffle, epoch, 0)
+        self.cursor = self._feed.at_epoch(self.cursor, epoch)
+
+    def load_cursor(self, data: Any) -> Any:
+        """A saved cursor of this dataset, checked (strict), ready to replace :attr:`cursor`."""
+        return self._feed.load_cursor(data, self.cursor)
 
     def __len__(self) -> int:
         """Steps in a whole epoch (as a DataLoader's ``len``; also during and after a mid-epoch
         resume). The same on every rank."""
         # the count of steps does not depend on the world size, only on the global batch
-        return EpochSegment(self.cursor.num_samples, 0, self.global_batch, 1,
+        return EpochSegment(later_epoch_samples(self.cursor), 0, self.global_batch, 1,
                             self.tail).num_steps
 
     @property
@@ -262,7 +274,7 @@ class StreamDataset(IterableDataset):
     # ------------------------------------------------------------ reading
 
     @property
-    def reader(self) -> DatasetReader:
+    def reader(self) -> DatasetReader | MixtureReader:
         """This process's reader (made again after fork: file locks and threads do not fork)."""
         return self._feed.reader(self.cursor)
 
@@ -277,7 +289,9 @@ class StreamDataset(IterableDataset):
         computed many steps per pass. ``schedule`` defaults to one from the current cursor."""
         schedule = schedule or self.schedule()
         for epoch, segment, first in schedule.segments():
-            order = self.order(epoch)
+            # the epoch's start as this schedule reaches it (a mixture's may depend on it)
+            start: Any = schedule.cursor_after(first)
+            order = self._feed.order(start, epoch)
             local_worker = (worker - first) % num_workers
             if local_worker >= segment.num_steps:
                 continue
@@ -293,7 +307,7 @@ class StreamDataset(IterableDataset):
         with gathering(opts.ragged, transform=opts.transform is not None,
                        batch_transform=opts.batch_transform is not None):
             arrays: dict[str, Any] = dict(self.reader.read_located(part.shards, part.rows))
-        arrays[ID_KEY] = part.sample_ids
+        arrays.update(self._feed.batch_keys(part.sample_ids))
         if self.tail is TailPolicy.PAD:
             arrays[PADDING_KEY] = part.is_padding
         if self.transformed or opts.with_seeds:
@@ -331,7 +345,7 @@ class StreamDataset(IterableDataset):
         """The raw arrays of the step's first sample: the template of an empty batch (a
         transform's output has a structure only a sample can show)."""
         first = ref.segment.step_span(ref.step)[0]
-        positions = np.array([first % self.cursor.num_samples], dtype=np.int64)
+        positions = np.array([first % ref.segment.num_samples], dtype=np.int64)
         ids, shards, rows = self.order(ref.epoch).samples_at(positions)
         return self.read_step(ref, RankBatch(ref.step, positions, ids, shards, rows,
                                              np.zeros(1, dtype=bool)))

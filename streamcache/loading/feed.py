@@ -13,12 +13,15 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from ..cache.advice import ShardAdvice, working_set_bound
 from ..cache.node import NodeCache, local_bytes_estimate
 from ..cache.prefetch import Prefetcher, PrefetchOptions
 from ..errors import CacheBudgetError
 from ..format.index import DatasetIndex
 from ..plan import Cursor, EpochOrder, ShuffleOptions
+from .batching import ID_KEY
 from .dataset_reader import DatasetReader, ShardStore
 from .options import StreamOptions
 
@@ -49,6 +52,27 @@ class ShardFeed:
         self._advised: tuple[int, int] | None = None
         self._reader: DatasetReader | None = None
         self._reader_pid = -1
+
+    def start_cursor(self) -> Cursor:
+        return Cursor(self.index.fingerprint, self.index.num_samples, self.options.seed,
+                      self.shuffle)
+
+    def at_epoch(self, cursor: Cursor, epoch: int) -> Cursor:
+        """The start of ``epoch`` (the cursor itself when it is in that epoch already)."""
+        return cursor if epoch == cursor.epoch else dataclasses.replace(
+            cursor, epoch=epoch, samples_consumed=0)
+
+    def load_cursor(self, data: Any, current: Cursor) -> Cursor:
+        """A saved cursor, checked against this dataset and order (strict)."""
+        return Cursor.load(data, dataset_fingerprint=current.dataset_fingerprint,
+                           num_samples=current.num_samples, seed=current.seed,
+                           shuffle=current.shuffle)
+
+    def batch_keys(self, sample_ids: np.ndarray) -> dict[str, np.ndarray]:
+        return {ID_KEY: sample_ids}
+
+    def transform(self) -> None:
+        return None  # only a mixture's sources bring transforms of their own
 
     def order(self, cursor: Cursor, epoch: int) -> EpochOrder:
         """The sample order of ``epoch`` (this and the previous epoch's are kept)."""
@@ -117,9 +141,7 @@ class ShardFeed:
 
     def _make_store(self, cursor: Cursor) -> ShardStore:
         opts = self.options
-        folder = os.fspath(opts.cache_dir) if opts.cache_dir is not None else \
-            os.environ.get("STREAMCACHE_CACHE_DIR") or \
-            os.path.join(os.path.expanduser("~"), ".cache", "streamcache")
+        folder = default_cache_dir(opts.cache_dir)
         working_set = self.working_set_bytes() if opts.cache_limit is not None else None
         cache = NodeCache(self.index, folder, cache_limit=opts.cache_limit,
                           working_set_bytes=working_set, fetch_options=opts.fetch,
@@ -141,3 +163,11 @@ class ShardFeed:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._forget()
+
+
+def default_cache_dir(cache_dir: str | os.PathLike[str] | None) -> str:
+    """``cache_dir``, else $STREAMCACHE_CACHE_DIR, else ~/.cache/streamcache."""
+    if cache_dir is not None:
+        return os.fspath(cache_dir)
+    return os.environ.get("STREAMCACHE_CACHE_DIR") or \
+        os.path.join(os.path.expanduser("~"), ".cache", "streamcache")

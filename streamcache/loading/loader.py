@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 from ..errors import ConfigError
 from ..plan import Cursor, CursorMismatchError, RankBatch
 from ..plan.bijection import derive_key
+from ..plan.mixture_cursor import MixtureCursor
 from .dataset import StreamDataset
 from .schedule import Schedule, StepRef
 
@@ -44,7 +45,7 @@ KEY_CURSOR = "cursor"
 _WORKER_SEED_TAG = 0x574B_5253  # distinguishes worker base seeds from every other derived key
 
 
-def worker_generator(cursor: Cursor) -> torch.Generator:
+def worker_generator(cursor: Cursor | MixtureCursor) -> torch.Generator:
     """The generator a pass's DataLoader draws its workers' base seed from.
 
     Seeded from the plan (seed, epoch, samples consumed), so starting worker processes draws
@@ -323,7 +324,7 @@ class StreamLoader:
         self.dataset.set_epoch(epoch)
 
     @property
-    def cursor(self) -> Cursor:
+    def cursor(self) -> Cursor | MixtureCursor:
         return self.dataset.cursor
 
     def state_dict(self) -> dict[str, Any]:
@@ -334,19 +335,21 @@ class StreamLoader:
         """Continue from ``state`` at the next iteration, on any world size, worker count or
         batch size.
 
+        A mixture's state holds its position, each source's cursor and the weights in force
+        since they last changed: loaded with other weights, the new weights apply from the
+        saved position on (docs/mixtures.md).
+
         Raises:
-            CursorMismatchError: the state belongs to another dataset, seed or shuffle, or is
-                of an unknown version.
+            CursorMismatchError: the state belongs to another dataset (or mixture: the
+                message names the source that differs), seed or shuffle, or is of an unknown
+                version.
         """
         if not isinstance(state, dict) or state.get(KEY_VERSION) != STATE_VERSION:
             version = state.get(KEY_VERSION) if isinstance(state, dict) else None
             raise CursorMismatchError(
                 f"loader state version {version!r} is not supported (expected "
                 f"{STATE_VERSION}); it was not written by this StreamLoader")
-        current = self.dataset.cursor
-        cursor = Cursor.load(state[KEY_CURSOR], dataset_fingerprint=current.dataset_fingerprint,
-                             num_samples=current.num_samples, seed=current.seed,
-                             shuffle=current.shuffle)
+        cursor = self.dataset.load_cursor(state[KEY_CURSOR])
         self._close_active()
         self.dataset.cursor = cursor
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..plan import Cursor, EpochSegment, PlanError, TailPolicy
+from ..plan.mixture_cursor import MixtureCursor
 
 
 @dataclass(frozen=True)
@@ -32,18 +33,19 @@ class Schedule:
             every epoch, without a word.
     """
 
-    def __init__(self, cursor: Cursor, global_batch: int, rank: int, world_size: int,
-                 tail: TailPolicy, infinite: bool) -> None:
+    def __init__(self, cursor: Cursor | MixtureCursor, global_batch: int, rank: int,
+                 world_size: int, tail: TailPolicy, infinite: bool) -> None:
         self.cursor = cursor
         self.rank = rank
         self.first = cursor.segment(global_batch, world_size, tail)
-        self.full = EpochSegment(cursor.num_samples, 0, global_batch, world_size, tail)
+        self.full = EpochSegment(later_epoch_samples(cursor), 0, global_batch, world_size,
+                                 tail)
         self.infinite = infinite
         if self.full.num_steps == 0:
             raise PlanError(
-                f"an epoch of {cursor.num_samples} samples holds no step of a global batch of "
+                f"an epoch of {self.full.num_samples} samples holds no step of a global batch of "
                 f"{global_batch} with tail=\"drop\": no step can ever be formed. Use a global "
-                f"batch of at most {cursor.num_samples} samples, or tail=\"pad\" or "
+                f"batch of at most {self.full.num_samples} samples, or tail=\"pad\" or "
                 "tail=\"split\" to read the short epoch as one step"
             )
 
@@ -57,9 +59,10 @@ class Schedule:
             number += segment.num_steps
             epoch, segment = epoch + 1, self.full
 
-    def cursor_after(self, steps_done: int) -> Cursor:
+    def cursor_after(self, steps_done: int) -> Cursor | MixtureCursor:
         """The cursor once ``steps_done`` global steps of this schedule are consumed."""
-        cursor, segment = self.cursor, self.first
+        cursor: Cursor | MixtureCursor = self.cursor
+        segment = self.first
         if not self.infinite:
             return cursor.advanced(segment, steps_done)
         while steps_done >= segment.num_steps:
@@ -69,4 +72,10 @@ class Schedule:
         return cursor.advanced(segment, steps_done)
 
 
-__all__ = ["Schedule", "StepRef"]
+def later_epoch_samples(cursor: Cursor | MixtureCursor) -> int:
+    """Positions in every epoch after the cursor's (a mixture's current epoch may be cut
+    short or long by a change of weights; a dataset's epochs are all alike)."""
+    return cursor.next_num_samples if isinstance(cursor, MixtureCursor) else cursor.num_samples
+
+
+__all__ = ["Schedule", "StepRef", "later_epoch_samples"]

@@ -1,0 +1,234 @@
+"""MixtureFeed: the shards a :class:`~streamcache.StreamDataset` of several sources reads.
+
+The mixture's counterpart of :class:`~streamcache.loading.feed.ShardFeed` (the same methods,
+so the dataset treats both alike): each source's index and fields, the mixture's cursor and
+orders (:mod:`streamcache.plan.mixture`), prefetch advice over the combined shard space, the
+cache budget, and this process's reader over one node cache and one prefetcher
+(:mod:`streamcache.loading.mixture_store`). See docs/mixtures.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any, cast
+
+import numpy as np
+
+from ..cache.advice import ShardAdvice, working_set_bound
+from ..cache.node import NodeCache, local_bytes_estimate
+from ..cache.prefetch import Prefetcher, PrefetchOptions
+from ..errors import CacheBudgetError, ConfigError
+from ..format.index import DatasetIndex, load_index
+from ..format.schema import Schema
+from ..plan import EpochOrder, ShuffleOptions
+from ..plan.mixture import MixtureOrder, SourceOrders, SourceShape, shares_of, source_seed
+from ..plan.mixture_cursor import MixtureCursor, SourceKey
+from .batching import ID_KEY
+from .feed import default_cache_dir
+from .mixture_store import MixtureCache, MixtureReader, source_caches
+from .options import StreamOptions
+from .source import SOURCE_KEY, Source, SourceTransforms
+
+
+class MixtureFeed:
+    """The shards of a mixture of sources for this process.
+
+    Raises (when made):
+        ConfigError: no sources, an item that is not a :class:`Source`, or sources whose
+            selected fields differ in names or kinds (the message names the field).
+        IndexNotFoundError, StorageError, FetchError: a source's URL cannot be read.
+
+    Thread safety and pickling: as :class:`~streamcache.loading.feed.ShardFeed`'s.
+    """
+
+    def __init__(self, sources: Sequence[Source], options: StreamOptions,
+                 shuffle: ShuffleOptions) -> None:
+        sources = list(sources)
+        if not sources or not all(isinstance(s, Source) for s in sources):
+            raise ConfigError("a mixture is a non-empty list of streamcache.Source; got "
+                              f"{[type(s).__name__ for s in sources]}")
+        self.sources = sources
+        self.options = options
+        self.shuffle = shuffle
+        self.storage = [s.storage_options if s.storage_options is not None
+                        else options.storage_options for s in sources]
+        self.indexes = [s.url if isinstance(s.url, DatasetIndex) else load_index(
+            s.url, storage, allow_external_paths=options.allow_external_paths,
+            fetch=options.fetch) for s, storage in zip(sources, self.storage, strict=True)]
+        self.schemas = _agreeing_schemas(sources, self.indexes, options.fields)
+        self.schema = self.schemas[0]
+        self.shares = shares_of([s.weight for s in sources])
+        self.keys = tuple(SourceKey(i.fingerprint, i.num_samples, s.epoch_samples(i.num_samples))
+                          for s, i in zip(sources, self.indexes, strict=True))
+        self._forget()
+
+    def _forget(self) -> None:
+        self._lock = threading.RLock()
+        self._orders: dict[Any, MixtureOrder] = {}
+        self._advice: dict[Any, ShardAdvice] = {}
+        self._advised: tuple[int, int] | None = None
+        self._reader: MixtureReader | None = None
+        self._reader_pid = -1
+        self._source_orders = [
+            SourceOrders(SourceShape(i.shard_rows, k.epoch_samples),
+                         source_seed(self.options.seed, n), self.shuffle)
+            for n, (i, k) in enumerate(zip(self.indexes, self.keys, strict=True))]
+
+    # ------------------------------------------------------------ cursor and batches
+
+    def start_cursor(self) -> MixtureCursor:
+        return MixtureCursor.start(self.keys, self.shares, self.options.seed, self.shuffle,
+                                   self.options.infinite)
+
+    def at_epoch(self, cursor: MixtureCursor, epoch: int) -> MixtureCursor:
+        return cursor if epoch == cursor.epoch else cursor.at_epoch(epoch)
+
+    def load_cursor(self, data: Any, current: MixtureCursor) -> MixtureCursor:
+        """The saved cursor, checked against this mixture, with today's weights from the
+        saved position on."""
+        return MixtureCursor.load(data, current)
+
+    def batch_keys(self, sample_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """``__source__`` and ``__id__`` (the id within the source) of combined ids."""
+        base = np.cumsum([0] + [k.num_samples for k in self.keys])[:-1]
+        source = np.searchsorted(base, sample_ids, side="right") - 1
+        return {SOURCE_KEY: source.astype(np.int64), ID_KEY: sample_ids - base[source]}
+
+    def transform(self) -> SourceTransforms | None:
+        """The per-sample transform, when a source has one of its own."""
+        if all(s.transform is None for s in self.sources):
+            return None
+        return SourceTransforms([s.transform for s in self.sources], self.options.transform)
+
+    # ------------------------------------------------------------ orders and advice
+
+    def order(self, cursor: MixtureCursor, epoch: int) -> EpochOrder:
+        """The order of mixture epoch ``epoch``: the cursor's, or one kept from a schedule
+        that reached it, else a later one as reached by reading every position; typed as
+        the EpochOrder it duck-types."""
+        with self._lock:
+            if epoch != cursor.epoch:  # as a schedule reached it, if one did
+                kept = [o for o in self._orders.values() if o.epoch == epoch]
+                if kept:
+                    return cast(EpochOrder, kept[-1])
+            plan = cursor.epoch_plan(epoch)
+            order = self._orders.get(plan)
+            if order is None:
+                order = MixtureOrder(self._source_orders, plan)
+                self._orders = {plan: order, **{p: o for p, o in self._orders.items()
+                                                if p.epoch == epoch - 1}}
+        return cast(EpochOrder, order)
+
+    def advice(self, cursor: MixtureCursor, epoch: int) -> ShardAdvice:
+        order = self.order(cursor, epoch)
+        plan = cast(MixtureOrder, order).plan
+        with self._lock:
+            advice = self._advice.get(plan)
+        if advice is None:
+            advice = ShardAdvice(order)
+            with self._lock:
+                self._advice = {plan: advice, **{p: a for p, a in self._advice.items()
+                                                 if p.epoch == epoch - 1}}
+        return advice
+
+    def working_set_bytes(self) -> int:
+        """The sources' working sets together (each source's order keeps at most its own
+        bound in use at once, and a mixture reads them side by side)."""
+        return sum(working_set_bound(i.shard_rows, [local_bytes_estimate(s) for s in i.shards],
+                                     self.shuffle) for i in self.indexes)
+
+    def check_budget(self, cache_limit: int) -> None:
+        needed = self.working_set_bytes()
+        if cache_limit < needed:
+            raise CacheBudgetError(
+                f"cache_limit={cache_limit:,} bytes is below the working set of the mixture: "
+                f"its {len(self.sources)} sources, read side by side with a shuffle window of "
+                f"{self.shuffle.window} {self.shuffle.window_unit}, keep at most {needed:,} "
+                f"bytes of shards in use at once; give at least {needed:,} bytes, or lower "
+                "shuffle_window")
+
+    def advise(self, cursor: MixtureCursor, epoch: int, position: int,
+               global_batch: int) -> None:
+        """Tell the prefetcher what the reader needs next, across all sources."""
+        store = self.reader(cursor).store
+        if not isinstance(store, Prefetcher):
+            return
+        advice = self.advice(cursor, epoch)
+        count = (self.options.prefetch or PrefetchOptions()).lookahead(
+            advice.working_set_shards())
+        shards, next_use = advice.upcoming(position, count)
+        key = (epoch, int(shards[0]) if len(shards) else -1)
+        if key != self._advised or position % max(1, advice.stride * 16) < global_batch:
+            self._advised = key
+            store.update(shards, next_use)
+
+    # ------------------------------------------------------------ reading
+
+    def reader(self, cursor: MixtureCursor) -> MixtureReader:
+        """This process's reader (made again after fork)."""
+        with self._lock:
+            if self._reader is None or self._reader_pid != os.getpid():
+                self._reader = MixtureReader(self.indexes, self.schemas,
+                                             self._make_store(cursor),
+                                             storage_options=self.storage)
+                self._reader_pid = os.getpid()
+            return self._reader
+
+    def _make_store(self, cursor: MixtureCursor) -> Prefetcher:
+        opts = self.options
+        working_set = self.working_set_bytes() if opts.cache_limit is not None else None
+        caches = source_caches(self.indexes, default_cache_dir(opts.cache_dir),
+                               cache_limit=opts.cache_limit, working_set_bytes=working_set,
+                               storage_options=self.storage, fetch_options=opts.fetch)
+        prefetch = opts.prefetch or PrefetchOptions()
+        lookahead = prefetch.lookahead(self.advice(cursor, cursor.epoch).working_set_shards())
+        return Prefetcher(cast(NodeCache, MixtureCache(caches)),
+                          dataclasses.replace(prefetch, lookahead_shards=lookahead))
+
+    def close(self) -> None:
+        with self._lock:
+            reader, self._reader = self._reader, None
+        if reader is not None and self._reader_pid == os.getpid():
+            reader.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in (
+            "sources", "options", "shuffle", "storage", "indexes", "schemas", "schema",
+            "shares", "keys")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._forget()
+
+
+def _agreeing_schemas(sources: Sequence[Source], indexes: Sequence[DatasetIndex],
+                      fields: Sequence[str] | None) -> list[Schema]:
+    """Each source's selected fields, in the first source's field order.
+
+    Raises:
+        ConfigError: the sources' selected fields differ in names, kinds, dtypes or shapes.
+    """
+    first = indexes[0].schema.select(sources[0].fields or fields)
+    schemas = [first]
+    for n, (source, index) in enumerate(zip(sources[1:], indexes[1:], strict=True), start=1):
+        mine = index.schema.select(source.fields or fields)
+        if set(mine.names) != set(first.names):
+            raise ConfigError(
+                f"the sources of a mixture must yield the same fields: source 0 has "
+                f"{sorted(first.names)}, source {n} has {sorted(mine.names)}; choose common "
+                "ones with fields= (on the dataset or on each Source)")
+        mine = mine.select(first.names)
+        for a, b in zip(first, mine, strict=True):
+            if a != b:
+                raise ConfigError(
+                    f"field {a.name!r} differs between the sources of the mixture: source 0 "
+                    f"has {a}, source {n} has {b}; a batch stacks every source's rows, so "
+                    "the kinds, dtypes and shapes must match")
+        schemas.append(mine)
+    return schemas
+
+
+__all__ = ["MixtureFeed"]

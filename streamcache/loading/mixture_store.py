@@ -1,0 +1,175 @@
+"""The shards of a mixture in one node cache, one prefetcher and one reader.
+
+Each source keeps its own :class:`~streamcache.cache.node.NodeCache` (its identity, its folder
+under ``datasets/``), all on the same ``cache_dir`` with the same ``cache_limit``, so the
+budget is one (the accounting file covers the whole folder). :class:`MixtureCache` puts them
+in the mixture's combined shard space (source ``s``'s shard ``k`` is ``base[s] + k``) for one
+:class:`~streamcache.cache.prefetch.Prefetcher`: one queue, one set of download threads, one
+plan of first uses across sources. Eviction compares every source's shards by their next use
+in that one plan (:class:`SourceCache`), never treating another source's shard as unneeded.
+:class:`MixtureReader` gathers a step's rows from every source in one native gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..cache.accounting import EvictionListener
+from ..cache.node import NodeCache
+from ..cache.prefetch import Prefetcher
+from ..format.index import DatasetIndex, ShardInfo
+from ..format.reader import Ragged, gather
+from ..format.schema import Schema
+from .dataset_reader import DatasetReader
+
+
+class SourceCache(NodeCache):
+    """A source's node cache that knows its sibling sources' next uses for eviction.
+
+    ``peers`` maps each sibling's dataset key (``datasets/<folder>``) to its cache; the
+    caches of one mixture share the dict."""
+
+    peers: dict[str, NodeCache]
+
+    def _key_next_use(self, key: str) -> float:
+        peer = self.peers.get(key.rpartition("/")[0], self)
+        if peer is self:
+            return super()._key_next_use(key)
+        return NodeCache._key_next_use(peer, key)
+
+
+def source_caches(indexes: Sequence[DatasetIndex], cache_dir: str, *,
+                  cache_limit: int | None, working_set_bytes: int | None,
+                  storage_options: Sequence[Mapping[str, Any] | None],
+                  **options: Any) -> list[NodeCache]:
+    """One :class:`SourceCache` per source on ``cache_dir``, peers of each other."""
+    peers: dict[str, NodeCache] = {}
+    caches: list[NodeCache] = []
+    for index, storage in zip(indexes, storage_options, strict=True):
+        cache = SourceCache(index, cache_dir, cache_limit=cache_limit,
+                            working_set_bytes=working_set_bytes, storage_options=storage,
+                            **options)
+        cache.peers = peers
+        peers[cache._dataset_key] = cache
+        caches.append(cache)
+    return caches
+
+
+class _CombinedIndex:
+    """What the prefetcher reads of an index: the shards, in the combined space."""
+
+    def __init__(self, caches: Sequence[NodeCache]) -> None:
+        self.shards: list[ShardInfo] = [info for c in caches for info in c.index.shards]
+
+
+class MixtureCache:
+    """The sources' caches as one store in the combined shard space (what a
+    :class:`Prefetcher` uses of a :class:`NodeCache`). Thread safety: as NodeCache's."""
+
+    def __init__(self, caches: Sequence[NodeCache]) -> None:
+        self.caches = list(caches)
+        self.base = np.cumsum([0] + [len(c.index.shards) for c in caches])[:-1]
+        self.index = _CombinedIndex(caches)
+        self.cache_limit = caches[0].cache_limit
+
+    def _route(self, shard: int) -> tuple[NodeCache, int]:
+        source = int(np.searchsorted(self.base, shard, side="right")) - 1
+        return self.caches[source], shard - int(self.base[source])
+
+    def contains(self, shard: int) -> bool:
+        cache, local = self._route(shard)
+        return cache.contains(local)
+
+    def installed(self, shard: int) -> bool:
+        cache, local = self._route(shard)
+        return cache.installed(local)
+
+    def lookup(self, shard: int) -> str | None:
+        cache, local = self._route(shard)
+        return cache.lookup(local)
+
+    def install(self, shard: int) -> int:
+        cache, local = self._route(shard)
+        return cache.install(local)
+
+    def local_path(self, shard: int) -> str:
+        cache, local = self._route(shard)
+        return cache.local_path(local)
+
+    def estimated_bytes(self, shard: int) -> int:
+        cache, local = self._route(shard)
+        return cache.estimated_bytes(local)
+
+    def set_next_use(self, next_use: Callable[[int], float] | None) -> None:
+        for cache, base in zip(self.caches, self.base.tolist(), strict=True):
+            cache.set_next_use(None if next_use is None else _shifted(next_use, base))
+
+    def add_eviction_listener(self, listener: EvictionListener) -> None:
+        for cache, base in zip(self.caches, self.base.tolist(), strict=True):
+            cache.add_eviction_listener(_shifted_listener(listener, base))
+
+    def close(self) -> None:
+        for cache in self.caches:
+            cache.close()
+
+
+def _shifted(next_use: Callable[[int], float], base: int) -> Callable[[int], float]:
+    return lambda shard: next_use(base + shard)
+
+
+def _shifted_listener(listener: EvictionListener, base: int) -> EvictionListener:
+    return lambda shard, nbytes: listener(base + shard, nbytes)
+
+
+class _SourceStore:
+    """Source ``s``'s view of the mixture's store: its shard ``k`` is ``base + k`` there.
+    Closing it does nothing: the mixture's reader closes the shared store once."""
+
+    def __init__(self, store: Prefetcher | MixtureCache, base: int) -> None:
+        self._store = store
+        self._base = base
+
+    def local_path(self, shard: int) -> str:
+        return self._store.local_path(self._base + shard)
+
+    def close(self) -> None:
+        pass
+
+
+class MixtureReader:
+    """Reads a mixture's steps: rows of combined shards, gathered from every source at once.
+
+    Thread safety: ``read_located`` may be called from several threads.
+    """
+
+    def __init__(self, indexes: Sequence[DatasetIndex], schemas: Sequence[Schema],
+                 store: Prefetcher | MixtureCache, *,
+                 storage_options: Sequence[Mapping[str, Any] | None]) -> None:
+        self.store = store
+        self.schema = schemas[0]
+        self.base = np.cumsum([0] + [len(i.shards) for i in indexes])[:-1].astype(np.int64)
+        self.readers = [DatasetReader(index, fields=schema.names,
+                                      store=_SourceStore(store, int(base)),
+                                      storage_options=storage)
+                        for index, schema, base, storage in zip(
+                            indexes, schemas, self.base, storage_options, strict=True)]
+
+    def read_located(self, shards: np.ndarray, rows: np.ndarray,
+                     ) -> dict[str, np.ndarray | Ragged]:
+        """Rows ``rows[i]`` of combined shards ``shards[i]`` as batch arrays."""
+        unique, which = np.unique(shards, return_inverse=True)
+        source = np.searchsorted(self.base, unique, side="right") - 1
+        readers = [self.readers[s].shard_reader(int(u - self.base[s]))
+                   for s, u in zip(source.tolist(), unique.tolist(), strict=True)]
+        return gather(readers, which.astype(np.int32), rows, list(self.schema))
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()
+        self.store.close()
+
+
+__all__ = ["MixtureCache", "MixtureReader", "SourceCache", "source_caches"]

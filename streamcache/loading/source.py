@@ -1,0 +1,102 @@
+"""Source: one dataset of a weighted mixture (``StreamDataset([Source(...), ...])``)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from ..errors import ConfigError
+from ..format.index import DatasetIndex
+
+
+@dataclass(frozen=True)
+class Source:
+    """One dataset of a mixture and how much of it to read.
+
+    Args:
+        url: dataset folder or index.json (any fsspec URL), or a loaded :class:`DatasetIndex`.
+        weight: the source's share of every global batch, relative to the other sources'
+            (> 0; normalized over the sources). 0.7/0.2/0.1 or 7/2/1 mean the same.
+        repeat: the source's epoch is ``repeat`` times its sample count (rounded; > 0):
+            2.0 upsamples (every sample twice per source epoch, in two passes), 0.5 caps
+            (a fresh half of its samples each epoch). Default 1.
+        samples: the source's epoch size in samples (>= 1), instead of ``repeat``.
+        fields: the fields to read from this source (default: the dataset's ``fields``, else
+            all); every source must yield the same field names and kinds.
+        transform: per-sample callable for this source's samples (default: the dataset's).
+        storage_options: fsspec options of this source's filesystem (default: the dataset's).
+
+    Raises:
+        ConfigError: a value out of range, or both ``repeat`` and ``samples``.
+    """
+
+    url: str | DatasetIndex
+    weight: float = 1.0
+    repeat: float | None = None
+    samples: int | None = None
+    fields: Sequence[str] | None = None
+    transform: Callable[[dict[str, Any]], Any] | None = None
+    storage_options: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, (str, DatasetIndex)):
+            raise ConfigError(f"Source url must be a URL string or a DatasetIndex, got "
+                              f"{type(self.url).__name__}")
+        if not _positive(self.weight):
+            raise ConfigError(f"Source weight must be a finite number > 0, got {self.weight!r}")
+        if self.repeat is not None and self.samples is not None:
+            raise ConfigError("give a Source repeat= or samples=, not both")
+        if self.repeat is not None and not _positive(self.repeat):
+            raise ConfigError(f"Source repeat must be a finite number > 0, got {self.repeat!r}")
+        if self.samples is not None and (isinstance(self.samples, bool) or not isinstance(
+                self.samples, numbers.Integral) or self.samples < 1):
+            raise ConfigError(f"Source samples must be an integer >= 1, got {self.samples!r}")
+        if self.transform is not None and not callable(self.transform):
+            raise ConfigError(f"Source transform must be callable, got "
+                              f"{type(self.transform).__name__}")
+        if isinstance(self.fields, str):
+            raise ConfigError(f"Source fields must be a sequence of field names, not the "
+                              f"string {self.fields!r}")
+        if self.fields is not None:
+            object.__setattr__(self, "fields", tuple(self.fields))
+
+    def epoch_samples(self, num_samples: int) -> int:
+        """The source's epoch size, given its sample count."""
+        if self.samples is not None:
+            return int(self.samples)
+        if self.repeat is None:
+            return num_samples
+        return max(1, round(num_samples * self.repeat))
+
+
+def _positive(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (numbers.Real, Fraction)) and \
+        math.isfinite(float(value)) and float(value) > 0
+
+
+class SourceTransforms:
+    """The per-sample transform of a mixture: each sample's source's own, else the dataset's;
+    a sample of a source with neither passes unchanged. Puts ``__source__`` back on a dict
+    output that dropped it. Picklable (for worker processes) when the transforms are."""
+
+    def __init__(self, transforms: Sequence[Callable[[dict[str, Any]], Any] | None],
+                 default: Callable[[dict[str, Any]], Any] | None) -> None:
+        self.transforms = [t or default for t in transforms]
+
+    def __call__(self, sample: dict[str, Any]) -> Any:
+        source = int(sample[SOURCE_KEY])
+        transform = self.transforms[source]
+        output = sample if transform is None else transform(sample)
+        if isinstance(output, dict) and SOURCE_KEY not in output:
+            output = {**output, SOURCE_KEY: source}
+        return output
+
+
+#: The batch key holding each sample's source (its index in the dataset's list of sources).
+SOURCE_KEY = "__source__"
+
+__all__ = ["SOURCE_KEY", "Source", "SourceTransforms"]

@@ -1,0 +1,295 @@
+"""The cursor of a mixture: where the mixture stands, the same on every rank, strict on load.
+
+A mixture epoch is a run of positions of the mixture's global sequence (see mixture.py);
+``(epoch, samples_consumed)`` moves exactly as a single dataset's cursor does, so segments,
+steps and the loader treat it alike. What the cursor adds is what fixes the sequence: the
+sources (fingerprint, sample count, epoch size), the phases in force (the weights, as integer
+shares, since the position where they last changed, and every source's count there), and
+whether the mixture is finite (an epoch ends when the first source finishes its epoch, and the
+next epoch starts every source's next epoch) or infinite (sources roll over on their own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ._util import CursorMismatchError, PlanError, check_int, check_seed, check_state, malformed
+from .mixture import EpochPlan, Phase, quota
+from .order import ShuffleOptions
+from .steps import EpochSegment, TailPolicy, tail_policy
+
+MIXTURE_CURSOR_VERSION = 1
+_KEYS = frozenset({"version", "kind", "sources", "seed", "shuffle", "infinite", "epoch",
+                   "epoch_start", "num_samples", "samples_consumed", "phases",
+                   "source_cursors"})
+_SOURCE_KEYS = frozenset({"dataset_fingerprint", "num_samples", "epoch_samples"})
+_PHASE_KEYS = frozenset({"start", "counts", "shares"})
+KIND = "mixture"
+
+
+@dataclass(frozen=True)
+class SourceKey:
+    """What a saved mixture cursor checks of each source."""
+
+    dataset_fingerprint: str
+    num_samples: int
+    epoch_samples: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dataset_fingerprint, str) or not self.dataset_fingerprint:
+            raise PlanError(f"dataset_fingerprint must be a non-empty string, got "
+                            f"{self.dataset_fingerprint!r}")
+        check_int("num_samples", self.num_samples, minimum=1)
+        check_int("epoch_samples", self.epoch_samples, minimum=1)
+
+
+@dataclass(frozen=True)
+class MixtureCursor:
+    """Progress through the epochs of a mixture.
+
+    Attributes:
+        sources: each source's fingerprint, sample count and epoch size, in list order.
+        seed, shuffle: the order's seed and shuffle options (each source's own order
+            derives its seed from ``seed`` and its index).
+        infinite: how epochs follow each other (see the module docstring).
+        phases: the phases that cover the epoch (the first begins at or before its start).
+        epoch, samples_consumed: as a single dataset's cursor.
+        num_samples: positions in this epoch.
+        epoch_start: the epoch's first global position.
+
+    Thread safety: immutable.
+    """
+
+    sources: tuple[SourceKey, ...]
+    seed: int
+    shuffle: ShuffleOptions
+    infinite: bool
+    phases: tuple[Phase, ...]
+    num_samples: int
+    epoch: int = 0
+    epoch_start: int = 0
+    samples_consumed: int = 0
+
+    def __post_init__(self) -> None:
+        check_seed(self.seed)
+        check_int("epoch", self.epoch, minimum=0)
+        check_int("num_samples", self.num_samples, minimum=1)
+        check_int("samples_consumed", self.samples_consumed, minimum=0,
+                  maximum=self.num_samples)
+        if not self.phases or self.phases[0].start > self.epoch_start or any(
+                a.start >= b.start for a, b in zip(self.phases, self.phases[1:], strict=False)):
+            raise PlanError("the phases must be in order, the first at or before the epoch")
+
+    @classmethod
+    def start(cls, sources: tuple[SourceKey, ...], shares: tuple[int, ...], seed: int,
+              shuffle: ShuffleOptions, infinite: bool) -> MixtureCursor:
+        """The cursor at the start of the run."""
+        phase = Phase(0, (0,) * len(sources), shares)
+        return cls(sources, seed, shuffle, infinite, (phase,),
+                   _epoch_length(sources, phase, 0, 0))
+
+    # ------------------------------------------------------------ positions
+
+    @property
+    def shares(self) -> tuple[int, ...]:
+        return self.phases[-1].shares
+
+    @property
+    def position(self) -> int:
+        """The next global position to read."""
+        return self.epoch_start + self.samples_consumed
+
+    def counts_at(self, position: int) -> tuple[int, ...]:
+        """Every source's samples read (over the run) before global ``position``."""
+        phase = [p for p in self.phases if p.start <= position][-1]
+        return phase.counts_at(position)
+
+    def source_cursors(self) -> list[tuple[int, int]]:
+        """Every source's own (epoch, samples consumed) at the cursor."""
+        return [divmod(k, s.epoch_samples)
+                for k, s in zip(self.counts_at(self.position), self.sources, strict=True)]
+
+    @property
+    def next_num_samples(self) -> int:
+        """Positions in every epoch after this one (they start afresh with today's shares)."""
+        return _epoch_length(self.sources, Phase(0, (0,) * len(self.sources), self.shares),
+                             0, 0)
+
+    def epoch_plan(self, epoch: int) -> EpochPlan:
+        """What fixes epoch ``epoch`` (this one or a later one)."""
+        if epoch < self.epoch:
+            raise PlanError(f"a mixture's order is known from the cursor's epoch "
+                            f"({self.epoch}) on, not for epoch {epoch}")
+        cursor = self
+        while cursor.epoch < epoch:
+            cursor = cursor._next_epoch()
+        return EpochPlan(cursor.epoch, cursor.num_samples, cursor.epoch_start, cursor.phases)
+
+    # ------------------------------------------------------------ moving
+
+    def segment(self, global_batch: int, world_size: int,
+                tail: TailPolicy | str = TailPolicy.DROP) -> EpochSegment:
+        """The rest of the epoch as steps of ``global_batch`` on ``world_size`` ranks."""
+        return EpochSegment(self.num_samples, self.samples_consumed, global_batch, world_size,
+                            tail_policy(tail))
+
+    def advanced(self, segment: EpochSegment, steps_done: int) -> MixtureCursor:
+        """As :meth:`Cursor.advanced`: after the segment's last step, the next epoch."""
+        if segment.start != self.samples_consumed or segment.num_samples != self.num_samples:
+            raise PlanError("the segment was not begun at this cursor")
+        consumed = segment.samples_consumed_after(steps_done)
+        if steps_done == segment.num_steps:
+            return self._next_epoch(consumed)
+        return dataclasses.replace(self, samples_consumed=consumed)
+
+    def _next_epoch(self, consumed: int | None = None) -> MixtureCursor:
+        """The next epoch's start once ``consumed`` positions of this one are read (default:
+        all). Infinite, the sequence goes on from there, so a tail that a global batch
+        "drop" left unread is read next, not skipped."""
+        start = self.epoch_start + (self.num_samples if consumed is None else consumed)
+        if self.infinite:  # only the phase in force is needed
+            phase = [p for p in self.phases if p.start <= start][-1]
+        else:  # every source starts its next epoch
+            phase = Phase(start, tuple((self.epoch + 1) * s.epoch_samples
+                                       for s in self.sources), self.shares)
+        return dataclasses.replace(self, epoch=self.epoch + 1, epoch_start=start,
+                                   samples_consumed=0, phases=(phase,),
+                                   num_samples=self.next_num_samples)
+
+    def at_epoch(self, epoch: int) -> MixtureCursor:
+        """The start of ``epoch``: this epoch's start, a later epoch as reached from here,
+        an earlier one as a fresh run with today's shares would reach it."""
+        if epoch >= self.epoch:
+            plan = self.epoch_plan(epoch)
+            return dataclasses.replace(self, epoch=epoch, epoch_start=plan.start,
+                                       num_samples=plan.num_samples, phases=plan.phases,
+                                       samples_consumed=0)
+        fresh = MixtureCursor.start(self.sources, self.shares, self.seed, self.shuffle,
+                                    self.infinite)
+        return fresh.at_epoch(epoch)
+
+    def with_shares(self, shares: tuple[int, ...]) -> MixtureCursor:
+        """New weights from the cursor on: a phase starts here with every source's count, so
+        no source repeats or skips a sample of its epoch. A finite epoch is cut again where
+        the first source now finishes its epoch."""
+        if shares == self.shares:
+            return self
+        if len(shares) != len(self.sources):
+            raise PlanError(f"{len(shares)} shares for {len(self.sources)} sources")
+        here = self.position
+        phase = Phase(here, self.counts_at(here), shares)
+        phases = (*(p for p in self.phases if p.start < here), phase)
+        covering = [i for i, p in enumerate(phases) if p.start <= self.epoch_start]
+        phases = phases[covering[-1]:]
+        num_samples = self.num_samples if self.infinite else \
+            _epoch_length(self.sources, phase, self.epoch, self.epoch_start)
+        return dataclasses.replace(self, phases=phases, num_samples=max(
+            num_samples, self.samples_consumed, 1))
+
+    # ------------------------------------------------------------ state
+
+    def to_dict(self) -> dict[str, Any]:
+        """A small, JSON-able, versioned dict (the loader's state)."""
+        return {
+            "version": MIXTURE_CURSOR_VERSION, "kind": KIND,
+            "sources": [dataclasses.asdict(s) for s in self.sources],
+            "seed": self.seed, "shuffle": self.shuffle.to_dict(), "infinite": self.infinite,
+            "epoch": self.epoch, "epoch_start": self.epoch_start,
+            "num_samples": self.num_samples, "samples_consumed": self.samples_consumed,
+            "phases": [{"start": p.start, "counts": list(p.counts), "shares": list(p.shares)}
+                       for p in self.phases],
+            "source_cursors": [list(c) for c in self.source_cursors()],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> MixtureCursor:
+        """Read :meth:`to_dict`'s output back; anything else raises CursorMismatchError."""
+        if isinstance(data, dict) and data.get("kind") != KIND:
+            raise CursorMismatchError(
+                "the saved loader state is of a single dataset, not of a mixture of sources; "
+                "resume it with the StreamDataset it was saved from")
+        check_state(data, "mixture cursor", _KEYS, MIXTURE_CURSOR_VERSION)
+        with malformed("mixture cursor"):
+            sources = tuple(SourceKey(**_strict(s, _SOURCE_KEYS, "source"))
+                            for s in _list(data["sources"]))
+            phases = tuple(Phase(check_int("phase start", p["start"], minimum=0),
+                                 _ints(p["counts"], len(sources), 0),
+                                 _ints(p["shares"], len(sources), 1))
+                           for p in (_strict(p, _PHASE_KEYS, "phase")
+                                     for p in _list(data["phases"])))
+            if not isinstance(data["infinite"], bool):
+                raise PlanError(f"infinite must be a bool, got {data['infinite']!r}")
+            cursor = cls(sources, data["seed"], ShuffleOptions.from_dict(data["shuffle"]),
+                         data["infinite"], phases, data["num_samples"], data["epoch"],
+                         check_int("epoch_start", data["epoch_start"], minimum=0),
+                         data["samples_consumed"])
+        if [list(c) for c in cursor.source_cursors()] != data["source_cursors"]:
+            raise CursorMismatchError(
+                f"malformed mixture cursor: the sources' cursors {data['source_cursors']} do "
+                f"not follow from its phases ({[list(c) for c in cursor.source_cursors()]})")
+        return cursor
+
+    def check_matches(self, current: MixtureCursor) -> None:
+        """Raise CursorMismatchError unless the cursor belongs to ``current``'s mixture."""
+        problems = []
+        if len(self.sources) != len(current.sources):
+            problems.append(f"number of sources: saved {len(self.sources)}, now "
+                            f"{len(current.sources)}")
+        else:
+            for i, (saved, now) in enumerate(zip(self.sources, current.sources, strict=True)):
+                problems += [f"source {i} {name.replace('_', ' ')}: saved {a!r}, now {b!r}"
+                             for name, a, b in zip(_SOURCE_KEYS_ORDER, dataclasses.astuple(saved),
+                                                   dataclasses.astuple(now), strict=True)
+                             if a != b]
+        for name in ("seed", "shuffle", "infinite"):
+            if getattr(self, name) != getattr(current, name):
+                problems.append(f"{name}: saved {getattr(self, name)!r}, now "
+                                f"{getattr(current, name)!r}")
+        if problems:
+            raise CursorMismatchError(
+                f"the saved cursor does not belong to this mixture ({'; '.join(problems)}); "
+                "resume with the same sources in the same order, seed, shuffle options and "
+                "infinite mode, or start fresh without loading the loader state")
+
+    @classmethod
+    def load(cls, data: Any, current: MixtureCursor) -> MixtureCursor:
+        """The strict way to resume: :meth:`from_dict`, :meth:`check_matches`, then the
+        current weights from the saved position on (:meth:`with_shares`)."""
+        cursor = cls.from_dict(data)
+        cursor.check_matches(current)
+        return cursor.with_shares(current.shares)
+
+
+_SOURCE_KEYS_ORDER = ("dataset_fingerprint", "num_samples", "epoch_samples")
+
+
+def _epoch_length(sources: tuple[SourceKey, ...], phase: Phase, epoch: int,
+                  epoch_start: int) -> int:
+    """Positions from ``epoch_start`` until the first source finishes its epoch ``epoch``."""
+    table = quota(phase.shares)
+    ends = [phase.start + table.positions_for(s, (epoch + 1) * source.epoch_samples - count)
+            for s, (source, count) in enumerate(zip(sources, phase.counts, strict=True))]
+    return max(1, min(ends) - epoch_start)
+
+
+def _list(value: Any) -> list[Any]:
+    if not isinstance(value, list) or not value:
+        raise PlanError(f"expected a non-empty list, got {value!r}")
+    return value
+
+
+def _strict(value: Any, keys: frozenset[str], what: str) -> dict[str, Any]:
+    if not isinstance(value, dict) or set(value) != keys:
+        raise PlanError(f"a {what} must be a dict with keys {sorted(keys)}, got {value!r}")
+    return value
+
+
+def _ints(value: Any, length: int, minimum: int) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) != length:
+        raise PlanError(f"expected a list of {length} integers, got {value!r}")
+    return tuple(check_int("a count or share", v, minimum=minimum) for v in value)
+
+
+__all__ = ["MIXTURE_CURSOR_VERSION", "MixtureCursor", "SourceKey"]

@@ -1,0 +1,235 @@
+"""A StreamDataset of several Sources with real shards: batches, weights, resumes (also
+elastic and with new weights), strict state, shared cache and prefetcher, per-source options,
+worker processes, and two real gloo ranks."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from dist import run_ranks
+from helpers.resume import check_resume
+from loader_helpers import make_dataset
+
+from streamcache import (
+    CacheBudgetError,
+    ConfigError,
+    CursorMismatchError,
+    Source,
+    StreamDataset,
+    StreamLoader,
+    write_dataset,
+)
+from streamcache.cache.prefetch import Prefetcher
+from streamcache.loading.mixture_store import MixtureCache
+
+SIZES = ([9, 6, 12], [5, 5], [8, 8])  # 27, 10 and 16 samples
+WEIGHTS = (0.5, 0.3, 0.2)
+
+
+@pytest.fixture(scope="module")
+def urls(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    root = tmp_path_factory.mktemp("mixture")
+    return [make_dataset(str(root / f"s{i}"), rows) for i, rows in enumerate(SIZES)]
+
+
+def mixture(urls: list[str], cache: Any, weights: tuple[float, ...] = WEIGHTS, *,
+            rank: int = 0, world: int = 1, batch: int = 6, workers: int = 0,
+            **options: Any) -> StreamLoader:
+    sources = [Source(url, weight=w) for url, w in zip(urls, weights, strict=True)]
+    dataset = StreamDataset(sources, global_batch_size=batch, seed=5, rank=rank,
+                            world_size=world, cache_dir=str(cache), shuffle_window=8, **options)
+    return StreamLoader(dataset, num_workers=workers,
+                        worker_mode="process" if workers else "auto")
+
+
+def pairs(batch: dict[str, Any]) -> list[tuple[int, int]]:
+    return list(zip(batch["__source__"].tolist(), batch["__id__"].tolist(), strict=True))
+
+
+class MixtureSubject:
+    """A mixture's loader for the shared resume oracle (ids made unique per source)."""
+
+    def __init__(self, loader: StreamLoader) -> None:
+        self.loader = loader
+
+    def steps(self) -> Iterator[list[int]]:
+        while True:
+            for batch in self.loader:
+                yield [1000 * s + i for s, i in pairs(batch)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+def test_batches_carry_their_source_and_follow_the_weights(urls, tmp_path):
+    with mixture(urls, tmp_path) as loader:
+        batches = list(loader)
+        assert len(batches) == len(loader)
+        for batch in batches:  # the rows are those of the named source's sample
+            assert batch["x"].tolist() == batch["__id__"].tolist()
+            assert batch["__source__"].dtype == torch.int64
+        read = [p for b in batches for p in pairs(b)]
+        for n in range(1, len(read) + 1):  # within one sample of the weights at every prefix
+            for s, weight in enumerate(WEIGHTS):
+                assert abs(sum(src == s for src, _ in read[:n]) - weight * n) < 1
+        per_source = [[i for src, i in read if src == s] for s in range(3)]
+        assert all(len(ids) == len(set(ids)) for ids in per_source)
+        # the epoch ends where source 1 (10 samples, 0.3) finishes: 33 positions, 5 steps
+        assert loader.dataset.cursor.epoch == 1 and len(loader) == 33 // 6
+
+
+def test_a_mixture_resumes_exactly_from_any_point(urls, tmp_path):
+    steps = len(mixture(urls, tmp_path / "probe").dataset)
+    check_resume(lambda: MixtureSubject(mixture(urls, tmp_path)), steps_per_epoch=steps)
+
+
+def _steps(loader: StreamLoader, count: int) -> list[list[tuple[int, int]]]:
+    out = []
+    for batch in loader:
+        out.append(pairs(batch))
+        if len(out) == count:
+            break
+    return out
+
+
+def test_resume_on_another_world_size_worker_count_and_batch_size(urls, tmp_path):
+    reference = _steps(mixture(urls, tmp_path, infinite=True, batch=8), 20)
+    ranks = [mixture(urls, tmp_path, rank=r, world=2, batch=8, infinite=True)
+             for r in range(2)]
+    parts = [_steps(loader, 7) for loader in ranks]
+    assert [a + b for a, b in zip(*parts, strict=True)] == reference[:7]
+    state = ranks[0].state_dict()
+    assert state == ranks[1].state_dict()
+    # one rank, two worker processes, a global batch of 4
+    resumed = mixture(urls, tmp_path, batch=4, infinite=True, workers=2)
+    resumed.load_state_dict(state)
+    rest = [p for step in _steps(resumed, 12) for p in step]
+    resumed.close()
+    assert rest == [p for step in reference[7:] for p in step][:len(rest)]
+
+
+def test_new_weights_on_resume_go_on_where_each_source_stood(urls, tmp_path):
+    before = mixture(urls, tmp_path, infinite=True)
+    head = _steps(before, 4)
+    after = mixture(urls, tmp_path, (0.2, 0.2, 0.6), infinite=True)
+    after.load_state_dict(before.state_dict())
+    tail = _steps(after, 10)
+    reference = _steps(mixture(urls, tmp_path / "ref", infinite=True), 40)
+    for s in range(3):
+        mine = [i for step in head + tail for src, i in step if src == s]
+        theirs = [i for step in reference for src, i in step if src == s]
+        common = min(len(mine), len(theirs))
+        assert mine[:common] == theirs[:common]  # no sample repeated or skipped
+    read = [src for step in tail for src, _ in step]
+    assert abs(read.count(2) - 0.6 * len(read)) < 1  # the new weights from the resume on
+    state = after.state_dict()["cursor"]
+    assert [p["shares"] for p in state["phases"]][-1] == [1, 1, 3]
+    assert len(state["source_cursors"]) == 3
+
+
+def test_a_state_of_another_mixture_is_refused_naming_what_differs(urls, tmp_path):
+    state = mixture(urls, tmp_path).state_dict()
+    swapped = mixture([urls[0], urls[2], urls[1]], tmp_path)
+    with pytest.raises(CursorMismatchError, match="source 1 dataset fingerprint"):
+        swapped.load_state_dict(state)
+    with pytest.raises(CursorMismatchError, match="number of sources"):
+        mixture(urls[:2], tmp_path, WEIGHTS[:2]).load_state_dict(state)
+    single = StreamLoader(StreamDataset(urls[0], global_batch_size=6, cache_dir=str(tmp_path)))
+    with pytest.raises(CursorMismatchError, match="single dataset"):
+        mixture(urls, tmp_path).load_state_dict(single.state_dict())
+    with pytest.raises(CursorMismatchError):
+        single.load_state_dict(state)
+
+
+def test_sources_must_agree_on_their_fields(urls, tmp_path):
+    other = os.path.join(tmp_path, "other")
+    write_dataset([{"x": i, "label": np.float32(i)} for i in range(12)], other)
+    with pytest.raises(ConfigError, match=r"same fields.*label"):
+        StreamDataset([Source(urls[0]), Source(other)], global_batch_size=4)
+    dataset = StreamDataset([Source(urls[0], fields=["x"]), Source(other)], fields=["x"],
+                            global_batch_size=4, cache_dir=str(tmp_path))
+    assert dataset.schema.names == ["x"]
+    floats = os.path.join(tmp_path, "floats")
+    write_dataset([{"x": np.float32(i)} for i in range(12)], floats)
+    with pytest.raises(ConfigError, match="field 'x' differs"):
+        StreamDataset([Source(urls[0]), Source(floats)], fields=["x"], global_batch_size=4)
+    for bad in ([], [urls[0]], [Source(urls[0]), "x"]):
+        with pytest.raises(ConfigError):
+            StreamDataset(bad, global_batch_size=4)
+    for options in ({"weight": 0}, {"weight": math.inf}, {"repeat": 1, "samples": 3},
+                    {"samples": 0}, {"fields": "x"}):
+        with pytest.raises(ConfigError):
+            Source(urls[0], **options)
+
+
+def test_sources_share_one_cache_budget_and_one_prefetcher(urls, tmp_path):
+    loader = mixture(urls, tmp_path)
+    store = loader.dataset.reader.store
+    assert isinstance(store, Prefetcher) and isinstance(store.cache, MixtureCache)
+    caches = store.cache.caches
+    assert len(caches) == 3 and len({c.cache_dir for c in caches}) == 1
+    # eviction in one source's cache sees the other sources' next uses in the one plan
+    store.cache.set_next_use(lambda shard: 100.0 + shard)
+    base = int(store.cache.base[2])
+    assert caches[0]._key_next_use(caches[2]._key(1)) == 100.0 + base + 1
+    assert caches[0]._key_next_use(caches[0]._key(2)) == 102.0
+    needed = loader.dataset.working_set_bytes()
+    one = StreamDataset(urls[0], global_batch_size=6, shuffle_window=8).working_set_bytes()
+    assert needed > one
+    with pytest.raises(CacheBudgetError, match="working set of the mixture"):
+        mixture(urls, tmp_path, cache_limit=needed - 1)
+    loader.close()
+
+
+def _tenfold(sample: dict[str, Any]) -> dict[str, Any]:
+    return {"y": sample["x"] * 10}
+
+
+def _negated(sample: dict[str, Any]) -> dict[str, Any]:
+    return {"y": -sample["x"]}
+
+
+def test_per_source_transforms_in_worker_processes(urls, tmp_path):
+    sources = [Source(urls[0], weight=2, transform=_tenfold), Source(urls[1], samples=4),
+               Source(urls[2], repeat=0.5)]
+    dataset = StreamDataset(sources, global_batch_size=4, transform=_negated, seed=1,
+                            cache_dir=str(tmp_path))
+    assert len(dataset) == dataset.cursor.num_samples // 4
+    with StreamLoader(dataset, num_workers=2) as loader:
+        batches = list(loader)
+    for batch in batches:
+        for s, i, y in zip(batch["__source__"].tolist(), batch["__id__"].tolist(),
+                           batch["y"].tolist(), strict=True):
+            assert y == (10 * i if s == 0 else -i)
+    read = [s for b in batches for s in b["__source__"].tolist()]
+    assert read.count(1) <= 4 and read.count(2) <= 8  # capped epochs
+
+
+def _rank_body(rank: int, world: int, urls: list[str], cache: str) -> list[list[Any]]:
+    loader = mixture(urls, cache, rank=None, world=None, batch=8, infinite=True)  # type: ignore
+    assert loader.dataset.world_size == world
+    steps = _steps(loader, 5)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, steps)
+    loader.close()
+    return [[p for r in range(world) for p in gathered[r][t]] for t in range(5)]
+
+
+def test_two_gloo_ranks_read_the_global_batches_of_one(urls, tmp_path):
+    reference = _steps(mixture(urls, tmp_path, batch=8, infinite=True), 5)
+    results = run_ranks(_rank_body, 2, urls, str(tmp_path))
+    for result in results:
+        assert [[tuple(p) for p in step] for step in result.value] == reference
