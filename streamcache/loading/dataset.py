@@ -47,6 +47,7 @@ from .dataset_reader import DatasetReader
 from .feed import ShardFeed
 from .mixture import MixtureFeed
 from .mixture_store import MixtureReader
+from .nodes import NodeLocality
 from .options import RaggedMode, StreamOptions, TailMode, WindowUnit
 from .schedule import Schedule, StepRef, later_epoch_samples
 from .source import Source
@@ -103,6 +104,11 @@ class StreamDataset(IterableDataset):
             may be made before the process group, e.g. in a LightningModule's __init__):
             the arguments, else torch.distributed, else RANK/WORLD_SIZE, else 0 of 1 where
             the environment does not say the job is distributed (that is refused).
+        nodes: how many nodes the ranks run on (ranks of a node numbered contiguously, as
+            torchrun does); resolved when a pass starts: the argument, else torchrun's
+            LOCAL_WORLD_SIZE, else the process group's host names, else 1. With several,
+            each node caches only its share of the shards (docs/multinode.md); ``nodes=1``
+            turns that off. The global batches are the same either way.
 
     ``len()`` is the number of steps of a whole epoch (as a DataLoader's, also after a
     mid-epoch resume); ``steps_remaining`` the steps left in the cursor's epoch. With
@@ -151,6 +157,7 @@ class StreamDataset(IterableDataset):
         allow_external_paths: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
+        nodes: int | None = None,
     ) -> None:
         super().__init__()
         self.options = StreamOptions(
@@ -161,6 +168,7 @@ class StreamDataset(IterableDataset):
             infinite=infinite, cache_dir=cache_dir, cache_limit=cache_limit,
             storage_options=storage_options, fetch=fetch, prefetch=prefetch,
             allow_external_paths=allow_external_paths, rank=rank, world_size=world_size,
+            nodes=nodes,
         )
         opts = self.options
         self.tail = TailPolicy(opts.tail)
@@ -182,6 +190,7 @@ class StreamDataset(IterableDataset):
         self._fields = {f.name: f for f in self.schema}
         self.cursor: Any = self._feed.start_cursor()  # a MixtureCursor for a mixture
         self._topology: tuple[int, int] | None = None  # as resolved when the last pass started
+        self._locality: NodeLocality | None = None  # as resolved when the last pass started
         self._validate()
         if opts.cache_limit is not None:
             self._feed.check_budget(opts.cache_limit)
@@ -203,6 +212,16 @@ class StreamDataset(IterableDataset):
     @property
     def world_size(self) -> int:
         return self.topology[1]
+
+    @property
+    def locality(self) -> NodeLocality:
+        """This rank's node: which slots of a batch it reads and which shards its node
+        caches; as resolved when the last pass started, else now (without asking the
+        process group)."""
+        if self._locality is not None:
+            return self._locality
+        return NodeLocality.resolve(self.cursor, *self.topology, self.options.nodes,
+                                     collective=False)
 
     @property
     def global_batch(self) -> int:
@@ -229,6 +248,9 @@ class StreamDataset(IterableDataset):
         """This rank's steps from the cursor on. A pass starts here: the topology is resolved
         now, and kept for the pass (worker processes receive it with the dataset)."""
         self._topology = resolve_topology(self.options.rank, self.options.world_size)
+        self._locality = NodeLocality.resolve(self.cursor, *self._topology, self.options.nodes)
+        if isinstance(self._feed, ShardFeed):
+            self._feed.use_locality(self._locality)
         return self._schedule(*self._topology, self.global_batch)
 
     def _schedule(self, rank: int, world_size: int, global_batch: int) -> Schedule:
@@ -288,6 +310,7 @@ class StreamDataset(IterableDataset):
         ``% num_workers == worker``), each with its part of the global batch. The plan is
         computed many steps per pass. ``schedule`` defaults to one from the current cursor."""
         schedule = schedule or self.schedule()
+        assignment = self.locality.assignment
         for epoch, segment, first in schedule.segments():
             # the epoch's start as this schedule reaches it (a mixture's may depend on it)
             start: Any = schedule.cursor_after(first)
@@ -296,7 +319,7 @@ class StreamDataset(IterableDataset):
             if local_worker >= segment.num_steps:
                 continue
             for part in segment.worker_batches(order, schedule.rank, local_worker,
-                                               num_workers):
+                                               num_workers, assignment):
                 self._feed.advise(self.cursor, epoch, segment.step_span(part.step)[0],
                                   self.global_batch)
                 yield StepRef(epoch, segment, part.step, first + part.step), part
@@ -353,7 +376,8 @@ class StreamDataset(IterableDataset):
     def make_batch(self, ref: StepRef, part: RankBatch | None = None) -> Any:
         """This rank's batch of one step: read, transform, convert to tensors."""
         if part is None:
-            part = ref.segment.rank_batch(self.order(ref.epoch), ref.step, self.rank)
+            part = ref.segment.rank_batch(self.order(ref.epoch), ref.step, self.rank,
+                                          self.locality.assignment)
         return self.finish_step(ref, self.read_step(ref, part))
 
     def _tensors(self, arrays: Mapping[str, Any]) -> dict[str, Any]:

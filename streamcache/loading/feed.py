@@ -23,6 +23,13 @@ from ..format.index import DatasetIndex
 from ..plan import Cursor, EpochOrder, ShuffleOptions
 from .batching import ID_KEY
 from .dataset_reader import DatasetReader, ShardStore
+from .nodes import (
+    NodeLocality,
+    by_range_option,
+    follow_locality,
+    read_by_range,
+    upcoming_on_node,
+)
 from .options import StreamOptions
 
 
@@ -43,6 +50,7 @@ class ShardFeed:
         self.fields = fields
         self.options = options
         self.shuffle = shuffle
+        self.locality: NodeLocality | None = None  # this rank's node, set when a pass starts
         self._forget()
 
     def _forget(self) -> None:
@@ -123,7 +131,7 @@ class ShardFeed:
         advice = self.advice(cursor, epoch)
         count = (self.options.prefetch or PrefetchOptions()).lookahead(
             advice.working_set_shards())
-        shards, next_use = advice.upcoming(position, count)
+        shards, next_use = upcoming_on_node(self.locality, advice, position, count)
         key = (epoch, int(shards[0]) if len(shards) else -1)
         if key != self._advised or position % max(1, advice.stride * 16) < global_batch:
             self._advised = key
@@ -135,9 +143,24 @@ class ShardFeed:
             if self._reader is None or self._reader_pid != os.getpid():
                 self._reader = DatasetReader(self.index, fields=self.fields,
                                              store=self._make_store(cursor),
-                                             storage_options=self.options.storage_options)
+                                             storage_options=self.options.storage_options,
+                                             **by_range_option(DatasetReader, self.locality,
+                                                               self._read_by_range))
                 self._reader_pid = os.getpid()
             return self._reader
+
+    def use_locality(self, locality: NodeLocality) -> None:
+        """This rank's node, resolved when a pass starts: the advice to the prefetcher and
+        the reader's ``by_range`` follow it."""
+        self.locality = locality
+        with self._lock:
+            reader = self._reader if self._reader_pid == os.getpid() else None
+        if reader is not None:
+            follow_locality(reader, locality, self._read_by_range)
+
+    def _read_by_range(self, shards: np.ndarray) -> np.ndarray:
+        """The reader's ``by_range``: the shards another node caches (none on one node)."""
+        return read_by_range(self.locality, shards)
 
     def _make_store(self, cursor: Cursor) -> ShardStore:
         opts = self.options
@@ -158,7 +181,8 @@ class ShardFeed:
             reader.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in ("index", "fields", "options", "shuffle")}
+        return {name: getattr(self, name) for name in ("index", "fields", "options", "shuffle",
+                                                   "locality")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

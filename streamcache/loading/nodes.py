@@ -109,10 +109,21 @@ def upcoming_on_node(locality: NodeLocality | None, advice: ShardAdvice, positio
     return locality.upcoming(advice, position, count)
 
 
-def by_range_option(reader_type: Callable[..., Any],
+def read_by_range(locality: NodeLocality | None, shards: np.ndarray) -> np.ndarray:
+    """:meth:`NodeLocality.read_by_range`, or nothing by range without a locality."""
+    if locality is None:
+        return np.zeros(np.shape(shards), dtype=bool)
+    return locality.read_by_range(shards)
+
+
+def by_range_option(reader_type: Callable[..., Any], locality: NodeLocality | None,
                     by_range: Callable[[np.ndarray], np.ndarray]) -> dict[str, Any]:
-    """``{"by_range": by_range}`` if ``reader_type`` takes it (the reader's range path),
-    else ``{}``: without it, rows of other nodes' shards are read from whole local copies."""
+    """``{"by_range": by_range}`` for a reader made for ``locality``: where the reader takes
+    it (its range path) and there are several nodes; else ``{}`` (one node reads everything
+    from its cache; a reader without the range path reads whole copies of other nodes'
+    shards)."""
+    if locality is None or locality.num_nodes == 1:
+        return {}
     try:
         parameters = inspect.signature(reader_type).parameters
     except (TypeError, ValueError):
@@ -120,4 +131,12 @@ def by_range_option(reader_type: Callable[..., Any],
     return {"by_range": by_range} if "by_range" in parameters else {}
 
 
-__all__ = ["NodeLocality", "by_range_option", "fingerprint_of", "upcoming_on_node"]
+def follow_locality(reader: Any, locality: NodeLocality | None,
+                    by_range: Callable[[np.ndarray], np.ndarray]) -> None:
+    """Point a reader made before ``locality`` was known at it (its ``by_range``)."""
+    if hasattr(reader, "by_range"):
+        reader.by_range = by_range_option(type(reader), locality, by_range).get("by_range")
+
+
+__all__ = ["NodeLocality", "by_range_option", "fingerprint_of", "follow_locality",
+           "read_by_range", "upcoming_on_node"]

@@ -57,6 +57,7 @@ class StreamOptions:
     allow_external_paths: bool = False  # shards outside the index's folder (same protocol)
     rank: int | None = None
     world_size: int | None = None
+    nodes: int | None = None  # nodes the ranks run on (None: from the launcher)
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.global_batch_size is None):
@@ -64,7 +65,7 @@ class StreamOptions:
                               "global_batch_size (over all ranks)")
         for name, minimum in (("batch_size", 1), ("global_batch_size", 1),
                               ("shuffle_window", 1), ("cache_limit", 0), ("rank", 0),
-                              ("world_size", 1)):
+                              ("world_size", 1), ("nodes", 1)):
             _check_int(name, getattr(self, name), minimum)
         _check_int("seed", self.seed, 0)
         if self.seed >= 1 << 64:
