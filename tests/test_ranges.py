@@ -78,9 +78,11 @@ def served_bytes(server: FaultServer) -> int:
 
 @pytest.fixture(autouse=True)
 def small_gaps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These shards are ~500 KB: with the default 256 KiB gap most reads would merge into one
-    range, and the counts below could not tell a chunk from a shard."""
+    """These shards are ~300 KB: with the default 256 KiB gap most reads would merge into one
+    range, and the counts below could not tell a chunk from a shard; and one chunk is more
+    than the default cold budget of such a shard (1/16), so the cold tests raise it."""
     monkeypatch.setattr(ranges, "COALESCE_GAP", 16 << 10)
+    monkeypatch.setattr(ranges, "COLD_BUDGET", 0.5)
 
 
 @pytest.fixture
@@ -388,33 +390,49 @@ def test_stream_batches_are_identical_cold_warm_and_by_range(
         served: tuple[FaultServer, str], tmp_path: Path) -> None:
     _, url = served
 
-    def epoch(cache: str, by_range: bool = False) -> tuple[list[dict[str, Any]], Any]:
-        dataset = StreamDataset(url, global_batch_size=100, rank=0, world_size=1, seed=5,
+    def epoch(cache: str, by_range: DatasetReader | None = None,
+              ) -> tuple[list[dict[str, Any]], Any]:
+        dataset = StreamDataset(url, global_batch_size=10, rank=0, world_size=1, seed=5,
                                 cache_dir=cache, shuffle_window=ROWS,
                                 prefetch=PrefetchOptions(workers=1))
-        if by_range:
-            dataset.reader.by_range = every_shard
-        batches = [{k: np.asarray(v) if isinstance(v, list) else v.numpy().copy()
-                    for k, v in batch.items()} for batch in dataset]
+        batches = []
+        for ref, part in dataset.planned():  # the plan's steps, as the loader reads them
+            arrays = dataset.read_step(ref, part) if by_range is None else \
+                {**by_range.read_located(part.shards, part.rows), "__id__": part.sample_ids}
+            batches.append(dict(arrays))
         stats = dataset.reader.range_stats
         dataset.close()
         return batches, stats
 
     cold, cold_stats = epoch(str(tmp_path / "a"))
     warm, warm_stats = epoch(str(tmp_path / "a"))
-    ranged, ranged_stats = epoch(str(tmp_path / "b"), by_range=True)
-    assert cold_stats.rows > 0 and warm_stats.rows == 0 and ranged_stats.rows == ROWS
+    with DatasetReader(load_index(url), by_range=every_shard) as reader:
+        ranged, _ = epoch(str(tmp_path / "b"), by_range=reader)
+        assert reader.range_stats.rows == ROWS
+    assert cold_stats.rows > 0 and warm_stats.rows == 0
     ids = np.concatenate([b["__id__"] for b in cold])
     assert sorted(ids.tolist()) == list(range(ROWS))  # exactly once
     for a, b, c in zip(cold, warm, ranged, strict=True):
-        for key in a:
-            np.testing.assert_array_equal(a[key], b[key])
-            np.testing.assert_array_equal(a[key], c[key])
+        same(a, b)
+        same(a, c)
 
 
 def test_a_new_writer_option_is_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="chunk_size"):
         ShardWriter(str(tmp_path / "x"), chunk_size=0)
+
+
+def test_a_dense_cold_read_waits_for_the_install(
+        served: tuple[FaultServer, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(ranges, "COLD_BUDGET", 1 / 16)  # less than one chunk of these shards
+    server, url = served
+    index = load_index(url)
+    cache = NodeCache(index, str(tmp_path / "cache"))
+    with DatasetReader(str(Path(server.root or "") / "ds")) as warm, \
+            DatasetReader(index, store=Prefetcher(cache)) as reader:
+        same(reader.read_batch([3, 700]), warm.read_batch([3, 700]))
+        assert reader.range_stats.chunks == 0 and cache.stats.installs == 2
 
 
 def test_a_cold_shard_is_read_by_range_within_its_budget_then_installed(
@@ -434,4 +452,19 @@ def test_a_cold_shard_is_read_by_range_within_its_budget_then_installed(
             if reader.range_stats.bytes == before:  # not read by range: installed for it
                 break
         assert cache.stats.installs == 1 and reader.range_stats.whole == 0
-        assert 0.25 * info.bytes <= before < 0.25 * info.bytes + info.bytes / chunk
+        assert reader.range_stats.chunks >= 1 and before <= 0.25 * info.bytes
+
+
+def test_an_arrow_stream_is_read_whole_by_range(fault_server: FaultServer) -> None:
+    root = Path(fault_server.root or "") / "hf"
+    root.mkdir()
+    table = pa.table({"id": pa.array(range(300), pa.int64())})
+    with ipc.new_stream(str(root / "data-00000-of-00001.arrow"), table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=100):
+            writer.write_batch(batch)
+    build_index(str(root))
+    index = load_index(fault_server.url_for("hf"))
+    assert index.shards[0].format == "arrow_stream"
+    with DatasetReader(index, by_range=every_shard) as reader:
+        assert reader.read_batch([299, 0, 150])["id"].tolist() == [299, 0, 150]
+        assert reader.range_stats.whole == 1

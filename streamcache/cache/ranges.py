@@ -174,16 +174,21 @@ class RangeReader:
             return False
         return True
 
-    def cold_budget_left(self, shard: int) -> bool:
-        """Whether a cold start may still read ``shard`` by range: less than
-        :data:`COLD_BUDGET` of its stored bytes were range-read so far."""
+    def cold_budget_left(self, shard: int, more: int = 0) -> bool:
+        """Whether a cold start may still read ``shard`` by range: the bytes range-read from
+        it so far, plus ``more``, stay within :data:`COLD_BUDGET` of its stored bytes."""
         with self._lock:
             used = self._shard_bytes.get(shard, 0)
-        return used < COLD_BUDGET * self.index.shards[shard].bytes
+        return used + more <= COLD_BUDGET * self.index.shards[shard].bytes
 
-    def read_rows(self, shard: int, rows: np.ndarray) -> tuple[ShardReader, np.ndarray]:
+    def read_rows(self, shard: int, rows: np.ndarray, *, cold: bool = False,
+                  ) -> tuple[ShardReader, np.ndarray] | None:
         """Rows ``rows`` of ``shard``: an in-memory shard reader holding them (and perhaps
         their neighbours) and the row numbers to gather from it, in the order given.
+
+        With ``cold`` (the cold-start rule), None instead when the read would take the
+        shard's range-read bytes over :data:`COLD_BUDGET` of its size (its footer is read to
+        know): rows that dense in the shard are cheaper from the install.
 
         Raises:
             FetchError: a request failed after the Fetcher's retries.
@@ -204,7 +209,10 @@ class RangeReader:
         footer = self._footer(shard)
         units = np.searchsorted(footer.starts, rows, side="right") - 1
         needed = np.unique(units)
-        batches = self._read_units(shard, footer, needed.tolist())
+        spans = coalesce([footer.blocks[u] for u in needed.tolist()], self.coalesce_gap)
+        if cold and not self.cold_budget_left(shard, sum(s.length for s in spans)):
+            return None
+        batches = self._read_units(shard, footer, needed.tolist(), spans)
         sizes = np.array([b.num_rows for b in batches], np.int64)
         local_starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
         position = np.searchsorted(needed, units)
@@ -215,18 +223,18 @@ class RangeReader:
         self._count(shards=1, rows=int(rows.size), chunks=len(needed))
         return MemoryShard(batch, self.schema, where=self.index.shard_url(shard)), local
 
-    def submit(self, shard: int, rows: np.ndarray) -> Future[tuple[ShardReader, np.ndarray]]:
+    def submit(self, shard: int, rows: np.ndarray, *, cold: bool = False,
+               ) -> Future[tuple[ShardReader, np.ndarray] | None]:
         """:meth:`read_rows` on this reader's threads."""
-        return self._executor().submit(self.read_rows, shard, rows)
+        return self._executor().submit(self.read_rows, shard, rows, cold=cold)
 
     def read_many(self, requests: Sequence[tuple[int, np.ndarray]],
                   ) -> list[tuple[ShardReader, np.ndarray]]:
         """:meth:`read_rows` for several shards at once (concurrently), results in order."""
         if len(requests) <= 1:
-            return [self.read_rows(shard, rows) for shard, rows in requests]
-        pool = self._executor()
-        futures = [pool.submit(self.read_rows, shard, rows) for shard, rows in requests]
-        return [future.result() for future in futures]
+            return [_read(self.read_rows(shard, rows)) for shard, rows in requests]
+        futures = [self.submit(shard, rows) for shard, rows in requests]
+        return [_read(future.result()) for future in futures]
 
     def close(self) -> None:
         with self._lock:
@@ -314,11 +322,12 @@ class RangeReader:
 
     # ------------------------------------------------------------------ chunks
 
-    def _read_units(self, shard: int, footer: _Footer, units: list[int]) -> list[pa.RecordBatch]:
-        """Fetch and decode chunks (or row groups) ``units`` of ``shard``, verified."""
+    def _read_units(self, shard: int, footer: _Footer, units: list[int], spans: list[Block],
+                    ) -> list[pa.RecordBatch]:
+        """Fetch ``spans`` of ``shard`` and decode its chunks (or row groups) ``units``,
+        verified."""
         info = self.index.shards[shard]
         url = self.index.shard_url(shard)
-        spans = coalesce([footer.blocks[u] for u in units], self.coalesce_gap)
         decoded: list[pa.RecordBatch] = []
 
         def verify(blocks: list[bytes]) -> None:
@@ -411,6 +420,11 @@ class RangeReader:
                 self._pool = ThreadPoolExecutor(self._threads,
                                                 thread_name_prefix="streamcache-ranges")
             return self._pool
+
+
+def _read(result: tuple[ShardReader, np.ndarray] | None) -> tuple[ShardReader, np.ndarray]:
+    assert result is not None  # (only a cold read may decline)
+    return result
 
 
 def coalesce(blocks: Sequence[Block], gap: int = COALESCE_GAP,

@@ -196,45 +196,53 @@ class DatasetReader:
                      ) -> dict[str, np.ndarray | Ragged]:
         """Rows ``rows[i]`` of shards ``shards[i]`` (index order) as batch arrays."""
         unique, which = np.unique(shards, return_inverse=True)
-        ranged = self._ranged(unique)
-        if ranged is None:
+        chosen = self._ranged(unique)
+        if chosen is None:
             readers = [self.shard_reader(int(s)) for s in unique]
             return gather(readers, which.astype(np.int32), rows, list(self.schema))
+        ranged, cold = chosen
         rows = np.array(rows, dtype=np.int64)
         ranges = self.range_reader()
-        pending: dict[int, Future[tuple[ShardReader, np.ndarray]]] = {
-            k: ranges.submit(int(unique[k]), rows[which == k])
+        pending: dict[int, Future[tuple[ShardReader, np.ndarray] | None]] = {
+            k: ranges.submit(int(unique[k]), rows[which == k], cold=bool(cold[k]))
             for k in np.flatnonzero(ranged).tolist()}
         # (the shards that are not range-read are opened, or awaited, meanwhile)
         found: list[ShardReader | None] = [None if ranged[k] else self.shard_reader(int(s))
                                            for k, s in enumerate(unique)]
         for k, future in pending.items():
             try:
-                found[k], rows[which == k] = future.result()
+                result = future.result()
             except (FileNotFoundError, FetchError) as error:
                 if not _is_gone(error):
                     raise
                 raise self._gone(int(unique[k])) from error
+            if result is None:  # too dense in its shard for a cold read: await the install
+                found[k] = self.shard_reader(int(unique[k]))
+            else:
+                found[k], rows[which == k] = result
         readers = [r for r in found if r is not None]
         return gather(readers, which.astype(np.int32), rows, list(self.schema))
 
-    def _ranged(self, unique: np.ndarray) -> np.ndarray | None:
-        """Which of a batch's shards to read by range (None: none of them)."""
-        ranged = None
+    def _ranged(self, unique: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Which of a batch's shards to read by range, and which of those by the cold-start
+        rule (None: none of them)."""
+        picked = np.zeros(unique.shape, bool)
         if self.by_range is not None:
-            ranged = np.asarray(self.by_range(unique), dtype=bool)
-            if ranged.shape != unique.shape:
-                raise ValueError(f"by_range returned {ranged.shape} flags for "
+            picked = np.asarray(self.by_range(unique), dtype=bool)
+            if picked.shape != unique.shape:
+                raise ValueError(f"by_range returned {picked.shape} flags for "
                                  f"{unique.shape[0]} shards")
+        cold = np.zeros(unique.shape, bool)
         if self.cold_ranges and self._ready is not None:
             with self._lock:
                 open_now = set(self._readers)
             ready = self._ready
             ranges = self.range_reader()
-            cold = [s not in open_now and not ready(s) and ranges.addressable(s)
-                    and ranges.cold_budget_left(s) for s in unique.tolist()]
-            ranged = np.array(cold, bool) if ranged is None else ranged | cold
-        return ranged if ranged is not None and ranged.any() else None
+            cold = ~picked & np.array(
+                [s not in open_now and not ready(s) and ranges.addressable(s)
+                 and ranges.cold_budget_left(s) for s in unique.tolist()], bool)
+        ranged = picked | cold
+        return (ranged, cold) if ranged.any() else None
 
     def range_reader(self) -> RangeReader:
         """The reader of rows by range (made on first use; it shares the store's Fetcher
