@@ -19,8 +19,9 @@ chunks that hold them, into memory, installing nothing):
   shards that are not installed yet and can be read by range (chunked Arrow shards, Parquet
   files of several row groups), so the first batches do not wait for whole shards while the
   prefetcher installs them in first-use order; once installed, rows come from the cache. A
-  shard is read so until 1/16 of its bytes were (``ranges.COLD_BUDGET``), then awaited: the
-  cold start never costs more than 1.0625 times the whole-shard path's transfer.
+  shard is read so while its range-read bytes, the read included, stay within 1/16 of its
+  size (``ranges.COLD_BUDGET``), else awaited: the cold start never costs more than 1.0625
+  times the whole-shard path's transfer, and rows dense in a shard wait for its install.
 
 Either way the rows are the same canonical arrays, gathered by the same native gather: a
 batch is identical cold, warm, or read by range.
