@@ -1,6 +1,6 @@
 """The plan: random access, step generation speed and shuffle quality.
 
-Run:  python benchmarks/bench_plan.py [--repeats 5] [--quick]
+Run:  python benchmarks/bench_plan.py [--repeats 5] [--quick] [--nodes-only]
 
 1. Time to the first sample id (build the order of an epoch of 1e9 samples in 1e6 shards,
    then read one id) at position 0 and at the last position, interleaved, several times;
@@ -13,6 +13,11 @@ Run:  python benchmarks/bench_plan.py [--repeats 5] [--quick]
    without the stagger: distinct shards per global batch of 1024, correlation between
    position and sample id, the least overlap between the shards of consecutive batches (0 is
    a hard seam), and how many shards a run of one window's positions needs (cache cost).
+
+4. The multi-node split (docs/multinode.md): one rank's part of a global batch of 1024 under
+   the locality assignment, for 2, 8 and 64 nodes, against the contiguous split, CPU time
+   per step over 1024 steps asked at once, and the fraction of samples moved off their
+   shard's node. ``--nodes-only`` runs just this section.
 
 Writes benchmarks/out/bench_plan.json.
 
@@ -52,6 +57,14 @@ Last result (2026-11-29, this 2-core machine, `python benchmarks/bench_plan.py -
        1048576    True        803.9   717   0.0141       0.208     2630.2
       10000000   False        976.7   961  -0.0048       0.041    10000.0
       10000000    True        976.7   961  -0.0048       0.041    10000.0
+
+  4. (2026-11-30, `python benchmarks/bench_plan.py --nodes-only --repeats 3`, load average 7)
+     case                      us/step   moved
+     contiguous, 8 ranks          15.7   0.000
+     2 nodes x 4 ranks           373.7   0.022
+     8 nodes x 1 rank            413.2   0.053
+     8 nodes x 8 ranks           368.3   0.053
+     64 nodes x 1 rank           432.8   0.166
 """
 
 from __future__ import annotations
@@ -165,6 +178,7 @@ NODE_CASES = [("contiguous, 8 ranks", 1, 8), ("2 nodes x 4 ranks", 2, 4),
 
 def time_node_split(steps: int, repeats: int) -> dict[str, dict[str, float]]:
     """Per-step CPU cost of one rank's part under the locality assignment (docs/multinode.md),
+    all the steps in one ``rank_batches`` call (as the loader asks for many steps at once),
     against the contiguous split, cases interleaved, median of ``repeats``; with the samples
     moved off their shard's node (the surplus balanced, as a fraction of the batch).
 
@@ -181,11 +195,8 @@ def time_node_split(steps: int, repeats: int) -> dict[str, dict[str, float]]:
             segment = EpochSegment(order.num_samples, start_position, STEP, world)
             assignment: RankAssignment = CONTIGUOUS if nodes == 1 else \
                 LocalityAssignment(nodes, locality_key("bench"))
-            batches = segment.worker_batches(order, rank=world // 2 - 1, worker=0,
-                                             num_workers=1, assignment=assignment)
             begin = time.process_time()
-            for _ in range(steps):
-                next(batches)
+            segment.rank_batches(order, range(steps), world // 2 - 1, assignment)
             times[label].append((time.process_time() - begin) / steps * 1e6)
             if isinstance(assignment, LocalityAssignment):
                 moved[label] = moved_fraction(order, segment, assignment, steps)
