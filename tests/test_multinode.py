@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from loader_helpers import ids_of
+from loader_helpers import ids_of, make_dataset
 from servers import FaultServer
 
 from streamcache.format.writer import ShardWriter
@@ -215,3 +215,26 @@ def test_a_four_node_state_resumes_on_three_nodes_exactly(served, tmp_path) -> N
     assert steps == reference[:first_steps + later_steps]
     read = [i for step in steps for i in step]
     assert len(read) == len(set(read)) == len(steps) * global_batch
+
+
+def test_worker_processes_read_the_split_their_rank_reads(tmp_path) -> None:
+    """The locality resolved when a pass starts travels to worker processes with the dataset
+    (nodes given as an argument here), and splits each global batch as in the rank itself."""
+    url = make_dataset(str(tmp_path), [30, 40, 20, 25], seq=False)
+
+    def parts(nodes: int, workers: int) -> list[list[list[int]]]:
+        found = []
+        for rank in range(4):
+            dataset = StreamDataset(url, global_batch_size=8, rank=rank, world_size=4,
+                                    nodes=nodes, cache_dir=str(tmp_path / "cache"))
+            with StreamLoader(dataset, num_workers=workers, worker_mode="process") as loader:
+                found.append([ids_of(batch).tolist() for batch in loader])
+        return found
+
+    by_node = parts(2, 0)
+    assert parts(2, 2) == by_node
+    contiguous = parts(1, 0)
+    assert by_node != contiguous
+    for step in range(len(contiguous[0])):
+        assert sorted(i for rank in by_node for i in rank[step]) == sorted(
+            i for rank in contiguous for i in rank[step])
