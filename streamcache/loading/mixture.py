@@ -46,6 +46,9 @@ class MixtureFeed:
 
     def __init__(self, sources: Sequence[Source], options: StreamOptions,
                  shuffle: ShuffleOptions) -> None:
+        if not isinstance(sources, Sequence):
+            raise ConfigError(f"url must be a URL string, a DatasetIndex or a list of "
+                              f"streamcache.Source; got {type(sources).__name__}")
         sources = list(sources)
         if not sources or not all(isinstance(s, Source) for s in sources):
             raise ConfigError("a mixture is a non-empty list of streamcache.Source; got "
