@@ -61,6 +61,7 @@ def test_quota_stays_within_one_sample_of_the_weights_at_every_prefix(shares):
 def test_shares_are_exact_for_common_weights_and_bounded_otherwise():
     assert shares_of([0.7, 0.2, 0.1]) == (7, 2, 1)
     assert shares_of([7, 2, 1]) == (7, 2, 1)
+    assert shares_of([np.int64(7), np.float32(0.5), Fraction(1, 2)]) == (14, 1, 1)
     assert shares_of([1 / 3, 1 / 3, 1 / 3]) == (1, 1, 1)
     odd = [0.123457, 0.5, 0.1]
     shares = shares_of(odd)

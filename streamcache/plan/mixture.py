@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+import numbers
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -42,7 +43,7 @@ _ORDERS_PER_SOURCE = 3  # EpochOrders kept per source (a step may straddle two o
 _CHUNK = 1 << 20
 
 
-def shares_of(weights: Sequence[float | int | Fraction]) -> tuple[int, ...]:
+def shares_of(weights: Sequence[float | int | Fraction | numbers.Real]) -> tuple[int, ...]:
     """Integer shares with the weights' ratios (reduced), their sum at most :data:`MAX_PERIOD`.
 
     A float is read as the simplest fraction within 1e-9 of it (0.7 is 7/10), so common
@@ -55,11 +56,12 @@ def shares_of(weights: Sequence[float | int | Fraction]) -> tuple[int, ...]:
         raise PlanError("a mixture needs at least one source")
     exact = []
     for weight in weights:
-        if isinstance(weight, bool) or not isinstance(weight, (int, float, Fraction)) or \
-                not math.isfinite(weight) or weight <= 0:
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or \
+                not math.isfinite(float(weight)) or weight <= 0:
             raise PlanError(f"a weight must be a finite number > 0, got {weight!r}")
-        exact.append(Fraction(weight).limit_denominator(10**9) if isinstance(weight, float)
-                     else Fraction(weight))
+        exact.append(Fraction(int(weight)) if isinstance(weight, numbers.Integral) else
+                     weight if isinstance(weight, Fraction) else
+                     Fraction(float(weight)).limit_denominator(10**9))
     total = sum(exact)
     ratios = [w / total for w in exact]
     period = math.lcm(*(r.denominator for r in ratios))
