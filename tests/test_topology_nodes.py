@@ -107,3 +107,19 @@ def test_the_process_group_gives_the_nodes_from_host_names() -> None:
     results = run_ranks(_hosts_body, 2)
     # the same host: one node; then each rank on a host of its own: two nodes
     assert [r.value for r in results] == [[(1, -1), (2, 0)], [(1, -1), (2, 1)]]
+
+
+def test_a_dataset_refuses_a_node_count_its_world_cannot_have(tmp_path) -> None:
+    from loader_helpers import make_dataset
+
+    from streamcache import StreamDataset
+
+    url = make_dataset(str(tmp_path), [10, 10], seq=False)
+    with pytest.raises(PlanError, match="3 nodes cannot share 4 ranks"):
+        StreamDataset(url, global_batch_size=4, world_size=4, nodes=3,
+                      cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match="nodes must be"):
+        StreamDataset(url, global_batch_size=4, nodes=0, cache_dir=str(tmp_path / "cache"))
+    dataset = StreamDataset(url, global_batch_size=4, rank=1, world_size=4, nodes=2,
+                            cache_dir=str(tmp_path / "cache"))
+    assert dataset.locality.topology == NodeTopology(1, 4, 2)

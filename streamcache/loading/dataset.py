@@ -51,7 +51,7 @@ from .nodes import NodeLocality
 from .options import RaggedMode, StreamOptions, TailMode, WindowUnit
 from .schedule import Schedule, StepRef, later_epoch_samples
 from .source import Source
-from .topology import resolve_topology
+from .topology import NodeTopology, resolve_topology
 
 
 class StreamDataset(IterableDataset):
@@ -241,6 +241,8 @@ class StreamDataset(IterableDataset):
                                                  int(opts.batch_size or 0) * world_size))
         elif opts.global_batch_size is not None:
             self._schedule(0, 1, opts.global_batch_size)
+        if opts.nodes is not None and opts.world_size is not None:
+            NodeTopology(0, opts.world_size, opts.nodes)  # a node count the world cannot have
 
     # ------------------------------------------------------------ the plan
 
