@@ -234,3 +234,11 @@ def test_two_gloo_ranks_read_the_global_batches_of_one(urls, tmp_path):
     results = run_ranks(_rank_body, 2, urls, str(tmp_path))
     for result in results:
         assert [[tuple(p) for p in step] for step in result.value] == reference
+
+
+def test_replica_groups_refuse_a_mixture_clearly(urls: list[str], tmp_path: Path) -> None:
+    from streamcache.replicas import ReplicaLoader
+
+    dataset = mixture(urls, tmp_path).dataset
+    with pytest.raises(ConfigError, match="mixture of Sources is not supported"):
+        ReplicaLoader(dataset, num_groups=2, group=0)

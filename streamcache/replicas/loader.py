@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..loading.batching import PADDING_KEY
 from ..loading.dataset import StepRef, StreamDataset
 from ..plan import Cursor, CursorMismatchError, EpochSegment, PlanError, RankBatch, TailPolicy
@@ -76,6 +77,10 @@ class ReplicaLoader:
                  global_batch: int | None = None, prefetch: bool = True) -> None:
         if not isinstance(dataset, StreamDataset):
             raise TypeError("ReplicaLoader takes a StreamDataset")
+        if getattr(dataset, "index", None) is None:
+            raise ConfigError("ReplicaLoader reads a StreamDataset of one dataset; a mixture "
+                              "of Sources is not supported by replica groups: use StreamLoader "
+                              "for a mixture, or one dataset with ReplicaLoader")
         group_size = dataset.world_size if group_size is None else group_size
         group_rank = dataset.rank if group_rank is None else group_rank
         per_rank = dataset.global_batch // dataset.world_size
