@@ -468,3 +468,29 @@ def test_an_arrow_stream_is_read_whole_by_range(fault_server: FaultServer) -> No
     with DatasetReader(index, by_range=every_shard) as reader:
         assert reader.read_batch([299, 0, 150])["id"].tolist() == [299, 0, 150]
         assert reader.range_stats.whole == 1
+
+
+def test_a_forked_child_reads_by_range_through_its_parents_reader(
+        served: tuple[FaultServer, str]) -> None:
+    import multiprocessing
+
+    server, url = served
+    with DatasetReader(str(Path(server.root or "") / "ds")) as warm:
+        expected = warm.read_batch([5, 1500])["id"].tolist()
+    reader = DatasetReader(load_index(url), by_range=every_shard)
+    reader.read_batch([1, 2, 1000])  # the parent's pool threads and filesystem exist
+    queue = multiprocessing.get_context("fork").Queue()
+
+    def child() -> None:
+        queue.put(reader.read_batch([5, 1500])["id"].tolist())
+
+    process = multiprocessing.get_context("fork").Process(target=child, daemon=True)
+    process.start()
+    try:
+        assert queue.get(timeout=60) == expected  # (a child on its parent's pool hung here)
+    finally:
+        process.join(30)
+        if process.is_alive():
+            process.terminate()
+        reader.close()
+    assert process.exitcode == 0

@@ -39,6 +39,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
+from .. import forksafe
 from ..errors import ChecksumMismatchError, RowOutOfRangeError, SchemaError, ShardCorruptError
 from ..format.checksum import verify_bytes
 from ..format.chunks import (
@@ -137,7 +138,8 @@ class RangeReader:
         threads: shards read at once by :meth:`read_many`.
 
     Owns: a pool of ``threads`` named daemon threads (``streamcache-ranges-*``), started on
-    first use and stopped by :meth:`close`.
+    first use and stopped by :meth:`close`. Fork: a child gets a new lock and pool on first
+    use (the Fetcher makes its own fresh start).
     """
 
     def __init__(self, index: DatasetIndex, fetcher: Fetcher, *, schema: Schema | None = None,
@@ -155,6 +157,11 @@ class RangeReader:
         self._stats = RangeStats()
         self._shard_bytes: dict[int, int] = {}  # bytes range-read per shard
         self._whole_only: set[int] = set()  # Parquet files found to have one row group
+        forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self._pool = None  # (the parent's threads are not in this process)
 
     @property
     def stats(self) -> RangeStats:
