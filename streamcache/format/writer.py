@@ -26,7 +26,7 @@ import os
 import re
 import time
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,8 +249,10 @@ class ShardWriter:
         batch = table.combine_chunks().to_batches()[0]
         self._parts, self._part_bytes = [], 0
         name = f"shard-{self.token}-{len(self._futures):05d}.arrow"
-        while len([f for f in self._futures if not f.done()]) >= self._max_pending:
-            next(f for f in self._futures if not f.done()).result()
+        pending = [f for f in self._futures if not f.done()]
+        while len(pending) >= self._max_pending:  # a store that finishes meanwhile is fine
+            wait(pending, return_when=FIRST_COMPLETED)
+            pending = [f for f in pending if not f.done()]
         self._raise_background_errors()
         self._futures.append(self._pool.submit(self._encode_and_store, name, batch))
 
