@@ -185,6 +185,11 @@ class RequestLog:
         with self._lock:
             return self._sent[path]
 
+    def sent_by_path(self) -> dict[str, int]:
+        """Body bytes written to clients, per path."""
+        with self._lock:
+            return dict(self._sent)
+
     def count(self, path: str | None = None, method: str = "GET") -> int:
         """Requests with ``method`` to ``path`` (to any path when None)."""
         with self._lock:

@@ -9,13 +9,12 @@ counters give each node's remote bytes exactly.
 
 What must hold: the global batch of every step is the 1-rank run's, every sample is read
 once, and each node fetches about its share of the dataset (whole job <= 1.3x the dataset
-with 2 nodes; each node <= 1.3/N with N = 8), where the reader can read other nodes' rows
-by range. A 4-node state resumes on 3 nodes exactly.
+with 2 nodes; each node <= 1.3/N with N = 8), reading other nodes' rows by range, with the
+reader's defaults (its cold-start rule included). A 4-node state resumes on 3 nodes exactly.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import multiprocessing as mp
 import os
@@ -28,15 +27,14 @@ import pytest
 from loader_helpers import ids_of, make_dataset
 from servers import FaultServer
 
+from streamcache import Source
 from streamcache.format.writer import ShardWriter
 from streamcache.loading.dataset import StreamDataset
-from streamcache.loading.dataset_reader import DatasetReader
 from streamcache.loading.loader import StreamLoader
 from streamcache.plan.locality import locality_key, shard_owners
 
 SHARDS, ROWS, ROW_BYTES = 960, 8, 2048
 WINDOW = 2048  # samples: a window spans 256 shards
-RANGES = "by_range" in inspect.signature(DatasetReader).parameters
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +45,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     # every shard may be pending at once: no waiting on the writer's background stores
     options: dict[str, Any] = {"compression": None, "shard_size": 1 << 40,
                                "max_pending": SHARDS + 1}
-    if "chunk_size" in inspect.signature(ShardWriter).parameters:
-        options["chunk_size"] = ROW_BYTES
+    options["chunk_size"] = ROW_BYTES
     rng = np.random.default_rng(0)
     with ShardWriter(str(root / "ds"), **options) as writer:
         for shard in range(SHARDS):
@@ -78,23 +75,22 @@ def reference_steps(index: Any, global_batch: int, cache: Path) -> list[set[int]
 
 
 def _rank_main(env: dict[str, str], url: str, cache: str, global_batch: int, steps: int | None,
-               state: dict[str, Any] | None, cold_ranges: bool | None, out: str) -> None:
+               state: dict[str, Any] | None, out: str) -> None:
     try:
         os.environ.update(env)
-        dataset = StreamDataset(url, global_batch_size=global_batch, shuffle_window=WINDOW,
+        source: Any = url if isinstance(url, str) else [Source(u, weight=w) for u, w in url]
+        dataset = StreamDataset(source, global_batch_size=global_batch, shuffle_window=WINDOW,
                                 cache_dir=cache)
-        if cold_ranges is not None and hasattr(dataset.reader, "cold_ranges"):
-            # a loop with no training step outruns the prefetcher; the reader's cold-start
-            # rule would then also read by range rows of this node's own shards that the
-            # prefetcher installs whole a moment later: bytes that are not locality's
-            dataset.reader.cold_ranges = cold_ranges
         with StreamLoader(dataset) as loader:
             if state is not None:
                 loader.load_state_dict(state)
             ids: list[list[int]] = []
             for batch in loader:
                 assert np.array_equal(batch["x"].numpy(), ids_of(batch))
-                ids.append(ids_of(batch).tolist())
+                sources = batch.get("__source__")  # a mixture's: ids are (source, id) pairs
+                ids.append(ids_of(batch).tolist() if sources is None else
+                           [[*pair] for pair in zip(sources.tolist(), ids_of(batch).tolist(),
+                                                    strict=True)])
                 if steps is not None and len(ids) == steps:
                     break
             result: dict[str, Any] = {"ids": ids, "state": loader.state_dict(),
@@ -105,9 +101,10 @@ def _rank_main(env: dict[str, str], url: str, cache: str, global_batch: int, ste
         json.dump(result, f)
 
 
-def run_node(node: int, nodes: int, per_node: int, url: str, cache: Path, global_batch: int,
+def run_node(node: int, nodes: int, per_node: int, url: str | list[tuple[str, float]],
+             cache: Path, global_batch: int,
              tmp: Path, steps: int | None = None, state: dict[str, Any] | None = None,
-             cold_ranges: bool | None = False) -> list[dict[str, Any]]:
+             ) -> list[dict[str, Any]]:
     """Run the ranks of one node (forked processes, torchrun's environment) to the end."""
     context = mp.get_context("fork")
     world = nodes * per_node
@@ -119,7 +116,7 @@ def run_node(node: int, nodes: int, per_node: int, url: str, cache: Path, global
         out = str(tmp / f"rank-{nodes}-{rank}.json")
         outs.append(out)
         processes.append(context.Process(target=_rank_main, args=(
-            env, url, str(cache), global_batch, steps, state, cold_ranges, out)))
+            env, url, str(cache), global_batch, steps, state, out)))
     for process in processes:
         process.start()
     for process in processes:
@@ -156,6 +153,7 @@ def global_steps(results: list[list[dict[str, Any]]]) -> list[set[int]]:
     for step in range(count):
         parts = [rank["ids"][step] for rank in ranks]
         assert len({len(part) for part in parts}) == 1
+        parts = [[tuple(i) if isinstance(i, list) else i for i in part] for part in parts]
         union = set().union(*parts)
         assert len(union) == sum(len(part) for part in parts)
         steps.append(union)
@@ -175,14 +173,13 @@ def test_two_nodes_read_the_one_rank_batches_and_fetch_their_share(served, tmp_p
     assert all("node 1 of 2" in rank["locality"] for rank in results[1])
     total = dataset_bytes(index)
     print(f"\n2 nodes x 2 ranks, batch {global_batch}: bytes per node / dataset "
-          f"{[round(b / total, 3) for b in node_bytes]}, job {sum(node_bytes) / total:.3f} "
-          f"(range reads: {RANGES})")
+          f"{[round(b / total, 3) for b in node_bytes]}, job {sum(node_bytes) / total:.3f}")
     assert sum(node_bytes) <= 1.3 * total
-    if RANGES:  # each node installs only its own shards; others' rows are read by range
-        owners = shard_owners(locality_key(index.fingerprint), np.arange(SHARDS), 2)
-        for node in range(2):
-            assert installed_shards(tmp_path / f"node-{node}") <= set(
-                np.flatnonzero(owners == node).tolist())
+    # each node installs only its own shards; others' rows are read by range
+    owners = shard_owners(locality_key(index.fingerprint), np.arange(SHARDS), 2)
+    for node in range(2):
+        assert installed_shards(tmp_path / f"node-{node}") <= set(
+            np.flatnonzero(owners == node).tolist())
 
 
 def test_eight_nodes_each_fetch_about_an_eighth(served, tmp_path) -> None:
@@ -194,11 +191,7 @@ def test_eight_nodes_each_fetch_about_an_eighth(served, tmp_path) -> None:
     total = dataset_bytes(index)
     shares = [b / total * 8 for b in node_bytes]
     print(f"\n8 nodes, batch {global_batch}: bytes per node x 8 / dataset "
-          f"{[round(s, 3) for s in shares]}, job {sum(node_bytes) / total:.3f} "
-          f"(range reads: {RANGES})")
-    if not RANGES:
-        pytest.skip("the reader has no by_range yet: other nodes' shards are fetched whole "
-                    f"(bytes per node x 8 / dataset: max {max(shares):.2f})")
+          f"{[round(s, 3) for s in shares]}, job {sum(node_bytes) / total:.3f}")
     assert max(shares) <= 1.3
 
 
@@ -238,3 +231,37 @@ def test_worker_processes_read_the_split_their_rank_reads(tmp_path) -> None:
     for step in range(len(contiguous[0])):
         assert sorted(i for rank in by_node for i in rank[step]) == sorted(
             i for rank in contiguous for i in rank[step])
+
+
+def test_a_mixture_on_two_nodes_reads_the_one_node_batches_and_splits_the_bytes(
+        tmp_path: Path) -> None:
+    """Sources of a mixture share one combined shard space: each node installs and fetches
+    its share of every source, and the global batches are the one-node run's."""
+    shards, rows = 240, 8
+    for name in ("web", "code"):
+        with ShardWriter(str(tmp_path / name), compression=None, shard_size=1 << 40,
+                         chunk_size=ROW_BYTES, max_pending=shards + 1) as writer:
+            for shard in range(shards):
+                for row in range(rows):
+                    writer.write({"x": shard * rows + row, "blob": bytes(ROW_BYTES)})
+                writer.cut()
+    with FaultServer(root=tmp_path) as server:
+        sources = [(server.url_for("web/index.json"), 0.6),
+                   (server.url_for("code/index.json"), 0.4)]
+
+        def job(nodes: int) -> tuple[list[set[Any]], int]:
+            results = []
+            for node in range(nodes):
+                results.append(run_node(node, nodes, 1, sources, tmp_path / f"{nodes}-{node}",
+                                        64, tmp_path))
+            shard_bytes = sum(n for path, n in server.requests.sent_by_path().items()
+                              if path.endswith(".arrow"))
+            server.requests.reset()
+            return global_steps(results), shard_bytes
+
+        one_node, one_node_bytes = job(1)
+        two_nodes, two_node_bytes = job(2)
+    assert two_nodes == one_node and len(one_node) > 10
+    assert {source for step in one_node for source, _ in step} == {0, 1}
+    print(f"\nmixture on 2 nodes: remote bytes {two_node_bytes / one_node_bytes:.3f}x one node's")
+    assert two_node_bytes <= 1.3 * one_node_bytes

@@ -20,7 +20,14 @@ import pyarrow.parquet as pq
 import pytest
 from servers import FaultServer, S3Bucket
 
-from streamcache import DatasetReader, ShardWriter, StreamDataset, load_index, write_dataset
+from streamcache import (
+    DatasetReader,
+    ShardWriter,
+    Source,
+    StreamDataset,
+    load_index,
+    write_dataset,
+)
 from streamcache.cache import ranges
 from streamcache.cache.node import NodeCache
 from streamcache.cache.prefetch import Prefetcher, PrefetchOptions
@@ -415,6 +422,31 @@ def test_stream_batches_are_identical_cold_warm_and_by_range(
     for a, b, c in zip(cold, warm, ranged, strict=True):
         same(a, b)
         same(a, c)
+
+
+def test_a_cold_mixture_reads_by_range_and_matches_the_warm_batches(
+        served: tuple[FaultServer, str], tmp_path: Path) -> None:
+    """Each source's reader keeps the cold-start rule inside a mixture (one gather over
+    them all), and a cold epoch equals a warm one."""
+    server, url = served
+    write(Path(server.root or "") / "ds2")
+    sources = [Source(url, weight=0.5), Source(server.url_for("ds2"), weight=0.5)]
+
+    def epoch() -> tuple[list[dict[str, Any]], int]:
+        dataset = StreamDataset(sources, global_batch_size=10, rank=0, world_size=1, seed=5,
+                                cache_dir=str(tmp_path / "cache"), shuffle_window=ROWS,
+                                prefetch=PrefetchOptions(workers=1))
+        batches = [dict(dataset.read_step(ref, part)) for ref, part in dataset.planned()]
+        rows = sum(reader.range_stats.rows for reader in dataset.reader.readers)
+        dataset.close()
+        return batches, rows
+
+    cold, cold_rows = epoch()
+    warm, warm_rows = epoch()
+    assert cold_rows > 0 and warm_rows == 0
+    assert {int(s) for b in cold for s in b["__source__"]} == {0, 1}
+    for a, b in zip(cold, warm, strict=True):
+        same(a, b)
 
 
 def test_a_new_writer_option_is_checked(tmp_path: Path) -> None:

@@ -251,8 +251,7 @@ class StreamDataset(IterableDataset):
         now, and kept for the pass (worker processes receive it with the dataset)."""
         self._topology = resolve_topology(self.options.rank, self.options.world_size)
         self._locality = NodeLocality.resolve(self.cursor, *self._topology, self.options.nodes)
-        if isinstance(self._feed, ShardFeed):
-            self._feed.use_locality(self._locality)
+        self._feed.use_locality(self._locality)
         return self._schedule(*self._topology, self.global_batch)
 
     def _schedule(self, rank: int, world_size: int, global_batch: int) -> Schedule:

@@ -197,10 +197,19 @@ class DatasetReader:
                      ) -> dict[str, np.ndarray | Ragged]:
         """Rows ``rows[i]`` of shards ``shards[i]`` (index order) as batch arrays."""
         unique, which = np.unique(shards, return_inverse=True)
+        which = which.astype(np.int32)
+        readers, rows = self.batch_readers(unique, which, rows)
+        return gather(readers, which, rows, list(self.schema))
+
+    def batch_readers(self, unique: np.ndarray, which: np.ndarray, rows: np.ndarray,
+                      ) -> tuple[list[ShardReader], np.ndarray]:
+        """A reader for each shard ``unique[k]`` of a batch, and the rows to gather (row ``i``
+        of the batch is ``rows[i]`` of ``unique[which[i]]``): local copies as they are, the
+        rows of shards read by range (``by_range``, the cold-start rule) renumbered into the
+        in-memory reader of just those rows."""
         chosen = self._ranged(unique)
         if chosen is None:
-            readers = [self.shard_reader(int(s)) for s in unique]
-            return gather(readers, which.astype(np.int32), rows, list(self.schema))
+            return [self.shard_reader(int(s)) for s in unique], rows
         ranged, cold = chosen
         rows = np.array(rows, dtype=np.int64)
         ranges = self.range_reader()
@@ -221,8 +230,7 @@ class DatasetReader:
                 found[k] = self.shard_reader(int(unique[k]))
             else:
                 found[k], rows[which == k] = result
-        readers = [r for r in found if r is not None]
-        return gather(readers, which.astype(np.int32), rows, list(self.schema))
+        return [r for r in found if r is not None], rows
 
     def _ranged(self, unique: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Which of a batch's shards to read by range, and which of those by the cold-start

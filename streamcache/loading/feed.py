@@ -126,16 +126,10 @@ class ShardFeed:
     def advise(self, cursor: Cursor, epoch: int, position: int, global_batch: int) -> None:
         """Tell the prefetcher (and the cache's eviction) what the reader needs next."""
         store = self.reader(cursor).store
-        if not isinstance(store, Prefetcher):
-            return
-        advice = self.advice(cursor, epoch)
-        count = (self.options.prefetch or PrefetchOptions()).lookahead(
-            advice.working_set_shards())
-        shards, next_use = upcoming_on_node(self.locality, advice, position, count)
-        key = (epoch, int(shards[0]) if len(shards) else -1)
-        if key != self._advised or position % max(1, advice.stride * 16) < global_batch:
-            self._advised = key
-            store.update(shards, next_use)
+        if isinstance(store, Prefetcher):
+            self._advised = advise_store(store, self.advice(cursor, epoch), self.options.prefetch,
+                                         self.locality, (epoch, position, global_batch),
+                                         self._advised)
 
     def reader(self, cursor: Cursor) -> DatasetReader:
         """This process's reader (made again after fork: file locks and threads do not fork)."""
@@ -187,6 +181,22 @@ class ShardFeed:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._forget()
+
+
+def advise_store(store: Prefetcher, advice: ShardAdvice, prefetch: PrefetchOptions | None,
+                 locality: NodeLocality | None, where: tuple[int, int, int],
+                 advised: tuple[int, int] | None) -> tuple[int, int] | None:
+    """Give ``store`` the shards the reader needs next from ``where`` = (epoch, position,
+    global batch), this node's only; returns what to pass as ``advised`` next time (the
+    advice is sent again when the first upcoming shard changes, and every so often)."""
+    epoch, position, global_batch = where
+    count = (prefetch or PrefetchOptions()).lookahead(advice.working_set_shards())
+    shards, next_use = upcoming_on_node(locality, advice, position, count)
+    key = (epoch, int(shards[0]) if len(shards) else -1)
+    if key != advised or position % max(1, advice.stride * 16) < global_batch:
+        store.update(shards, next_use)
+        return key
+    return advised
 
 
 def default_cache_dir(cache_dir: str | os.PathLike[str] | None) -> str:

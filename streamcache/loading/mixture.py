@@ -10,6 +10,7 @@ cache budget, and this process's reader over one node cache and one prefetcher
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 from collections.abc import Sequence
@@ -27,8 +28,9 @@ from ..plan import EpochOrder, ShuffleOptions
 from ..plan.mixture import MixtureOrder, SourceOrders, SourceShape, shares_of, source_seed
 from ..plan.mixture_cursor import MixtureCursor, SourceKey
 from .batching import ID_KEY
-from .feed import default_cache_dir
+from .feed import advise_store, default_cache_dir
 from .mixture_store import MixtureCache, MixtureReader, source_caches
+from .nodes import NodeLocality, follow_locality, read_by_range
 from .options import StreamOptions
 from .source import SOURCE_KEY, Source, SourceTransforms
 
@@ -66,6 +68,7 @@ class MixtureFeed:
         self.shares = shares_of([s.weight for s in sources])
         self.keys = tuple(SourceKey(i.fingerprint, i.num_samples, s.epoch_samples(i.num_samples))
                           for s, i in zip(sources, self.indexes, strict=True))
+        self.locality: NodeLocality | None = None  # this rank's node, set when a pass starts
         self._forget()
 
     def _forget(self) -> None:
@@ -155,18 +158,32 @@ class MixtureFeed:
 
     def advise(self, cursor: MixtureCursor, epoch: int, position: int,
                global_batch: int) -> None:
-        """Tell the prefetcher what the reader needs next, across all sources."""
+        """Tell the prefetcher what the reader needs next, across all sources (this node's
+        shards only, with several nodes)."""
         store = self.reader(cursor).store
-        if not isinstance(store, Prefetcher):
-            return
-        advice = self.advice(cursor, epoch)
-        count = (self.options.prefetch or PrefetchOptions()).lookahead(
-            advice.working_set_shards())
-        shards, next_use = advice.upcoming(position, count)
-        key = (epoch, int(shards[0]) if len(shards) else -1)
-        if key != self._advised or position % max(1, advice.stride * 16) < global_batch:
-            self._advised = key
-            store.update(shards, next_use)
+        if isinstance(store, Prefetcher):
+            self._advised = advise_store(store, self.advice(cursor, epoch), self.options.prefetch,
+                                         self.locality, (epoch, position, global_batch),
+                                         self._advised)
+
+    def use_locality(self, locality: NodeLocality) -> None:
+        """This rank's node, resolved when a pass starts: the advice to the prefetcher and
+        each source reader's ``by_range`` (the combined shards another node owns) follow it."""
+        self.locality = locality
+        with self._lock:
+            reader = self._reader if self._reader_pid == os.getpid() else None
+        if reader is not None:
+            self._follow_locality(reader)
+
+    def _follow_locality(self, reader: MixtureReader) -> None:
+        for source_reader, base in zip(reader.readers, reader.base.tolist(), strict=True):
+            follow_locality(source_reader, self.locality,
+                            functools.partial(self._read_by_range, base))
+
+    def _read_by_range(self, base: int, shards: np.ndarray) -> np.ndarray:
+        """A source reader's ``by_range``: its shards (``base`` + shard in the combined space)
+        that another node owns."""
+        return read_by_range(self.locality, np.asarray(shards, dtype=np.int64) + base)
 
     # ------------------------------------------------------------ reading
 
@@ -178,6 +195,7 @@ class MixtureFeed:
                                              self._make_store(cursor),
                                              storage_options=self.storage)
                 self._reader_pid = os.getpid()
+                self._follow_locality(self._reader)
             return self._reader
 
     def _make_store(self, cursor: MixtureCursor) -> Prefetcher:
@@ -200,7 +218,7 @@ class MixtureFeed:
     def __getstate__(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in (
             "sources", "options", "shuffle", "storage", "indexes", "schemas", "schema",
-            "shares", "keys")}
+            "shares", "keys", "locality")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

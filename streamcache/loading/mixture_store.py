@@ -21,7 +21,7 @@ from ..cache.accounting import EvictionListener
 from ..cache.node import NodeCache
 from ..cache.prefetch import Prefetcher
 from ..format.index import DatasetIndex, ShardInfo
-from ..format.reader import Ragged, gather
+from ..format.reader import Ragged, ShardReader, gather
 from ..format.schema import Schema
 from .dataset_reader import DatasetReader
 
@@ -135,6 +135,11 @@ class _SourceStore:
     def local_path(self, shard: int) -> str:
         return self._store.local_path(self._base + shard)
 
+    def ready(self, shard: int) -> bool:
+        """Whether the shard is installed now (the reader's cold-start rule asks)."""
+        ready = getattr(self._store, "ready", None)
+        return bool(ready(self._base + shard)) if ready is not None else True
+
     def close(self) -> None:
         pass
 
@@ -159,12 +164,21 @@ class MixtureReader:
 
     def read_located(self, shards: np.ndarray, rows: np.ndarray,
                      ) -> dict[str, np.ndarray | Ragged]:
-        """Rows ``rows[i]`` of combined shards ``shards[i]`` as batch arrays."""
+        """Rows ``rows[i]`` of combined shards ``shards[i]`` as batch arrays: each source's
+        reader provides its shards' readers (local copies, or rows read by range), and one
+        gather reads them all."""
         unique, which = np.unique(shards, return_inverse=True)
+        which = which.astype(np.int32)
+        rows = np.array(rows, dtype=np.int64)
         source = np.searchsorted(self.base, unique, side="right") - 1
-        readers = [self.readers[s].shard_reader(int(u - self.base[s]))
-                   for s, u in zip(source.tolist(), unique.tolist(), strict=True)]
-        return gather(readers, which.astype(np.int32), rows, list(self.schema))
+        readers: list[ShardReader] = []
+        for s in np.unique(source).tolist():
+            first, stop = (int(i) for i in np.searchsorted(source, [s, s + 1]))
+            in_source = (which >= first) & (which < stop)  # unique is sorted: one run a source
+            found, rows[in_source] = self.readers[s].batch_readers(
+                unique[first:stop] - self.base[s], which[in_source] - first, rows[in_source])
+            readers.extend(found)
+        return gather(readers, which, rows, list(self.schema))
 
     def close(self) -> None:
         for reader in self.readers:
