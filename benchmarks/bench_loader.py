@@ -1,44 +1,94 @@
-"""StreamLoader vs a plain DataLoader over the same local data, warm page cache.
+"""StreamLoader vs a plain DataLoader and the page-cache gather, over the same local data, warm.
 
-Run:  python benchmarks/bench_loader.py [--repeats 3] [--mb 256]
+Run:  python benchmarks/bench_loader.py [--repeats 3] [--mb 256] [--data tokens,images]
+                                        [--python PYTHON]
 
 Data (built once under benchmarks/out/loader-data, uncompressed local shards read in place;
-the baseline reads the same bytes from a numpy memmap):
-  tokens  1 KB samples: int32[256] token rows          (--mb MB in all)
-  blobs   100 KB samples: uint8[100000] rows           (--mb MB in all)
-Cases (each in a fresh process, interleaved, --repeats times; shuffled order, batch 256 for
-tokens and 32 for blobs, one epoch):
-  dataloader-wN   torch DataLoader(map-style memmap Dataset, shuffle=True, num_workers=N)
-  streamcache-wN  StreamLoader(StreamDataset(...), num_workers=N)
-  gather-limit    numpy fancy-index gather of the same shuffled batches from the memmap,
-                  one process: the page-cache limit for a shuffled per-sample gather
-Rates are steady state (from the first batch to the end of the epoch); start-up is the
-"1st batch" column. Also: time to first batch of a fresh StreamLoader vs one that
-load_state_dict()s a state at 90% of the epoch, and each case's peak RSS (VmHWM of its
-process plus its largest worker's).
+the baselines read the same bytes from numpy memmaps):
+  tokens  1 KB samples: int32[256] token rows                 (--mb MB in all), batch 256
+  blobs   100 KB samples: uint8[100000] tensors               (--mb MB in all), batch 32
+  images  80-120 KB samples of varying size: a bytes field,
+          as encoded images are (values + offsets .npy)       (--mb MB in all), batch 32
+Cases (each in a fresh process, interleaved, --repeats times; shuffled, one epoch):
+  dataloader-wN   torch DataLoader(map-style memmap Dataset, shuffle=True, num_workers=N);
+                  for images each sample is its bytes (default_collate keeps the list)
+  streamcache-wN  StreamLoader(StreamDataset(...), num_workers=N); images as lists of bytes
+                  (ragged="padded"); streamcache-offsets-w0: one uint8 tensor plus offsets
+  gather-limit    one process copies the same shuffled (sorted) batches from the memmap into
+                  one reused buffer: the page-cache limit of a per-sample gather
+  tf-*            the same with light_transform per sample (worker processes with w2)
+  open            import streamcache (torch already imported), construct, first batch
+  resume-0/-90    first batch of an opened loader at 0% / after load_state_dict at 90%
+Rates are steady state (first batch to end of epoch); "1st batch s" includes importing
+streamcache (0.5-0.7 s of it here). "vs DL-w0": ratio to the DataLoader w0 of the same data
+(and transform); "vs limit": to gather-limit of the same data; both from this run.
 
-Last result (2026-11-29 11:21 UTC, 2-core machine, load average 2.5-3.1 while a peer
-benchmark ran beside it; `python benchmarks/bench_loader.py --repeats 3 --mb 256`; medians;
-"vs DL-w0" is the ratio to the plain DataLoader with num_workers=0 of the same data):
+Last result (2026-11-30 20:38-20:45 UTC, the 2-core machine shared with four engineers'
+tests and benchmarks, load average 2-5, so a case's rate moves by up to 1.5x between runs;
+`--repeats 3`, run with --python pointing at a snapshot of commit e7d2e86, as the shared
+tree was being edited; medians):
 
-  data    case             samples/s   MB/s  vs DL-w0  1st batch s  peak RSS MB
-  tokens  gather-limit     2,457,063  2,516    10.58       0.031       469
-  tokens  dataloader-w0      232,165    238     1.00       0.027       480
-  tokens  streamcache-w0     999,937  1,024     4.31       0.448       530
-  tokens  dataloader-w2      114,034    117     0.49       0.135       646
-  tokens  streamcache-w2     892,595    914     3.84       0.542       530
-  tokens  resume-0 / -90   first batch 0.0275 s / 0.0284 s (1.03x)
-  blobs   gather-limit        33,300  3,330     1.60       0.016       472
-  blobs   dataloader-w0       20,842  2,084     1.00       0.021       480
-  blobs   streamcache-w0      23,627  2,363     1.13       0.437       541
-  blobs   dataloader-w2        6,093    609     0.29       0.145       631
-  blobs   streamcache-w2      25,857  2,586     1.24       0.571       546
-  blobs   resume-0 / -90   first batch 0.0315 s / 0.0355 s (1.13x)
+  data    case                       samples/s     MB/s vs DL-w0 vs limit 1st batch s
+  tokens  gather-limit                 948,731      972     6.26     1.00      0.0228
+  tokens  dataloader-w0                151,543      155     1.00     0.16      0.0192
+  tokens  streamcache-w0               437,381      448     2.89     0.46      0.5101
+  tokens  dataloader-w2                 58,917       60     0.39     0.06      0.1486
+  tokens  streamcache-w2               391,923      401     2.59     0.41      0.6024
+  tokens  tf-dataloader-w0              68,100       70     1.00     0.07      0.0343
+  tokens  tf-streamcache-w0             31,258       32     0.46     0.03      0.5165
+  tokens  tf-dataloader-w2              38,450       39     0.56     0.04      0.1704
+  tokens  tf-streamcache-w2             27,322       28     0.40     0.03      0.7727
+  tokens  open       import 0.513 s, construct 0.0059 s, first batch 0.0297 s
+  blobs   gather-limit                  20,265    2,027     1.16     1.00      0.0239
+  blobs   dataloader-w0                 17,532    1,753     1.00     0.87      0.0152
+  blobs   streamcache-w0                19,453    1,945     1.11     0.96      0.5195
+  blobs   streamcache-w2                24,204    2,420     1.38     1.19      0.4593
+  images  gather-limit                  28,966    2,897     0.89     1.00      0.0163
+  images  dataloader-w0                 32,540    3,254     1.00     1.12      0.0074
+  images  streamcache-w0                19,184    1,918     0.59     0.66      0.5130
+  images  streamcache-offsets-w0        25,333    2,533     0.78     0.87      0.5313
+  images  streamcache-w2                22,363    2,236     0.69     0.77      0.4981
 
-streamcache-w2 has no transform, so worker_mode="auto" reads with 2 native threads (see
-StreamLoader); with worker processes forced it measured 0.16M tokens/s in the peer run.
-The 1st-batch column of the streamcache rows includes opening the dataset (index, plan,
-cache, prefetcher); resume-N time only the first batch of an opened loader.
+(DataLoader w2 rows: tokens above, blobs 5,086/s, images 4,450/s; resume-0 / -90 first
+batch 0.021 / 0.029 s for tokens, 0.024 / 0.029 s for blobs; peak RSS 470-720 MB.) The run
+before it (20:23-20:35, load 5-8) gave the same picture: images 0.60x / 0.77x (offsets),
+blobs 1.65x, tokens w0 3.5x the DataLoader.
+
+Reading it:
+- streamcache-w0 and -w2 without a transform run the same code (two native reader threads),
+  so their gap is this machine's noise. The epochs of blobs and images are 79 steps long
+  (about 0.1 s): background work right after the first batch weighs on them.
+- 100 KB: a fixed-size 100 KB tensor reaches the DataLoader and the page-cache limit (1.1x /
+  0.96x); variable-size bytes reach 0.59x (lists of bytes) and 0.78x (values + offsets) of a
+  DataLoader that is itself at the page-cache limit here. Per step, measured with getrusage
+  over a whole epoch in one process, streamcache and the DataLoader spend about the same CPU
+  time (0.9-1.3 ms per 32 images) and the page faults are at the shard's own 60-120 per step;
+  what is left is scheduling of streamcache's threads on two loaded cores.
+- Before/after (01f3ee2 vs e7d2e86, each case alternating which goes first, 4 repeats,
+  medians, 20:46-20:51; ab_loader.py's method with these cases): images (lists of bytes)
+  1.44x, images offsets 1.73x, blobs 1.24x, tokens 1.04x, tokens with a transform 1.08x;
+  the DataLoader rows, which run no streamcache code, moved 1.05x and 0.76x: that is the
+  noise. A 3-repeat run before it: 1.70x, 1.04x, 1.40x, 0.87x, 1.15x. What changed: the
+  gather's outputs are pooled (a fresh 3.2 MB output was about 250 page faults and as much
+  CPU as the copy, every step), a bytes field handed out as bytes is copied once, into its
+  bytes objects, and a transform's per-sample seeding calls the C seeding functions directly.
+- 1 KB: 0.46x of the page-cache gather, 2.9x the DataLoader; the goals (1.5M/s, 4x) are not
+  met. Per step of 256 (one thread, warm pages): the plan's next step 36 us, the reader's
+  Python around the gather (np.unique of the shards 18 us, shard lookups, dicts) about 45 us,
+  the gather itself 110-150 us on pages not yet in the CPU cache, tensors 3 us, then the
+  loader's hand-off between threads. One native call per step needs the plan's step
+  (plan/steps.py) and the reader's shard lookup (loading/dataset_reader.py) to move with it.
+- A light transform: 0.46x of the DataLoader with w0 and 0.40x with w2 processes (goal: w2
+  >= 2x the DataLoader w2: not met). Per sample, seeding the three global RNGs costs 7.9 us
+  (the contract of docs/design.md; a DataLoader seeds none), the transform and collate the
+  rest. Moving a batch from a worker costs about 0.5 ms per tensor (shared-memory file and
+  descriptor; torch's default_collate in a worker already stacks into shared memory, nothing
+  is pickled by value), small beside 256 samples of transform. On this machine two processes
+  do not beat one even for the DataLoader (0.56x).
+- Fresh open (torch imported): construction 6 ms and first batch 30 ms (target 50 ms: met);
+  importing streamcache takes 0.5-0.7 s, of which fsspec about 130 ms and pyarrow.compute
+  80-180 ms (imported at module level by format/columns.py, shard_paths.py, shard_table.py).
+- Pinned memory (pin_memory=True) and host-to-device copies need a GPU: not measured here.
 """
 
 from __future__ import annotations
@@ -58,6 +108,10 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "out", "loader-data")
 SHAPES = {"tokens": ((256,), np.int32, 256), "blobs": ((100_000,), np.uint8, 32)}
+# images: a bytes field of 80-120 KB per sample (as encoded images are), batch 32
+IMAGE_SIZES = (80_000, 120_000)
+IMAGE_BATCH = 32
+BATCH = {"tokens": 256, "blobs": 32, "images": IMAGE_BATCH}
 
 
 def build(mb: int) -> None:
@@ -91,15 +145,77 @@ def build(mb: int) -> None:
                 writer.write_batch(pa.table({"data": column}))
         with open(marker, "w") as f:
             json.dump({"n": n}, f)
+    build_images(mb)
+
+
+def build_images(mb: int) -> None:
+    """A bytes field of 80-120 KB samples: shards, and values.npy + offsets.npy for the
+    baselines."""
+    from streamcache import Field, Schema, ShardWriter
+
+    marker = os.path.join(DATA, "images.done")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f)["mb"] == mb:
+                return
+    rng = np.random.default_rng(1)
+    sizes: list[int] = []
+    while sum(sizes) < mb * 1_000_000:
+        sizes.append(int(rng.integers(IMAGE_SIZES[0], IMAGE_SIZES[1] + 1)))
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    values = np.lib.format.open_memmap(os.path.join(DATA, "images-values.npy"), mode="w+",
+                                       dtype=np.uint8, shape=(int(offsets[-1]),))
+    schema = Schema([Field("data", "bytes")])
+    with ShardWriter(os.path.join(DATA, "images"), schema=schema, compression=None,
+                     shard_size=64 << 20, overwrite=True) as writer:
+        for start in range(0, len(sizes), 256):
+            import pyarrow as pa
+
+            rows = []
+            for i in range(start, min(len(sizes), start + 256)):
+                row = rng.integers(0, 255, sizes[i], dtype=np.uint8)
+                values[offsets[i]:offsets[i + 1]] = row
+                rows.append(row.tobytes())
+            writer.write_batch(pa.table({"data": pa.array(rows, type=pa.large_binary())}))
+    values.flush()
+    np.save(os.path.join(DATA, "images-offsets.npy"), offsets)
+    with open(marker, "w") as f:
+        json.dump({"mb": mb}, f)
+
+
+def light_transform(sample: dict[str, Any]) -> dict[str, Any]:
+    """The light per-sample Python transform of the tf-* cases (a cast, as a tokenizer's
+    output is cast for an embedding lookup)."""
+    import torch
+
+    return {"data": torch.from_numpy(sample["data"]).long()}
+
+
+class ImagesDataset:
+    """The baseline for images: sample i is its bytes, read from a numpy memmap."""
+
+    def __init__(self) -> None:
+        self.offsets = np.load(os.path.join(DATA, "images-offsets.npy"))
+        self.values: Any = None
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> bytes:
+        if self.values is None:
+            self.values = np.load(os.path.join(DATA, "images-values.npy"), mmap_mode="r")
+        return bytes(self.values[self.offsets[i]:self.offsets[i + 1]])
 
 
 class MemmapDataset:
     """The baseline: a map-style Dataset over a numpy memmap."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, transform: Any = None) -> None:
         self.path = path
         self.array: Any = None
         self.length = int(np.load(path, mmap_mode="r").shape[0])
+        self.transform = transform
 
     def __len__(self) -> int:
         return self.length
@@ -109,6 +225,8 @@ class MemmapDataset:
 
         if self.array is None:
             self.array = np.load(self.path, mmap_mode="r")
+        if self.transform is not None:
+            return self.transform({"data": np.array(self.array[i])})
         return torch.from_numpy(np.array(self.array[i]))
 
 
@@ -120,35 +238,56 @@ def run_case(case: str, data: str) -> dict[str, Any]:
     # which would flatter streamcache against the num_workers=0 baseline.
     torch.set_num_threads(1)
 
-    shape, dtype, batch = SHAPES[data]
+    batch = BATCH[data]
     started = time.perf_counter()
     samples = 0
     first_batch = None
-    if case.startswith("dataloader"):
-        workers = int(case.rsplit("w", 1)[1])
-        loader: Any = torch.utils.data.DataLoader(
-            MemmapDataset(os.path.join(DATA, f"{data}.npy")), batch_size=batch, shuffle=True,
-            num_workers=workers, drop_last=True)
+    extra: dict[str, Any] = {}
+    transform = light_transform if case.startswith("tf-") else None
+    workers = int(case.rsplit("w", 1)[1]) if case[-2:-1] == "w" else 0
+    if "dataloader" in case:
+        dataset: Any = ImagesDataset() if data == "images" else \
+            MemmapDataset(os.path.join(DATA, f"{data}.npy"), transform)
+        loader: Any = torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True,
+                                                  num_workers=workers, drop_last=True)
         for out in loader:
             first_batch = first_batch or time.perf_counter() - started
-            samples += len(out)
-    elif case.startswith("streamcache"):
+            samples += len(out["data"] if isinstance(out, dict) else out)
+    elif "streamcache" in case:
         from streamcache import StreamDataset, StreamLoader
 
-        workers = int(case.rsplit("w", 1)[1])
+        ragged = "offsets" if "-offsets" in case else "padded"
         dataset = StreamDataset(os.path.join(DATA, data), batch_size=batch, rank=0,
-                                world_size=1, seed=int(time.time()))
+                                world_size=1, seed=int(time.time()), transform=transform,
+                                ragged=ragged)  # type: ignore[arg-type]
         with StreamLoader(dataset, num_workers=workers, prefetch=4) as loader:
             for out in loader:
                 first_batch = first_batch or time.perf_counter() - started
                 samples += len(out["__id__"])
     elif case == "gather-limit":
-        array = np.load(os.path.join(DATA, f"{data}.npy"), mmap_mode="r")
-        order = np.random.default_rng().permutation(len(array))
-        for start in range(0, len(order) - batch + 1, batch):
-            out = array[np.sort(order[start:start + batch])]
-            first_batch = first_batch or time.perf_counter() - started
-            samples += len(out)
+        if data == "images":
+            offsets = np.load(os.path.join(DATA, "images-offsets.npy"))
+            # a plain ndarray over the mapping: np.memmap slices cost microseconds each
+            values = np.load(os.path.join(DATA, "images-values.npy"),
+                             mmap_mode="r").view(np.ndarray)
+            order = np.random.default_rng().permutation(len(offsets) - 1)
+            # one output buffer, reused: a fresh one per batch would add a page fault per
+            # 4 KB written, which is the allocator's cost, not the page cache's
+            out = np.empty(batch * IMAGE_SIZES[1], dtype=np.uint8)
+            for start in range(0, len(order) - batch + 1, batch):
+                ids = np.sort(order[start:start + batch])
+                total = int((offsets[ids + 1] - offsets[ids]).sum())
+                np.concatenate([values[offsets[i]:offsets[i + 1]] for i in ids], out=out[:total])
+                first_batch = first_batch or time.perf_counter() - started
+                samples += len(ids)
+        else:
+            array = np.load(os.path.join(DATA, f"{data}.npy"), mmap_mode="r").view(np.ndarray)
+            order = np.random.default_rng().permutation(len(array))
+            out = np.empty((batch, *array.shape[1:]), dtype=array.dtype)  # reused, as above
+            for start in range(0, len(order) - batch + 1, batch):
+                np.take(array, np.sort(order[start:start + batch]), axis=0, out=out)
+                first_batch = first_batch or time.perf_counter() - started
+                samples += len(out)
     elif case.startswith("resume"):
         from streamcache import StreamDataset, StreamLoader
 
@@ -164,14 +303,33 @@ def run_case(case: str, data: str) -> dict[str, Any]:
         first_batch = time.perf_counter() - started
         samples = len(out["__id__"])
         loader.close()
+    elif case == "open":
+        # torch is imported (above); then: import streamcache, construct, first batch
+        import_started = time.perf_counter()
+        from streamcache import StreamDataset, StreamLoader
+
+        constructed = time.perf_counter()
+        dataset = StreamDataset(os.path.join(DATA, data), batch_size=batch, rank=0,
+                                world_size=1, seed=int(time.time()))
+        loader = StreamLoader(dataset)
+        iterated = time.perf_counter()
+        out = next(iter(loader))
+        first_batch = time.perf_counter() - constructed
+        samples = len(out["__id__"])
+        extra = {"import_s": constructed - import_started,
+                 "construct_s": iterated - constructed,
+                 "first_s": time.perf_counter() - iterated}
+        loader.close()
     elapsed = time.perf_counter() - started
+    steady_case = "dataloader" in case or "streamcache" in case
     # steady state: from the first batch on (start-up is reported as first_batch_s)
-    steady = elapsed - (first_batch or 0.0) if case.startswith(("data", "stream")) else elapsed
-    counted = samples - batch if case.startswith(("data", "stream")) else samples
-    row_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    steady = elapsed - (first_batch or 0.0) if steady_case else elapsed
+    counted = samples - batch if steady_case else samples
+    row_bytes = (sum(IMAGE_SIZES) // 2 if data == "images" else
+                 int(np.prod(SHAPES[data][0])) * np.dtype(SHAPES[data][1]).itemsize)
     return {"case": case, "data": data, "seconds": elapsed, "samples": samples,
             "samples_per_s": counted / steady, "mb_per_s": counted * row_bytes / 1e6 / steady,
-            "first_batch_s": first_batch, "peak_rss_mb": peak_rss_mb()}
+            "first_batch_s": first_batch, "peak_rss_mb": peak_rss_mb(), **extra}
 
 
 def peak_rss_mb() -> float:
@@ -183,6 +341,43 @@ def peak_rss_mb() -> float:
 
 CASES = ["gather-limit", "dataloader-w0", "streamcache-w0", "dataloader-w2", "streamcache-w2",
          "resume-0", "resume-90"]
+# (data, cases): tf-* run light_transform per sample (worker processes with num_workers=2)
+PLAN: list[tuple[str, list[str]]] = [
+    ("tokens", [*CASES, "tf-dataloader-w0", "tf-streamcache-w0", "tf-dataloader-w2",
+                "tf-streamcache-w2", "open"]),
+    ("blobs", CASES),
+    ("images", ["gather-limit", "dataloader-w0", "streamcache-w0", "streamcache-offsets-w0",
+                "dataloader-w2", "streamcache-w2"]),
+]
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    """Medians per case; ratios to the plain DataLoader (w0, with the same transform) and to
+    the page-cache gather of the same run."""
+    lines = [f"{'data':<8}{'case':<24}{'samples/s':>12}{'MB/s':>9}{'vs DL-w0':>9}"
+             f"{'vs limit':>9}{'1st batch s':>12}{'peak RSS MB':>12}"]
+    for data, cases in PLAN:
+        def rate(case: str, data: str = data) -> float:
+            rates = [r["samples_per_s"] for r in runs if r["data"] == data and r["case"] == case]
+            return statistics.median(rates) if rates else float("nan")
+
+        for case in cases:
+            mine = [r for r in runs if r["data"] == data and r["case"] == case]
+            if not mine:
+                continue
+            base = rate("tf-dataloader-w0" if case.startswith("tf-") else "dataloader-w0")
+            median = statistics.median
+            lines.append(
+                f"{data:<8}{case:<24}{rate(case):>12,.0f}"
+                f"{median(r['mb_per_s'] for r in mine):>9,.0f}{rate(case) / base:>9.2f}"
+                f"{rate(case) / rate('gather-limit'):>9.2f}"
+                f"{median(r['first_batch_s'] for r in mine):>12.4f}"
+                f"{max(r['peak_rss_mb'] for r in mine):>12.0f}")
+            if case == "open":
+                lines[-1] = (f"{data:<8}{case:<24}import {median(r['import_s'] for r in mine):.3f}"
+                             f" s, construct {median(r['construct_s'] for r in mine):.4f} s, "
+                             f"first batch {median(r['first_s'] for r in mine):.4f} s")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,33 +385,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mb", type=int, default=256)
     parser.add_argument("--case")
-    parser.add_argument("--data")
+    parser.add_argument("--data", help="with --case: its data; else: only these (a,b)")
+    parser.add_argument("--python", default=sys.executable,
+                        help="the interpreter that runs each case")
     parser.add_argument("--out", default=os.path.join(HERE, "out", "bench_loader.json"))
     args = parser.parse_args(argv)
     if args.case:
         print(json.dumps(run_case(args.case, args.data)))
         return 0
     build(args.mb)
+    wanted = set(args.data.split(",")) if args.data else {data for data, _ in PLAN}
     runs: list[dict[str, Any]] = []
     for _ in range(args.repeats):
-        for data in SHAPES:
-            for case in CASES:
-                result = subprocess.run([sys.executable, __file__, "--case", case, "--data",
+        for data, cases in PLAN:
+            for case in cases if data in wanted else []:
+                result = subprocess.run([args.python, __file__, "--case", case, "--data",
                                          data], capture_output=True, text=True, check=True)
                 runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
-    print(f"{'data':<8}{'case':<16}{'samples/s':>12}{'MB/s':>9}{'vs DL-w0':>9}"
-          f"{'1st batch s':>12}{'peak RSS MB':>12}")
-    for data in SHAPES:
-        base = statistics.median(r["samples_per_s"] for r in runs
-                                 if r["data"] == data and r["case"] == "dataloader-w0")
-        for case in CASES:
-            mine = [r for r in runs if r["data"] == data and r["case"] == case]
-            rate = statistics.median(r["samples_per_s"] for r in mine)
-            print(f"{data:<8}{case:<16}{rate:>12,.0f}"
-                  f"{statistics.median(r['mb_per_s'] for r in mine):>9,.0f}"
-                  f"{rate / base:>9.2f}"
-                  f"{statistics.median(r['first_batch_s'] for r in mine):>12.4f}"
-                  f"{max(r['peak_rss_mb'] for r in mine):>12.0f}")
+    print(table(runs))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "runs": runs}, f, indent=1)
