@@ -87,3 +87,19 @@ def test_ragged_from_rows_of_an_empty_batch() -> None:
     empty = Ragged.from_rows([])
     assert len(empty) == 0 and empty.tolist() == [] and empty.offsets.tolist() == [0]
     assert empty.values.size == 0
+
+
+def test_a_child_forked_while_the_pool_is_locked_can_take_buffers() -> None:
+    import os
+    import signal
+
+    pool = BufferPool(min_bytes=1024)
+    kept = pool.take(100_000)
+    with pool._lock:  # as a reader thread of the parent may hold it at the fork
+        pid = os.fork()
+        if pid == 0:  # the child: must neither wait for the parent's lock nor reuse its buffer
+            signal.alarm(10)
+            fresh = pool.take(100_000)
+            os._exit(0 if not np.shares_memory(fresh, kept) else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -26,6 +26,8 @@ import threading
 
 import numpy as np
 
+from .. import forksafe
+
 _ALIGN = 64 << 10  # capacities are rounded up to this, with a quarter of slack for variable sizes
 
 
@@ -46,6 +48,13 @@ class BufferPool:
         self._buffers: list[np.ndarray] = []
         self._lock = threading.Lock()
         self.reused = 0  # requests served by a buffer that was handed out before
+        forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child starts empty, with its own lock (a parent's thread may have held
+        the inherited one at the fork; the parent's buffers are the parent's batches)."""
+        self._lock = threading.Lock()
+        self._buffers = []
 
     def take(self, nbytes: int) -> np.ndarray:
         """A writable, C-contiguous uint8 array of ``nbytes`` bytes (uninitialized)."""
