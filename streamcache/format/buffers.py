@@ -48,6 +48,10 @@ class BufferPool:
         self._buffers: list[np.ndarray] = []
         self._lock = threading.Lock()
         self.reused = 0  # requests served by a buffer that was handed out before
+        # The count sys.getrefcount gives for a buffer only the pool's list refers to, measured
+        # here the way take() measures (interpreters differ in what the call itself adds).
+        probe = [np.empty(0, dtype=np.uint8)]
+        self._free_count = sys.getrefcount(probe[0])
         forksafe.register(self)
 
     def _after_fork_in_child(self) -> None:
@@ -65,9 +69,8 @@ class BufferPool:
             buffers = self._buffers
             best = -1
             for i in range(len(buffers)):
-                # 2 references: the pool's list and getrefcount's argument; a view, an array
-                # or a tensor made from the buffer holds one more
-                if sys.getrefcount(buffers[i]) == 2 and buffers[i].size >= nbytes and (
+                # a view, an array or a tensor made from the buffer holds one more reference
+                if self._is_free(buffers, i) and buffers[i].size >= nbytes and (
                         best < 0 or buffers[i].size < buffers[best].size):
                     best = i
             if best >= 0:
@@ -81,10 +84,14 @@ class BufferPool:
                 buffers.append(buffer)
             return buffer[:nbytes]
 
+    def _is_free(self, buffers: list[np.ndarray], i: int) -> bool:
+        return sys.getrefcount(buffers[i]) == self._free_count
+
     def _make_room(self, capacity: int) -> None:
         """Drop free buffers too small for the requests now seen (under the lock)."""
-        self._buffers = [b for b in self._buffers
-                         if sys.getrefcount(b) > 3 or b.size >= capacity]
+        buffers = self._buffers
+        self._buffers = [buffers[i] for i in range(len(buffers))
+                         if not self._is_free(buffers, i) or buffers[i].size >= capacity]
 
     def _held(self) -> int:
         return sum(b.size for b in self._buffers)
