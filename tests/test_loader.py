@@ -234,6 +234,11 @@ def test_state_from_another_dataset_or_seed_is_refused(data: tuple[str, str],
         other.load_state_dict(state)
     with loader(url, cache) as it, pytest.raises(CursorMismatchError, match="version"):
         it.load_state_dict({"version": 99})
+    with loader(url, cache) as it:
+        good = it.state_dict()
+        for bad in ({"version": 1}, {**good, "step": 3}):  # a key missing, a key added
+            with pytest.raises(CursorMismatchError, match="must be a dict with keys"):
+                it.load_state_dict(bad)
 
 
 def test_impossible_topologies_are_clear_errors(data: tuple[str, str]) -> None:

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import ConfigError
 from ..plan import Cursor, CursorMismatchError, RankBatch
+from ..plan._util import check_state
 from ..plan.bijection import derive_key
 from ..plan.mixture_cursor import MixtureCursor
 from .dataset import StreamDataset
@@ -341,14 +342,16 @@ class StreamLoader:
 
         Raises:
             CursorMismatchError: the state belongs to another dataset (or mixture: the
-                message names the source that differs), seed or shuffle, or is of an unknown
-                version.
+                message names the source that differs), seed or shuffle, is of an unknown
+                version, or lacks or adds keys.
         """
         if not isinstance(state, dict) or state.get(KEY_VERSION) != STATE_VERSION:
             version = state.get(KEY_VERSION) if isinstance(state, dict) else None
             raise CursorMismatchError(
                 f"loader state version {version!r} is not supported (expected "
                 f"{STATE_VERSION}); it was not written by this StreamLoader")
+        check_state(state, "loader state", frozenset({KEY_VERSION, KEY_CURSOR}), STATE_VERSION,
+                    hint=" (pass what StreamLoader.state_dict() returned, unchanged)")
         cursor = self.dataset.load_cursor(state[KEY_CURSOR])
         self._close_active()
         self.dataset.cursor = cursor
