@@ -235,6 +235,13 @@ class DatasetReader:
     def _ranged(self, unique: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Which of a batch's shards to read by range, and which of those by the cold-start
         rule (None: none of them)."""
+        if self.by_range is None:  # the warm path, every step: decide in a few microseconds
+            if not self.cold_ranges or self._ready is None:
+                return None
+            with self._lock:
+                readers = self._readers
+                if all(s in readers for s in unique.tolist()):
+                    return None  # every shard of the batch is open already: none is cold
         picked = np.zeros(unique.shape, bool)
         if self.by_range is not None:
             picked = np.asarray(self.by_range(unique), dtype=bool)
