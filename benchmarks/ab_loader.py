@@ -10,16 +10,22 @@ so only the library differs. Each case alternates which install goes first, so a
 that gets busier or quieter during the run moves both columns alike. Rates are steady state;
 "1st" is a fresh process's import of the loader, construction and first batch.
 
-Last result (2026-11-30 18:46 UTC, 2-core machine, nothing else running; before = 4b13a85,
-after = 608b6a6, each installed non-editable in its own venv; `--repeats 3`; medians):
+Last result (2026-11-30 21:30 UTC, 2-core machine, nothing else running; before = 01f3ee2,
+after = the tree at the commit that wrote this; both editable installs; `--repeats 3`; medians):
 
   data    case                before/s     after/s  ratio 1st before s 1st after s RSS b/a MB
-  tokens  streamcache-w0       552,284     578,442   1.05        0.270       0.271   519/528
-  tokens  streamcache-w2       560,621     557,199   0.99        0.235       0.295   519/528
-  tokens  dataloader-w0        140,061     154,695   1.10        0.029       0.023   480/480
-  blobs   streamcache-w0        21,026      28,943   1.38        0.274       0.305   539/548
-  blobs   streamcache-w2        19,165      29,551   1.54        0.279       0.287   536/541
-  blobs   dataloader-w0         14,145      22,431   1.59        0.021       0.012   486/480
+  tokens  streamcache-w0       557,692     556,441   1.00        0.394       0.486   528/528
+  tokens  streamcache-w2       554,216     526,749   0.95        0.522       0.498   528/527
+  tokens  dataloader-w0        160,830     152,278   0.95        0.020       0.025   482/482
+  blobs   streamcache-w0        25,018      29,860   1.19        0.418       0.528   551/537
+  blobs   streamcache-w2        25,860      35,534   1.37        0.398       0.440   547/537
+  blobs   dataloader-w0         21,758      18,901   0.87        0.010       0.010   482/488
+
+Between them: chunked shards and range reads, multi-node locality, mixtures, pooled gather
+buffers. One node's warm path is unchanged within the noise (the run before the reader's
+warm-path shortcut measured tokens 0.87-0.90); 100 KB blobs are faster; the fresh process's
+first batch is ~0.1 s later (more modules imported). An earlier run (18:46, 4b13a85 vs
+608b6a6, non-editable installs) is in the git history of this file.
 
 The dataloader rows run no streamcache code: their 1.10-1.59 is this machine's noise between
 the two columns, so the streamcache ratios say "no slowdown", not "faster". (resume-90 rows:
