@@ -27,11 +27,11 @@ warm-path shortcut measured tokens 0.87-0.90); 100 KB blobs are faster; the fres
 first batch is ~0.1 s later (more modules imported). An earlier run (18:46, 4b13a85 vs
 608b6a6, non-editable installs) is in the git history of this file.
 
-The dataloader rows run no streamcache code: their 1.10-1.59 is this machine's noise between
-the two columns, so the streamcache ratios say "no slowdown", not "faster". (resume-90 rows:
-first batch after a load at 90%, 0.018-0.021 s in both.) An editable install (`pip install
--e`) adds about 2 ms per imported module through its import hook: 0.1-0.2 s more on a fresh
-process's first batch than these non-editable numbers.
+The dataloader rows run no streamcache code: their 0.87-0.95 is this machine's noise between
+the two columns (1.10-1.59 in the earlier run), so a streamcache ratio inside that band says
+"no change". (resume-90 rows: first batch after a load at 90%, 0.022-0.025 s in both.) An
+editable install (`pip install -e`) adds about 2 ms per imported module through its import
+hook: 0.1-0.2 s more on a fresh process's first batch than a non-editable install.
 """
 
 from __future__ import annotations
