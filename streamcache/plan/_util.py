@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
+
+import numpy as np
 
 from ..errors import StreamcacheError
 
@@ -71,3 +73,27 @@ def malformed(what: str) -> Iterator[None]:
         raise
     except PlanError as exc:
         raise CursorMismatchError(f"malformed {what}: {exc}") from exc
+
+
+def check_span(start: int, stop: int, num_samples: int) -> None:
+    """Raise :class:`PositionOutOfRangeError` unless ``0 <= start <= stop <= num_samples``
+    (integers)."""
+    check_int("start", start)
+    check_int("stop", stop)
+    if not 0 <= start <= stop <= num_samples:
+        raise PositionOutOfRangeError(
+            f"positions [{start}, {stop}) are outside the epoch's [0, {num_samples})")
+
+
+def check_positions(positions: np.ndarray | Sequence[int], num_samples: int) -> np.ndarray:
+    """``positions`` (or ids) as int64, each in ``[0, num_samples)``, or a clear error."""
+    pos = np.asarray(positions)
+    if pos.size == 0:
+        return pos.astype(np.int64)
+    if pos.dtype.kind not in "iu":
+        raise PlanError(f"positions must be integers, got dtype {pos.dtype}")
+    low, high = int(pos.min()), int(pos.max())
+    if low < 0 or high >= num_samples:
+        raise PositionOutOfRangeError(
+            f"positions [{low}, {high}] are outside the epoch's [0, {num_samples})")
+    return pos.astype(np.int64)

@@ -31,7 +31,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from ._util import PlanError, PositionOutOfRangeError, check_int
+from ._util import PlanError, check_positions, check_span
 from .bijection import derive_key
 from .order import EpochOrder, ShuffleOptions
 
@@ -268,7 +268,7 @@ class MixtureOrder:
     def samples_at(self, positions: np.ndarray | Sequence[int]
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(combined id, combined shard, row) at epoch positions (any shape)."""
-        pos = self._check_positions(positions)
+        pos = check_positions(positions, self.num_samples)
         flat = pos.ravel()
         source, k = self.source_samples(flat)
         out = np.empty((3, flat.size), dtype=np.int64)
@@ -282,7 +282,7 @@ class MixtureOrder:
                 out[2].reshape(pos.shape))
 
     def samples(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        self._check_range(start, stop)
+        check_span(start, stop, self.num_samples)
         return self.samples_at(np.arange(start, stop, dtype=np.int64))
 
     def sample_ids(self, start: int, stop: int) -> np.ndarray:
@@ -297,7 +297,7 @@ class MixtureOrder:
 
     def shard_first_use(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Each combined shard read in ``[start, stop)`` with its first position, by position."""
-        self._check_range(start, stop)
+        check_span(start, stop, self.num_samples)
         never = np.iinfo(np.int64).max
         first_use = np.full(self.num_shards, never, dtype=np.int64)
         for chunk in range(start, stop, _CHUNK):
@@ -319,25 +319,6 @@ class MixtureOrder:
         ids = np.asarray(ids, dtype=np.int64)
         source = np.searchsorted(self.id_base, ids, side="right") - 1
         return source, ids - self.id_base[source]
-
-    def _check_range(self, start: int, stop: int) -> None:
-        check_int("start", start)
-        check_int("stop", stop)
-        if not 0 <= start <= stop <= self.num_samples:
-            raise PositionOutOfRangeError(
-                f"positions [{start}, {stop}) are outside the epoch's [0, {self.num_samples})")
-
-    def _check_positions(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
-        pos = np.asarray(positions)
-        if pos.size == 0:
-            return pos.astype(np.int64)
-        if pos.dtype.kind not in "iu":
-            raise PlanError(f"positions must be integers, got dtype {pos.dtype}")
-        if int(pos.min()) < 0 or int(pos.max()) >= self.num_samples:
-            raise PositionOutOfRangeError(
-                f"positions [{int(pos.min())}, {int(pos.max())}] are outside the epoch's "
-                f"[0, {self.num_samples})")
-        return pos.astype(np.int64)
 
     def __repr__(self) -> str:
         return (f"MixtureOrder(sources={len(self.sources)}, num_samples={self.num_samples}, "

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import EmptyDatasetError
-from ._util import PlanError, PositionOutOfRangeError, check_int, check_seed
+from ._util import PlanError, check_int, check_positions, check_seed, check_span
 from .bijection import MAX_DOMAIN, TAG_STAGGER, TAG_WINDOW, derive_key
 from .blocks import BLOCK, PositionBlocks
 from .stream import ShardStream
@@ -160,7 +160,7 @@ class EpochOrder:
         Raises:
             PositionOutOfRangeError: unless ``0 <= start <= stop <= num_samples``.
         """
-        self._check_range(start, stop)
+        check_span(start, stop, self.num_samples)
         if not self.shuffle.enabled:
             return np.arange(start, stop, dtype=np.int64)
         return self._blocks.lookup(start, stop)[0].copy()
@@ -175,13 +175,13 @@ class EpochOrder:
             PositionOutOfRangeError: a position outside ``[0, num_samples)``.
             PlanError: positions that are not integers.
         """
-        pos = self._check_positions(positions)
+        pos = check_positions(positions, self.num_samples)
         return self._resolve(pos.ravel())[0].reshape(pos.shape)
 
     def samples(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(sample id, shard index, row within shard) at positions ``[start, stop)``, all
         int64, through the block cache. Raises like :meth:`sample_ids`."""
-        self._check_range(start, stop)
+        check_span(start, stop, self.num_samples)
         resolved = self._blocks.lookup(start, stop)
         shards = self._stream.slot_shard[resolved[1]]
         return resolved[0].copy(), shards, resolved[0] - self.shard_offsets[shards]
@@ -191,7 +191,7 @@ class EpochOrder:
         """(sample id, shard index, row within shard) at arbitrary positions, all int64 and
         of the positions' shape: everything the reader needs, in one pass. Raises like
         :meth:`sample_ids_at`."""
-        pos = self._check_positions(positions)
+        pos = check_positions(positions, self.num_samples)
         resolved = self._resolve(pos.ravel())
         shards = self._stream.slot_shard[resolved[1]]
         rows = resolved[0] - self.shard_offsets[shards]
@@ -211,7 +211,7 @@ class EpochOrder:
             ``(shards, positions)``, int64 arrays sorted by position: the order in which a
             reader starting at ``start`` first needs each shard (prefetch and eviction order).
         """
-        self._check_range(start, stop)
+        check_span(start, stop, self.num_samples)
         never = np.iinfo(np.int64).max
         first_use = np.full(self.num_shards, never, dtype=np.int64)
         for chunk in range(start, stop, _CHUNK):
@@ -228,7 +228,7 @@ class EpochOrder:
         Raises:
             PositionOutOfRangeError: an id outside ``[0, num_samples)``.
         """
-        ids = self._check_positions(ids)
+        ids = check_positions(ids, self.num_samples)
         shards = np.searchsorted(self.shard_offsets, ids, side="right") - 1
         return shards, ids - self.shard_offsets[shards]
 
@@ -247,26 +247,6 @@ class EpochOrder:
             np.add(stream, self._stream.delta[slots], out=out[0, first:first + BLOCK])
             out[1, first:first + BLOCK] = slots
         return out
-
-    def _check_range(self, start: int, stop: int) -> None:
-        check_int("start", start)
-        check_int("stop", stop)
-        if not 0 <= start <= stop <= self.num_samples:
-            raise PositionOutOfRangeError(
-                f"positions [{start}, {stop}) are outside the epoch's [0, {self.num_samples})")
-
-    def _check_positions(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
-        """``positions`` (or ids) as int64, each in ``[0, num_samples)``, or a clear error."""
-        pos = np.asarray(positions)
-        if pos.size == 0:
-            return pos.astype(np.int64)
-        if pos.dtype.kind not in "iu":
-            raise PlanError(f"positions must be integers, got dtype {pos.dtype}")
-        low, high = int(pos.min()), int(pos.max())
-        if low < 0 or high >= self.num_samples:
-            raise PositionOutOfRangeError(
-                f"positions [{low}, {high}] are outside the epoch's [0, {self.num_samples})")
-        return pos.astype(np.int64)
 
     def __repr__(self) -> str:
         return (f"EpochOrder(num_samples={self.num_samples}, num_shards={self.num_shards}, "
