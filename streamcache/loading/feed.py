@@ -33,7 +33,76 @@ from .nodes import (
 from .options import StreamOptions
 
 
-class ShardFeed:
+class FeedBase:
+    """What the feed of one dataset and a mixture's share: the prefetch advice, the node's
+    locality, the prefetcher over a cache, closing, and pickling the configuration only.
+
+    A subclass has ``options``, ``locality``, ``_lock``, ``_reader``, ``_reader_pid`` and
+    ``_advised``, implements ``reader``, ``advice``, ``_forget`` and ``_follow_locality``,
+    and names the attributes that travel to worker processes in ``_PICKLED``.
+    """
+
+    _PICKLED: tuple[str, ...] = ()
+    options: StreamOptions
+    locality: NodeLocality | None
+    _lock: threading.RLock
+    _reader: Any
+    _reader_pid: int
+    _advised: tuple[int, int] | None
+
+    def reader(self, cursor: Any) -> Any:
+        raise NotImplementedError
+
+    def advice(self, cursor: Any, epoch: int) -> ShardAdvice:
+        raise NotImplementedError
+
+    def _forget(self) -> None:
+        raise NotImplementedError
+
+    def _follow_locality(self, reader: Any) -> None:
+        """Point this process's reader at :attr:`locality` (its ``by_range``)."""
+        raise NotImplementedError
+
+    def advise(self, cursor: Any, epoch: int, position: int, global_batch: int) -> None:
+        """Tell the prefetcher (and the cache's eviction) what the reader needs next: this
+        node's shards only, with several nodes."""
+        store = self.reader(cursor).store
+        if isinstance(store, Prefetcher):
+            self._advised = advise_store(store, self.advice(cursor, epoch), self.options.prefetch,
+                                         self.locality, (epoch, position, global_batch),
+                                         self._advised)
+
+    def use_locality(self, locality: NodeLocality) -> None:
+        """This rank's node, resolved when a pass starts: the advice to the prefetcher and
+        the reader's ``by_range`` follow it."""
+        self.locality = locality
+        with self._lock:
+            reader = self._reader if self._reader_pid == os.getpid() else None
+        if reader is not None:
+            self._follow_locality(reader)
+
+    def _prefetcher(self, cache: NodeCache, cursor: Any) -> Prefetcher:
+        """A prefetcher over ``cache`` that keeps the plan's working set ahead."""
+        prefetch = self.options.prefetch or PrefetchOptions()
+        lookahead = prefetch.lookahead(self.advice(cursor, cursor.epoch).working_set_shards())
+        return Prefetcher(cache, dataclasses.replace(prefetch, lookahead_shards=lookahead))
+
+    def close(self) -> None:
+        """Close this process's reader (a forked copy's belongs to its parent)."""
+        with self._lock:
+            reader, self._reader = self._reader, None
+        if reader is not None and self._reader_pid == os.getpid():
+            reader.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._PICKLED}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._forget()
+
+
+class ShardFeed(FeedBase):
     """The shards of one dataset for this process.
 
     The cursor is passed in, not kept: the dataset's cursor moves (the loader replaces it), and
@@ -52,6 +121,8 @@ class ShardFeed:
         self.shuffle = shuffle
         self.locality: NodeLocality | None = None  # this rank's node, set when a pass starts
         self._forget()
+
+    _PICKLED = ("index", "fields", "options", "shuffle", "locality")
 
     def _forget(self) -> None:
         self._lock = threading.RLock()  # the reader is built under it
@@ -123,14 +194,6 @@ class ShardFeed:
                 "or lower shuffle_window"
             )
 
-    def advise(self, cursor: Cursor, epoch: int, position: int, global_batch: int) -> None:
-        """Tell the prefetcher (and the cache's eviction) what the reader needs next."""
-        store = self.reader(cursor).store
-        if isinstance(store, Prefetcher):
-            self._advised = advise_store(store, self.advice(cursor, epoch), self.options.prefetch,
-                                         self.locality, (epoch, position, global_batch),
-                                         self._advised)
-
     def reader(self, cursor: Cursor) -> DatasetReader:
         """This process's reader (made again after fork: file locks and threads do not fork)."""
         with self._lock:
@@ -143,14 +206,8 @@ class ShardFeed:
                 self._reader_pid = os.getpid()
             return self._reader
 
-    def use_locality(self, locality: NodeLocality) -> None:
-        """This rank's node, resolved when a pass starts: the advice to the prefetcher and
-        the reader's ``by_range`` follow it."""
-        self.locality = locality
-        with self._lock:
-            reader = self._reader if self._reader_pid == os.getpid() else None
-        if reader is not None:
-            follow_locality(reader, locality, self._read_by_range)
+    def _follow_locality(self, reader: DatasetReader) -> None:
+        follow_locality(reader, self.locality, self._read_by_range)
 
     def _read_by_range(self, shards: np.ndarray) -> np.ndarray:
         """The reader's ``by_range``: the shards another node caches (none on one node)."""
@@ -163,24 +220,7 @@ class ShardFeed:
         cache = NodeCache(self.index, folder, cache_limit=opts.cache_limit,
                           working_set_bytes=working_set, fetch_options=opts.fetch,
                           storage_options=opts.storage_options)
-        prefetch = opts.prefetch or PrefetchOptions()
-        lookahead = prefetch.lookahead(self.advice(cursor, cursor.epoch).working_set_shards())
-        return Prefetcher(cache, dataclasses.replace(prefetch, lookahead_shards=lookahead))
-
-    def close(self) -> None:
-        """Close this process's reader (a forked copy's belongs to its parent)."""
-        with self._lock:
-            reader, self._reader = self._reader, None
-        if reader is not None and self._reader_pid == os.getpid():
-            reader.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in ("index", "fields", "options", "shuffle",
-                                                   "locality")}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._forget()
+        return self._prefetcher(cache, cursor)
 
 
 def advise_store(store: Prefetcher, advice: ShardAdvice, prefetch: PrefetchOptions | None,

@@ -9,7 +9,6 @@ cache budget, and this process's reader over one node cache and one prefetcher
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import threading
@@ -20,7 +19,7 @@ import numpy as np
 
 from ..cache.advice import ShardAdvice, working_set_bound
 from ..cache.node import NodeCache, local_bytes_estimate
-from ..cache.prefetch import Prefetcher, PrefetchOptions
+from ..cache.prefetch import Prefetcher
 from ..errors import CacheBudgetError, ConfigError
 from ..format.index import DatasetIndex, load_index
 from ..format.schema import Schema
@@ -28,14 +27,14 @@ from ..plan import EpochOrder, ShuffleOptions
 from ..plan.mixture import MixtureOrder, SourceOrders, SourceShape, shares_of, source_seed
 from ..plan.mixture_cursor import MixtureCursor, SourceKey
 from .batching import ID_KEY
-from .feed import advise_store, default_cache_dir
+from .feed import FeedBase, default_cache_dir
 from .mixture_store import MixtureCache, MixtureReader, source_caches
 from .nodes import NodeLocality, follow_locality, read_by_range
 from .options import StreamOptions
 from .source import SOURCE_KEY, Source, SourceTransforms
 
 
-class MixtureFeed:
+class MixtureFeed(FeedBase):
     """The shards of a mixture of sources for this process.
 
     Raises (when made):
@@ -70,6 +69,9 @@ class MixtureFeed:
                           for s, i in zip(sources, self.indexes, strict=True))
         self.locality: NodeLocality | None = None  # this rank's node, set when a pass starts
         self._forget()
+
+    _PICKLED = ("sources", "options", "shuffle", "storage", "indexes", "schemas", "schema",
+                "shares", "keys", "locality")
 
     def _forget(self) -> None:
         self._lock = threading.RLock()
@@ -156,25 +158,6 @@ class MixtureFeed:
                 f"bytes of shards in use at once; give at least {needed:,} bytes, or lower "
                 "shuffle_window")
 
-    def advise(self, cursor: MixtureCursor, epoch: int, position: int,
-               global_batch: int) -> None:
-        """Tell the prefetcher what the reader needs next, across all sources (this node's
-        shards only, with several nodes)."""
-        store = self.reader(cursor).store
-        if isinstance(store, Prefetcher):
-            self._advised = advise_store(store, self.advice(cursor, epoch), self.options.prefetch,
-                                         self.locality, (epoch, position, global_batch),
-                                         self._advised)
-
-    def use_locality(self, locality: NodeLocality) -> None:
-        """This rank's node, resolved when a pass starts: the advice to the prefetcher and
-        each source reader's ``by_range`` (the combined shards another node owns) follow it."""
-        self.locality = locality
-        with self._lock:
-            reader = self._reader if self._reader_pid == os.getpid() else None
-        if reader is not None:
-            self._follow_locality(reader)
-
     def _follow_locality(self, reader: MixtureReader) -> None:
         for source_reader, base in zip(reader.readers, reader.base.tolist(), strict=True):
             follow_locality(source_reader, self.locality,
@@ -204,26 +187,7 @@ class MixtureFeed:
         caches = source_caches(self.indexes, default_cache_dir(opts.cache_dir),
                                cache_limit=opts.cache_limit, working_set_bytes=working_set,
                                storage_options=self.storage, fetch_options=opts.fetch)
-        prefetch = opts.prefetch or PrefetchOptions()
-        lookahead = prefetch.lookahead(self.advice(cursor, cursor.epoch).working_set_shards())
-        return Prefetcher(cast(NodeCache, MixtureCache(caches)),
-                          dataclasses.replace(prefetch, lookahead_shards=lookahead))
-
-    def close(self) -> None:
-        with self._lock:
-            reader, self._reader = self._reader, None
-        if reader is not None and self._reader_pid == os.getpid():
-            reader.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in (
-            "sources", "options", "shuffle", "storage", "indexes", "schemas", "schema",
-            "shares", "keys", "locality")}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._forget()
-
+        return self._prefetcher(cast(NodeCache, MixtureCache(caches)), cursor)
 
 def _agreeing_schemas(sources: Sequence[Source], indexes: Sequence[DatasetIndex],
                       fields: Sequence[str] | None) -> list[Schema]:
