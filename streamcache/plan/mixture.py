@@ -33,14 +33,13 @@ import numpy as np
 
 from ._util import PlanError, check_positions, check_span
 from .bijection import derive_key
-from .order import EpochOrder, ShuffleOptions
+from .order import EpochOrder, ShuffleOptions, first_uses
 
 #: The longest period of the quota sequence; weights whose exact ratio needs a longer one are
 #: rounded to shares of this period (an error below 1/MAX_PERIOD per source).
 MAX_PERIOD = 1 << 16
 _TAG_SOURCE = 0x534F_5552  # distinguishes a source's seed from every other derived key
 _ORDERS_PER_SOURCE = 3  # EpochOrders kept per source (a step may straddle two of its epochs)
-_CHUNK = 1 << 20
 
 
 def shares_of(weights: Sequence[float | int | Fraction | numbers.Real]) -> tuple[int, ...]:
@@ -298,15 +297,7 @@ class MixtureOrder:
     def shard_first_use(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Each combined shard read in ``[start, stop)`` with its first position, by position."""
         check_span(start, stop, self.num_samples)
-        never = np.iinfo(np.int64).max
-        first_use = np.full(self.num_shards, never, dtype=np.int64)
-        for chunk in range(start, stop, _CHUNK):
-            chunk_stop = min(stop, chunk + _CHUNK)
-            shards, _ = self.locate(chunk, chunk_stop)
-            np.minimum.at(first_use, shards, np.arange(chunk, chunk_stop, dtype=np.int64))
-        used = np.flatnonzero(first_use != never)
-        by_position = np.argsort(first_use[used], kind="stable")
-        return used[by_position], first_use[used][by_position]
+        return first_uses(self.locate, self.num_shards, start, stop)
 
     def shard_of_ids(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(combined shard, row) of combined sample ids."""

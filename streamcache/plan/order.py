@@ -14,7 +14,7 @@ docs/plan.md for the reasons behind each choice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -212,15 +212,7 @@ class EpochOrder:
             reader starting at ``start`` first needs each shard (prefetch and eviction order).
         """
         check_span(start, stop, self.num_samples)
-        never = np.iinfo(np.int64).max
-        first_use = np.full(self.num_shards, never, dtype=np.int64)
-        for chunk in range(start, stop, _CHUNK):
-            chunk_stop = min(stop, chunk + _CHUNK)
-            shards, _ = self.locate(chunk, chunk_stop)
-            np.minimum.at(first_use, shards, np.arange(chunk, chunk_stop, dtype=np.int64))
-        used = np.flatnonzero(first_use != never)
-        by_position = np.argsort(first_use[used], kind="stable")
-        return used[by_position], first_use[used][by_position]
+        return first_uses(self.locate, self.num_shards, start, stop)
 
     def shard_of_ids(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(shard index, row within shard) of global sample ids, both int64.
@@ -272,3 +264,18 @@ def _check_rows(shard_rows: Sequence[int] | np.ndarray) -> np.ndarray:
     if rows.max() >= 1 << 62 or int(rows.astype(np.float64).sum()) >= 1 << 62:
         raise PlanError("the dataset is too large: more than 2**62 samples")
     return rows.astype(np.int64)
+
+
+def first_uses(locate: Callable[[int, int], tuple[np.ndarray, np.ndarray]], num_shards: int,
+               start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each shard read in positions ``[start, stop)`` (by ``locate(lo, hi) -> (shards,
+    rows)``), with its first position, sorted by position; shared by every order."""
+    never = np.iinfo(np.int64).max
+    first_use = np.full(num_shards, never, dtype=np.int64)
+    for chunk in range(start, stop, _CHUNK):
+        chunk_stop = min(stop, chunk + _CHUNK)
+        shards, _ = locate(chunk, chunk_stop)
+        np.minimum.at(first_use, shards, np.arange(chunk, chunk_stop, dtype=np.int64))
+    used = np.flatnonzero(first_use != never)
+    by_position = np.argsort(first_use[used], kind="stable")
+    return used[by_position], first_use[used][by_position]
