@@ -9,17 +9,109 @@ Server fixtures:
   (a fresh directory) with fresh counters and no faults until a test asks for some.
 - ``s3_fault_proxy``: a :class:`servers.FaultServer` forwarding to ``moto_server``; reach a
   bucket through it with ``s3_bucket.storage_options(via=s3_fault_proxy.url)``.
+
+Hygiene, for every test:
+- The temp folder (``TMPDIR``, ``tempfile.gettempdir()``) is a folder of this session's own,
+  inherited by every process a test starts, and removed at the end. A test that leaves
+  anything in it fails (at teardown, naming what it left; the leftovers are removed), so no
+  run fills the machine's temp folder. Pytest's own ``tmp_path`` folders live there too and
+  are exempt (pytest owns them).
+- A test that draws a random schedule takes its seed from ``seeds.schedule_seed``; a failure's
+  report (a timeout's too) says how to replay it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import seeds
 from format_helpers import backend  # noqa: F401  (fixture: native core and Python twin)
 from servers import FaultServer, MotoServer, S3Bucket, aws_test_environment
+
+# Folders a process keeps for its lifetime, made by the libraries beneath the tests
+# (multiprocessing's helper folder for spawn and forkserver): not a test's leftovers.
+_PROCESS_LIFETIME_PREFIXES = ("pymp-",)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give the session a temp folder of its own (see the module docstring)."""
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its controller set TMPDIR
+        return
+    root = tempfile.mkdtemp(prefix="streamcache-tests-")
+    config.stash[_TEMP_ROOT] = (root, os.environ.get("TMPDIR"), tempfile.tempdir)
+    os.environ["TMPDIR"] = root
+    tempfile.tempdir = root
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the session's temp folder; after failures it is kept (its ``tmp_path`` folders
+    show what the failed tests saw) and its path is printed."""
+    saved = config.stash.get(_TEMP_ROOT, None)
+    if saved is None:
+        return
+    root, previous_env, previous_tempdir = saved
+    tempfile.tempdir = previous_tempdir
+    if previous_env is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = previous_env
+    if config.stash.get(_FAILED, False):
+        print(f"\nthe failed tests' temp files are in {root} (remove it when done)")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_FAILED] = bool(session.testsfailed)
+
+
+_TEMP_ROOT = pytest.StashKey[tuple[str, "str | None", "str | None"]]()
+_FAILED = pytest.StashKey[bool]()
+
+
+def _temp_entries() -> set[str]:
+    root = tempfile.gettempdir()
+    return {name for name in os.listdir(root)
+            if not name.startswith(("pytest-of-", *_PROCESS_LIFETIME_PREFIXES))}
+
+
+@pytest.fixture(autouse=True)
+def _leaves_no_temp_files(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test that leaves files in the temp folder (and remove them)."""
+    seeds.chosen.clear()
+    before = _temp_entries()
+    yield
+    left = sorted(_temp_entries() - before)
+    if not left:
+        return
+    root = tempfile.gettempdir()
+    for name in left:
+        path = os.path.join(root, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    pytest.fail(f"{request.node.nodeid} left files in the temp folder: {left} (use tmp_path, "
+                "or remove them)", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None],
+                              ) -> Iterator[None]:
+    """Add how to replay a failed test's random schedule to its report."""
+    report = yield
+    line = seeds.replay_line()
+    if line is not None and report.failed:
+        report.sections.append(("random schedule", line))
+    return report
 
 
 @pytest.fixture(scope="session")

@@ -41,6 +41,7 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
 import socket
 import tempfile
@@ -161,6 +162,7 @@ class RankGroup:
         self.grace_s = grace_s
         self._result_dir = tempfile.mkdtemp(prefix="streamcache-dist-")
         self._killed: set[int] = set()
+        self._joined = False
         self.results: list[RankResult] = []
         ctx = mp.get_context("spawn")
         port = free_port()
@@ -204,6 +206,10 @@ class RankGroup:
         Raises:
             RankError: on timeout (every rank is killed first), or with ``check``.
         """
+        if self._joined:  # the results were read and their folder removed
+            if check and not all(r.ok for r in self.results):
+                raise RankError(f"some ranks failed:\n{self.describe()}")
+            return self.results
         deadline = self._started + self.timeout_s
         first_failure: float | None = None
         timed_out = False
@@ -222,6 +228,10 @@ class RankGroup:
         for process in self.processes:
             process.join(timeout=10)
         self.results = [self._result(rank) for rank in range(self.world_size)]
+        # the results are read: the folder goes (a rank still alive after its join timeout
+        # has been SIGKILLed above, so nothing writes here any more)
+        shutil.rmtree(self._result_dir, ignore_errors=True)
+        self._joined = True
         if timed_out:
             raise RankError(f"ranks timed out after {self.timeout_s} s:\n{self.describe()}")
         if check and not all(r.ok for r in self.results):
