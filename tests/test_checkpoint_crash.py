@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from dist import RankGroup, run_ranks
 from loader_helpers import make_dataset
+from seeds import schedule_seed
 
 from streamcache.checkpoint import Checkpointer, ModelState, commit, layout
 from streamcache.format.checksum import checksum_file
@@ -162,7 +163,7 @@ def test_sigkill_at_random_moments_restarts_exactly(tmp_path: Path) -> None:
                           None, None)
     expected = reference[0].value["weights"]
 
-    seed = int(os.environ.get("STREAMCACHE_CRASH_SEED") or random.randrange(1 << 30))
+    seed = schedule_seed("STREAMCACHE_CRASH_SEED")
     chooser = random.Random(seed)
     seed_note = f"rerun with STREAMCACHE_CRASH_SEED={seed}:"
     phases = ["stage", "write", "upload", "before-marker", "after-marker", "time", "time"]

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from dist import RankGroup, run_ranks
 from loader_helpers import ids_of, make_dataset
+from seeds import schedule_seed
 
 from streamcache.loading.dataset import StreamDataset
 from streamcache.loading.loader import StreamLoader
@@ -74,7 +75,7 @@ def test_elastic_resume_4_2_3_ranks_with_workers(tmp_path) -> None:
     epoch0 = [ids_of(b) for b in reference_loader]
     epoch1 = [ids_of(b) for b in reference_loader]
     steps_per_epoch = len(epoch0)  # 16: 200 // 12, the partial batch is dropped
-    first = random.Random(os.getpid()).randint(1, steps_per_epoch - 3)
+    first = random.Random(schedule_seed("STREAMCACHE_RESUME_SEED")).randint(1, steps_per_epoch - 3)
 
     phase1 = run_ranks(_phase, 4, url, cache, None, first, 0, 0)
     state = phase1[0].value["state"]
@@ -179,7 +180,7 @@ def test_sigkilled_training_resumes_to_the_same_weights(tmp_path) -> None:
     expected = reference[0].value["weights"]
 
     ckpt = str(tmp_path / "run.pt")
-    kill_at = random.Random().randint(3, total - 5)
+    kill_at = random.Random(schedule_seed("STREAMCACHE_KILL_SEED")).randint(3, total - 5)
     with RankGroup(_train, 2, args=(url, cache, ckpt, total, 0.05), fail_fast=False) as group:
         deadline = time.monotonic() + 120
         while _progress(ckpt) < kill_at and time.monotonic() < deadline:
