@@ -42,13 +42,19 @@ def decode_shard(data: Any, fmt: str, schema: Schema, *, where: str,
                 table = ipc.open_stream(stream).read_all()
         else:
             table = ipc.open_file(source).read_all()
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
-        raise ShardCorruptError(
-            f"{where} is not a readable {fmt} shard ({exc}); it is truncated or corrupt: "
-            "re-fetch it, or rewrite it and rebuild the index"
-        ) from exc
+        # offsets in order and inside their values, strings UTF-8: what the casts below and
+        # the reader of the installed copy rely on
+        table.validate(full=True)
+    except SchemaError:
+        raise
     except pa.ArrowKeyError as exc:
         raise SchemaError(f"{where}: {exc}") from exc
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        # any pyarrow error: a flipped bit may read as an unknown type or a huge length
+        raise ShardCorruptError(
+            f"{where} is not a readable {fmt} shard ({type(exc).__name__}: {exc}); it is "
+            "truncated or corrupt: re-fetch it, or rewrite it and rebuild the index"
+        ) from exc
     if expected_rows is not None and table.num_rows != expected_rows:
         raise ShardCorruptError(
             f"{where} holds {table.num_rows} rows but the index says {expected_rows}; the "

@@ -128,37 +128,56 @@ class ShardReader:
     def __init__(self, path: str, schema: Schema, *, expected_rows: int | None = None) -> None:
         self.path = path
         self.schema = schema
+        self._buffers: dict[str, ColumnBuffers] = {}
         try:
             self._mmap = pa.memory_map(path, "r")
+        except FileNotFoundError:
+            raise  # gone (evicted, deleted): the caller may install it again
+        except (pa.ArrowException, OSError) as exc:
+            raise corrupt_shard_error(path, exc) from exc
+        try:
+            batch = self._read_batch()
+            self.num_rows = batch.num_rows
+            if expected_rows is not None and self.num_rows != expected_rows:
+                raise ShardCorruptError(
+                    f"{path} holds {self.num_rows} rows, the index says {expected_rows}")
+            for field in schema:
+                self._buffers[field.name] = self._column(batch, field)
+        except BaseException:
+            self.close()
+            raise
+        self._batch = batch
+
+    def _read_batch(self) -> pa.RecordBatch:
+        """The shard's one record batch, checked whole: offsets in order and inside their
+        values, strings UTF-8 (this reads the offsets, 8 bytes a row, and str values), so no
+        later read meets a contradiction."""
+        try:
             reader = ipc.open_file(self._mmap)
             if reader.num_record_batches > 1:
                 raise ShardCorruptError(
-                    f"{path} holds {reader.num_record_batches} record batches; the local "
-                    "layout has one: materialize the shard first"
-                )
-            batch = reader.get_batch(0) if reader.num_record_batches else None
-        except FileNotFoundError:
-            raise  # gone (evicted, deleted): the caller may install it again
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise ShardCorruptError(
-                f"{path} is not a readable local shard ({exc}); it is truncated or corrupt: "
-                "delete it so that it is fetched again"
-            ) from exc
-        if batch is None:  # a shard of zero rows
-            batch = pa.RecordBatch.from_arrays(
-                [pa.array([], type=f.arrow_type()) for f in schema], schema=schema.arrow_schema()
-            )
-        self.num_rows = batch.num_rows
-        if expected_rows is not None and self.num_rows != expected_rows:
-            raise ShardCorruptError(
-                f"{path} holds {self.num_rows} rows, the index says {expected_rows}"
-            )
-        self._batch = batch
-        self._buffers: dict[str, ColumnBuffers] = {}
-        for field in schema:
-            if field.name not in batch.schema.names:
-                raise SchemaError(f"{path} has no column {field.name!r}")
-            self._buffers[field.name] = column_buffers(field, batch.column(field.name))
+                    f"{self.path} holds {reader.num_record_batches} record batches; the local "
+                    "layout has one: materialize the shard first")
+            if reader.num_record_batches == 0:  # a shard of zero rows
+                return pa.RecordBatch.from_arrays(
+                    [pa.array([], type=f.arrow_type()) for f in self.schema],
+                    schema=self.schema.arrow_schema())
+            batch = reader.get_batch(0)
+            batch.validate(full=True)
+            return batch
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            # any pyarrow error: a flipped bit may read as an unknown type or a huge length
+            raise corrupt_shard_error(self.path, exc) from exc
+
+    def _column(self, batch: pa.RecordBatch, field: Field) -> ColumnBuffers:
+        if field.name not in batch.schema.names:
+            raise SchemaError(f"{self.path} has no column {field.name!r}")
+        try:
+            return column_buffers(field, batch.column(field.name))
+        except SchemaError as exc:
+            raise SchemaError(f"{self.path}: {exc}") from exc
+        except (pa.ArrowException, ValueError) as exc:
+            raise corrupt_shard_error(self.path, exc) from exc
 
     def buffers(self, name: str) -> ColumnBuffers:
         return self._buffers[name]
@@ -179,6 +198,13 @@ class ShardReader:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def corrupt_shard_error(path: str, exc: BaseException) -> ShardCorruptError:
+    """The error for a local shard that cannot be read (``exc`` says why)."""
+    return ShardCorruptError(
+        f"{path} is not a readable local shard ({type(exc).__name__}: {exc}); it is "
+        "truncated or corrupt: delete it so that it is fetched again")
 
 
 def first_row(field: Field, value: Any) -> Any:
