@@ -12,7 +12,8 @@ Server fixtures:
 
 Hygiene, for every test:
 - The temp folder (``TMPDIR``, ``tempfile.gettempdir()``) is a folder of this session's own,
-  inherited by every process a test starts, and removed at the end. A test that leaves
+  inherited by every process a test starts, and removed at the end (pass ``--basetemp DIR``
+  to keep the ``tmp_path`` folders of a run). A test that leaves
   anything in it fails (at teardown, naming what it left; the leftovers are removed), so no
   run fills the machine's temp folder. Pytest's own ``tmp_path`` folders live there too and
   are exempt (pytest owns them).
@@ -44,15 +45,14 @@ def pytest_configure(config: pytest.Config) -> None:
     """Give the session a temp folder of its own (see the module docstring)."""
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: its controller set TMPDIR
         return
-    root = tempfile.mkdtemp(prefix="streamcache-tests-")
+    root = tempfile.mkdtemp(prefix="tests-streamcache-")
     config.stash[_TEMP_ROOT] = (root, os.environ.get("TMPDIR"), tempfile.tempdir)
     os.environ["TMPDIR"] = root
     tempfile.tempdir = root
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Remove the session's temp folder; after failures it is kept (its ``tmp_path`` folders
-    show what the failed tests saw) and its path is printed."""
+    """Remove the session's temp folder (``--basetemp DIR`` keeps ``tmp_path`` folders)."""
     saved = config.stash.get(_TEMP_ROOT, None)
     if saved is None:
         return
@@ -62,18 +62,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = previous_env
-    if config.stash.get(_FAILED, False):
-        print(f"\nthe failed tests' temp files are in {root} (remove it when done)")
-    else:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    session.config.stash[_FAILED] = bool(session.testsfailed)
+    shutil.rmtree(root, ignore_errors=True)
 
 
 _TEMP_ROOT = pytest.StashKey[tuple[str, "str | None", "str | None"]]()
-_FAILED = pytest.StashKey[bool]()
 
 
 def _temp_entries() -> set[str]:
