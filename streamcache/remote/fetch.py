@@ -45,7 +45,7 @@ from .. import forksafe
 from ..format import checksum as _checksum
 from .download import _LocalIOError, write_file
 from .options import FetchOptions
-from .retry import _final_error, backoff_delay, is_transient
+from .retry import _chain, _final_error, _RequestTimeoutError, backoff_delay, is_transient
 from .transfer import Transfers, _ClosedError
 
 T = TypeVar("T")
@@ -61,6 +61,8 @@ class FetchStats:
         bytes: bytes of the objects delivered (failed attempts not counted).
         objects: objects delivered.
         failures: objects given up on (a :class:`FetchError` or a checksum mismatch raised).
+        stalls: attempts abandoned because nothing arrived for ``timeout_s`` (each is
+            also a retry, or the last attempt's failure).
     """
 
     requests: int = 0
@@ -68,6 +70,7 @@ class FetchStats:
     bytes: int = 0
     objects: int = 0
     failures: int = 0
+    stalls: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,6 +354,8 @@ class Fetcher:
                 self._count(failures=1)
                 raise error.original from None
             except Exception as error:
+                if any(isinstance(e, _RequestTimeoutError) for e in _chain(error)):
+                    self._count(stalls=1)
                 transient = is_transient(error)
                 if not transient or number == attempts_allowed:
                     self._count(failures=1)
