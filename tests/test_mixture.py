@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist import run_ranks
+from helpers.mixture_model import MixtureModel
 from helpers.resume import check_resume
 from loader_helpers import make_dataset
 
@@ -242,3 +243,81 @@ def test_replica_groups_refuse_a_mixture_clearly(urls: list[str], tmp_path: Path
     dataset = mixture(urls, tmp_path).dataset
     with pytest.raises(ConfigError, match="mixture of Sources is not supported"):
         ReplicaLoader(dataset, num_groups=2, group=0)
+
+
+# ---------------------------------------------------------------- every path against the model
+
+ISSUE_SIZES = ([20, 30], [15, 15], [12, 8])  # 50, 30 and 20 samples
+ISSUE_SHARES = (7, 2, 1)  # weights 0.7 / 0.2 / 0.1
+
+
+@pytest.fixture(scope="module")
+def issue_urls(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    root = tmp_path_factory.mktemp("mixture-issue")
+    return [make_dataset(str(root / f"s{i}"), rows) for i, rows in enumerate(ISSUE_SIZES)]
+
+
+def issue_mixture(urls: list[str], cache: Any, batch: int, **options: Any) -> StreamLoader:
+    return mixture(urls, cache, tuple(s / 10 for s in ISSUE_SHARES), batch=batch, **options)
+
+
+def issue_model(loader: StreamLoader) -> MixtureModel:
+    dataset = loader.dataset
+    return MixtureModel([list(rows) for rows in ISSUE_SIZES], ISSUE_SHARES,
+                        dataset.options.seed, dataset.shuffle)
+
+
+def _double(sample: dict[str, Any]) -> dict[str, Any]:
+    return {"y": sample["x"] * 2}
+
+
+def _double_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    return {"y": batch["x"] * 2}
+
+
+def test_an_infinite_mixture_resumed_with_another_global_batch_goes_on_exactly(issue_urls,
+                                                                              tmp_path):
+    before = issue_mixture(issue_urls, tmp_path, 1, infinite=True, shuffle=False)
+    head = _steps(before, 60)
+    state = before.state_dict()
+    assert state["cursor"]["samples_consumed"] == 60  # 11 positions short of the epoch's end
+    # a global batch of 12 no longer fits the epoch's rest: it goes on into the next epoch,
+    # read by two worker processes with a per-sample transform
+    after = issue_mixture(issue_urls, tmp_path, 12, infinite=True, shuffle=False, workers=2,
+                          transform=_double)
+    after.load_state_dict(state)
+    rest = _steps(after, 6)
+    after.close()
+    expected = issue_model(before).sequence(60 + 6 * 12)
+    assert [p for step in head for p in step] == expected[:60]
+    assert [p for step in rest for p in step] == expected[60:]
+
+
+def test_set_epoch_of_an_infinite_mixture_starts_where_an_uninterrupted_run_reaches_it(
+        issue_urls, tmp_path):
+    uninterrupted = issue_mixture(issue_urls, tmp_path, 7, infinite=True)
+    per_epoch = len(uninterrupted.dataset)  # steps of an epoch
+    steps = _steps(uninterrupted, 3 * per_epoch + 2)
+    assert uninterrupted.dataset.cursor.epoch == 3
+    jumped = issue_mixture(issue_urls, tmp_path, 7, infinite=True)
+    jumped.set_epoch(3)
+    assert _steps(jumped, 2) == steps[3 * per_epoch:]
+    model = issue_model(jumped)
+    first = model.infinite_epoch_start(3, 7)
+    assert [p for step in steps[3 * per_epoch:] for p in step] == \
+        model.sequence(first + 14)[first:]
+    # back to an earlier epoch, and on to a later one from the middle of an epoch
+    jumped.set_epoch(1)
+    assert _steps(jumped, 1) == [steps[per_epoch]]
+    jumped.set_epoch(3)
+    assert _steps(jumped, 1) == [steps[3 * per_epoch]]
+
+
+@pytest.mark.parametrize("kind", ["transform", "batch_transform"])
+def test_transforms_keep_source_and_id(urls, tmp_path, kind):
+    plain = _steps(mixture(urls, tmp_path), 4)
+    function = _double if kind == "transform" else _double_batch
+    transformed = mixture(urls, tmp_path, **{kind: function})
+    for step, batch in zip(plain, transformed, strict=False):
+        assert pairs(batch) == step  # __source__ and __id__ name the sample of the mixture
+        assert batch["y"].tolist() == [2 * i for _, i in step]

@@ -8,7 +8,8 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from helpers.mixture_model import MixtureModel, Sample
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from streamcache.plan import CursorMismatchError, PlanError, ShuffleOptions, TailPolicy
@@ -273,3 +274,58 @@ def test_mixture_order_answers_as_an_epoch_order_does():
     used, firsts = order.shard_first_use(0, order.num_samples)
     for shard, position in zip(used.tolist(), firsts.tolist(), strict=True):
         assert shards[position] == shard and shard not in shards[:position]
+
+
+# ---------------------------------------------------------------- against the reference model
+
+def combined(samples: list[Sample]) -> list[int]:
+    """The model's (source, id) as the plan's combined ids."""
+    base = np.cumsum([0, *SIZES])
+    return [int(base[s]) + i for s, i in samples]
+
+
+plans = st.lists(st.tuples(st.sampled_from([1, 2, 3, 4, 6, 8]), st.integers(0, 9)),
+                 min_size=1, max_size=4)
+
+
+@FAST
+@given(shares=st.tuples(*(st.integers(1, 5) for _ in ROWS)), infinite=st.booleans(),
+       plan=plans, topologies=st.lists(topology, min_size=4, max_size=4))
+def test_batches_follow_the_model_across_resumes_with_other_batch_sizes(shares, infinite,
+                                                                        plan, topologies):
+    model = MixtureModel(ROWS, shares, 3, SHUFFLE)
+    assume(model.epoch_length() >= max(b for b, _ in plan))  # else no step fits an epoch
+    fresh, orders = make(ROWS, shares, infinite=infinite)
+    cursor, got = fresh, []
+    for (batch, steps), (world, workers) in zip(plan, topologies, strict=False):
+        world = world if batch % world == 0 else 1
+        cursor = MixtureCursor.load(json.loads(json.dumps(cursor.to_dict())), fresh)
+        read, cursor = run(cursor, orders, steps, batch, world, workers)
+        got += read
+    assert got == [combined(b) for b in model.batches(infinite, plan)]
+
+
+@FAST
+@given(shares=st.tuples(*(st.integers(1, 5) for _ in ROWS)), batch=st.integers(1, 8),
+       epoch=st.integers(0, 4), before=st.integers(0, 12), infinite=st.booleans())
+def test_set_epoch_starts_where_an_uninterrupted_run_reaches_the_epoch(shares, batch, epoch,
+                                                                      before, infinite):
+    model = MixtureModel(ROWS, shares, 3, SHUFFLE)
+    length = model.epoch_length()
+    assume(length >= batch)
+    fresh, orders = make(ROWS, shares, infinite=infinite)
+    _, cursor = run(fresh, orders, before, batch)  # set_epoch from anywhere in the run
+    started = cursor.at_epoch(epoch, batch, TailPolicy.DROP)
+    assert started.epoch == epoch and started.samples_consumed == 0
+    read, _ = run(started, orders, min(3, length // batch), batch)
+    if infinite:
+        first = model.infinite_epoch_start(epoch, batch)
+        assert started.position == first
+        assert flat(read) == combined(model.sequence(first + len(flat(read)))[first:])
+        # the uninterrupted run is at that very position when its epoch begins
+        steps = length // batch
+        _, reached = run(fresh, orders, epoch * steps, batch)
+        assert (reached.epoch, reached.samples_consumed) == (epoch, 0)
+        assert reached.position == first
+    else:
+        assert flat(read) == combined(model.finite_epoch(epoch))[:len(flat(read))]

@@ -31,6 +31,9 @@ from ..plan.bijection import derive_key, derive_keys
 ID_KEY = "__id__"
 SEED_KEY = "__seed__"
 PADDING_KEY = "__padding__"
+SOURCE_KEY = "__source__"  # a mixture's batches: each sample's source (index in the list)
+#: What a batch says about its samples for the plan; put back when a transform drops them.
+BOOKKEEPING_KEYS = (ID_KEY, SOURCE_KEY, PADDING_KEY)
 RAGGED_MODES = ("padded", "offsets")
 _STEP_SEED_TAG = 0x5354_4550  # distinguishes step seeds from every other derived key
 # The global RNGs of a sample are seeded from its __seed__ folded with this key, so that they
@@ -191,10 +194,11 @@ def apply_sample_transform(arrays: Mapping[str, Any], fields: Mapping[str, Field
     Each call runs with the global RNGs seeded from its sample's ``__seed__`` (the caller
     restores them afterwards), so even a transform that draws from ``random``,
     ``numpy.random`` or ``torch.rand`` gives a sample the same result on any world size,
-    worker count, batch size or resume. ``__id__`` (and ``__padding__``) are put back on the
-    collated batch when the transform dropped them, so every batch can be checked against
-    the plan. ``collate`` None means torch's ``default_collate``, for which the transform
-    must return dicts; a custom ``collate`` batches whatever the transform returns.
+    worker count, batch size or resume. The bookkeeping keys (``__id__``, a mixture's
+    ``__source__``, ``__padding__``) are put back on the collated batch when the transform
+    dropped them, so every batch can be checked against the plan. ``collate`` None means
+    torch's ``default_collate``, for which the transform must return dicts; a custom
+    ``collate`` batches whatever the transform returns.
 
     Raises:
         TransformError: with the default collate, the transform returned no dict.
@@ -212,7 +216,7 @@ def apply_sample_transform(arrays: Mapping[str, Any], fields: Mapping[str, Field
         outputs.append(output)
     batch = (collate or default_collate)(outputs)
     if isinstance(batch, dict):
-        for key in (ID_KEY, PADDING_KEY):
+        for key in BOOKKEEPING_KEYS:
             if key in arrays and key not in batch:
                 batch[key] = _tensor(np.asarray(arrays[key]))
     return batch
@@ -225,7 +229,9 @@ def apply_batch_transform(arrays: dict[str, Any],
     It runs with the global RNGs seeded from the batch's first sample (its ``__seed__``; an
     empty batch, from the step): a rerun or a resume draws the same for the same batch, and
     ranks draw differently. A batch depends on the world size, so these draws do too: for
-    augmentation that does not, draw per sample from ``__seed__``.
+    augmentation that does not, draw per sample from ``__seed__``. The bookkeeping keys
+    (``__id__``, ``__source__``, ``__padding__``) the output lacks are put back (a transform
+    that changes the number of rows sets its own).
 
     Raises:
         TransformError: the transform returned something other than a dict.
@@ -236,7 +242,10 @@ def apply_batch_transform(arrays: dict[str, Any],
     ids = arrays.get(ID_KEY)
     what = (f"the batch starting at __id__ {int(ids[0])}" if ids is not None and len(ids)
             else "an empty batch")
-    return check_transform_output(transform(arrays), transform, "batch_transform", what)
+    kept = {key: arrays[key] for key in BOOKKEEPING_KEYS if key in arrays}
+    output = check_transform_output(transform(arrays), transform, "batch_transform", what)
+    dropped = {key: value for key, value in kept.items() if key not in output}
+    return {**output, **dropped} if dropped else output
 
 
 def empty_like(batch: Any) -> Any:

@@ -261,8 +261,13 @@ class StreamDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning at the next iteration; the epoch the
         cursor is in already keeps its cursor (``set_epoch`` before every epoch, as with a
-        DistributedSampler, also right after a mid-epoch resume)."""
-        self.cursor = self._feed.at_epoch(self.cursor, epoch)
+        DistributedSampler, also right after a mid-epoch resume). An infinite mixture's
+        epoch starts where a run with this global batch reaches it (docs/mixtures.md)."""
+        if isinstance(self._feed, MixtureFeed):
+            self.cursor = self._feed.at_epoch(self.cursor, epoch, lambda: self.global_batch,
+                                              self.tail)
+        else:
+            self.cursor = self._feed.at_epoch(self.cursor, epoch)
 
     def load_cursor(self, data: Any) -> Any:
         """A saved cursor of this dataset, checked (strict), ready to replace :attr:`cursor`."""
@@ -313,6 +318,8 @@ class StreamDataset(IterableDataset):
         schedule = schedule or self.schedule()
         assignment = self.locality.assignment
         for epoch, segment, first in schedule.segments():
+            if segment.num_steps == 0:  # a rest shorter than a global batch: nothing to read
+                continue  # (and its cursor is the next epoch's, which has no order for it)
             # the epoch's start as this schedule reaches it (a mixture's may depend on it)
             start: Any = schedule.cursor_after(first)
             order = self._feed.order(start, epoch)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -23,7 +23,7 @@ from ..cache.prefetch import Prefetcher
 from ..errors import CacheBudgetError, ConfigError
 from ..format.index import DatasetIndex, load_index
 from ..format.schema import Schema
-from ..plan import EpochOrder, ShuffleOptions
+from ..plan import EpochOrder, ShuffleOptions, TailPolicy
 from ..plan.mixture import MixtureOrder, SourceOrders, SourceShape, shares_of, source_seed
 from ..plan.mixture_cursor import MixtureCursor, SourceKey
 from .batching import ID_KEY
@@ -91,8 +91,13 @@ class MixtureFeed(FeedBase):
         return MixtureCursor.start(self.keys, self.shares, self.options.seed, self.shuffle,
                                    self.options.infinite)
 
-    def at_epoch(self, cursor: MixtureCursor, epoch: int) -> MixtureCursor:
-        return cursor if epoch == cursor.epoch else cursor.at_epoch(epoch)
+    def at_epoch(self, cursor: MixtureCursor, epoch: int, global_batch: Callable[[], int],
+                 tail: TailPolicy) -> MixtureCursor:
+        """The start of ``epoch`` (the cursor itself when it is in that epoch already); an
+        infinite mixture's as a schedule of ``global_batch()`` reaches it."""
+        if epoch == cursor.epoch:
+            return cursor
+        return cursor.at_epoch(epoch, global_batch() if cursor.infinite else None, tail)
 
     def load_cursor(self, data: Any, current: MixtureCursor) -> MixtureCursor:
         """The saved cursor, checked against this mixture, with today's weights from the

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..format.index import DatasetIndex
+from .batching import SOURCE_KEY
 
 
 @dataclass(frozen=True)
@@ -80,23 +81,16 @@ def _positive(value: Any) -> bool:
 
 class SourceTransforms:
     """The per-sample transform of a mixture: each sample's source's own, else the dataset's;
-    a sample of a source with neither passes unchanged. Puts ``__source__`` back on a dict
-    output that dropped it. Picklable (for worker processes) when the transforms are."""
+    a sample of a source with neither passes unchanged (the batch gets ``__source__`` back
+    from :func:`~streamcache.loading.batching.apply_sample_transform`, as ``__id__``).
+    Picklable (for worker processes) when the transforms are."""
 
     def __init__(self, transforms: Sequence[Callable[[dict[str, Any]], Any] | None],
                  default: Callable[[dict[str, Any]], Any] | None) -> None:
         self.transforms = [t or default for t in transforms]
 
     def __call__(self, sample: dict[str, Any]) -> Any:
-        source = int(sample[SOURCE_KEY])
-        transform = self.transforms[source]
-        output = sample if transform is None else transform(sample)
-        if isinstance(output, dict) and SOURCE_KEY not in output:
-            output = {**output, SOURCE_KEY: source}
-        return output
-
-
-#: The batch key holding each sample's source (its index in the dataset's list of sources).
-SOURCE_KEY = "__source__"
+        transform = self.transforms[int(sample[SOURCE_KEY])]
+        return sample if transform is None else transform(sample)
 
 __all__ = ["SOURCE_KEY", "Source", "SourceTransforms"]

@@ -158,9 +158,21 @@ class MixtureCursor:
                                    samples_consumed=0, phases=(phase,),
                                    num_samples=self.next_num_samples)
 
-    def at_epoch(self, epoch: int) -> MixtureCursor:
+    def at_epoch(self, epoch: int, global_batch: int | None = None,
+                 tail: TailPolicy | str = TailPolicy.DROP) -> MixtureCursor:
         """The start of ``epoch``: this epoch's start, a later epoch as reached from here,
-        an earlier one as a fresh run with today's shares would reach it."""
+        an earlier one as a fresh run with today's shares would reach it.
+
+        An infinite mixture's epoch is the steps of one epoch length read in global batches
+        of ``global_batch`` (required for it) with ``tail``: with ``"drop"`` the positions a
+        global batch does not fill are read first in the next epoch, so where an epoch
+        starts depends on the global batch (docs/mixtures.md, "Epochs").
+        """
+        if self.infinite:
+            if global_batch is None:
+                raise PlanError("where an infinite mixture's epoch starts depends on the "
+                                "global batch; give it")
+            return self._infinite_epoch(epoch, global_batch, tail)
         if epoch >= self.epoch:
             plan = self.epoch_plan(epoch)
             return dataclasses.replace(self, epoch=epoch, epoch_start=plan.start,
@@ -169,6 +181,23 @@ class MixtureCursor:
         fresh = MixtureCursor.start(self.sources, self.shares, self.seed, self.shuffle,
                                     self.infinite)
         return fresh.at_epoch(epoch)
+
+    def _infinite_epoch(self, epoch: int, global_batch: int,
+                        tail: TailPolicy | str) -> MixtureCursor:
+        """:meth:`at_epoch` of an infinite mixture: the rest of this epoch in steps of
+        ``global_batch``, then whole epochs of the same steps, as a schedule reads them."""
+        if epoch < self.epoch:
+            fresh = MixtureCursor.start(self.sources, self.shares, self.seed, self.shuffle,
+                                        self.infinite)
+            return fresh._infinite_epoch(epoch, global_batch, tail)
+        if epoch == self.epoch:
+            return dataclasses.replace(self, samples_consumed=0)
+        rest = self.segment(global_batch, 1, tail)
+        after = self.advanced(rest, rest.num_steps)
+        whole = EpochSegment(after.num_samples, 0, global_batch, 1, tail_policy(tail))
+        read = whole.samples_consumed_after(whole.num_steps)  # positions an epoch reads
+        return dataclasses.replace(after, epoch=epoch,
+                                   epoch_start=after.epoch_start + (epoch - after.epoch) * read)
 
     def with_shares(self, shares: tuple[int, ...]) -> MixtureCursor:
         """New weights from the cursor on: a phase starts here with every source's count, so
