@@ -15,6 +15,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <exception>
@@ -26,6 +27,7 @@
 
 #include "gather.h"
 #include "scheduler.h"
+#include "seeding.h"
 #include "thread_pool.h"
 #include "xxh64.h"
 
@@ -38,6 +40,7 @@ using Bytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::
 using Int32s = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Int64s = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using MutInt64s = nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using MutInt32s = nb::ndarray<int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using MutAny = nb::ndarray<nb::c_contig, nb::device::cpu>;
 
 using StatusTuple = std::tuple<int, int64_t, std::string>;
@@ -180,6 +183,21 @@ StatusTuple py_gather_var(const std::vector<Bytes>& values, const std::vector<In
   return to_tuple(s);
 }
 
+// Keeps the GIL (an exception to the rule): the job takes a microsecond or two, less than
+// releasing and taking back the GIL would cost.
+std::tuple<int, int64_t, std::string, int64_t> py_group_shards(const Int64s& shards,
+                                                               MutInt64s& unique_out,
+                                                               MutInt32s& which_out) {
+  const size_t n = shards.size();
+  if (unique_out.size() < n || which_out.size() != n) {
+    Status s = Status::Error(StatusCode::kInvalid, -1,
+                             "unique_out must hold len(shards) entries and which_out exactly as many");
+    return {static_cast<int>(s.code), s.item, s.message, 0};
+  }
+  size_t k = group_values(shards.data(), n, unique_out.data(), which_out.data());
+  return {0, -1, std::string(), static_cast<int64_t>(k)};
+}
+
 // One Python bytes object per row, each filled by one copy from the shards. The objects are
 // made with the GIL held, as empty buffers of the rows' sizes (PyBytes_FromStringAndSize with
 // no data), and the pool threads then write only into those buffers, never into an object's
@@ -229,6 +247,147 @@ std::tuple<int, int64_t, std::string, nb::list> py_gather_bytes(const std::vecto
     for (auto& object : objects) result.append(object);
   }
   return {static_cast<int>(s.code), s.item, s.message, result};
+}
+
+// An XXH64 over several buffers (a file checksummed while it is written). update() releases
+// the GIL for the hash; a mutex keeps two threads from updating one state at once.
+class StreamingXxh64 {
+ public:
+  explicit StreamingXxh64(uint64_t seed) : state_(seed) {}
+
+  void update(const Bytes& data) {
+    const uint8_t* ptr = data.data();
+    size_t len = data.size();
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mutex_);
+    state_.update(ptr, len);
+  }
+
+  uint64_t digest() {
+    nb::gil_scoped_release release;  // waits for an update in flight on another thread
+    std::lock_guard<std::mutex> lock(mutex_);
+    return state_.digest();
+  }
+
+ private:
+  std::mutex mutex_;
+  Xxh64 state_;
+};
+
+void bind_xxh64(nb::module_& m) {
+  nb::class_<StreamingXxh64>(m, "Xxh64", "XXH64 of the concatenation of every buffer given to update().")
+      .def(nb::init<uint64_t>(), nb::arg("seed") = 0)
+      .def("update", &StreamingXxh64::update, nb::arg("data").noconvert(),
+           "Add a contiguous byte buffer (GIL released).")
+      .def("digest", &StreamingXxh64::digest,
+           "XXH64 of everything added so far (more may be added after).");
+}
+
+// ---------------------------------------------------------------- global generators
+// GlobalRngs breaks the GIL rule's "never touch a Python object" on purpose, with the GIL
+// held: seeding the three global generators per sample through their own seeding functions
+// cost about 8 us a sample (Python's init_by_array alone 4.6), more than a light transform.
+// It writes the generators' states directly, in the layouts below, which their projects do
+// not export: streamcache/_native.py checks every layout once per process against the
+// public getstate/get_state of each library (and uses the Python twin, which sets the same
+// states through those public functions, if one differs).
+
+// CPython's _random.Random (Modules/_randommodule.c): the head, the index, the state.
+struct PyRandomLayout {
+  PyObject_HEAD
+  int index;
+  uint32_t state[kMtStateWords];
+};
+
+// numpy's mt19937_state (numpy/random/src/mt19937/mt19937.h), at its ctypes.state_address.
+struct NumpyMtLayout {
+  uint32_t key[kMtStateWords];
+  int pos;
+};
+
+// The bytes torch.Generator.get_state() returns for a CPU generator (CPUGeneratorImplState in
+// aten/src/ATen/CPUGeneratorImpl.cpp): a legacy 64-bit-per-word layout plus the float cache.
+constexpr size_t kTorchStateBytes = 5056;
+constexpr size_t kTorchStateWordsAt = 24;
+
+class GlobalRngs {
+ public:
+  GlobalRngs(nb::object python_random, nb::object numpy_random_state,
+             nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> torch_state)
+      : python_(std::move(python_random)), torch_state_(std::move(torch_state)) {
+    nb::object random_type = nb::module_::import_("random").attr("Random");
+    nb::object base_type = nb::module_::import_("_random").attr("Random");
+    if (!PyObject_TypeCheck(python_.ptr(), reinterpret_cast<PyTypeObject*>(random_type.ptr())) ||
+        reinterpret_cast<PyTypeObject*>(base_type.ptr())->tp_basicsize !=
+            static_cast<Py_ssize_t>(sizeof(PyRandomLayout))) {
+      throw nb::type_error("python_random must be a random.Random of the expected layout");
+    }
+    numpy_bit_generator_ = numpy_random_state.attr("_bit_generator");
+    if (nb::cast<std::string>(numpy_bit_generator_.type().attr("__name__")) != "MT19937") {
+      throw nb::type_error("numpy_random_state must draw from an MT19937 bit generator");
+    }
+    numpy_ = reinterpret_cast<NumpyMtLayout*>(
+        nb::cast<uintptr_t>(numpy_bit_generator_.attr("ctypes").attr("state_address")));
+    if (torch_state_.size() != kTorchStateBytes) {
+      throw nb::value_error("torch_state must hold the 5056 bytes of a CPU generator's state");
+    }
+  }
+
+  // Sets Python's generator (and clears its cached gauss) and the torch state buffer to the
+  // states of `seed`, and numpy's when `force_numpy` is true or its state is still what the
+  // last call wrote. Else (numpy was drawn from since, which may have left a cached normal
+  // that only numpy's own seeding clears) writes nothing and returns false.
+  bool seed(uint64_t seed, bool force_numpy) {
+    if (!force_numpy && !(numpy_written_ && numpy_->pos == static_cast<int>(kMtStateWords) &&
+                          std::memcmp(numpy_->key, numpy_words_.data(), sizeof numpy_->key) == 0)) {
+      return false;
+    }
+    auto* random = reinterpret_cast<PyRandomLayout*>(python_.ptr());
+    mt_state_words(seed, kStreamPython, random->state, kMtStateWords);
+    random->index = static_cast<int>(kMtStateWords);
+    nb::setattr(python_, "gauss_next", nb::none());
+    mt_state_words(seed, kStreamNumpy, numpy_words_.data(), kMtStateWords);
+    std::memcpy(numpy_->key, numpy_words_.data(), sizeof numpy_->key);
+    numpy_->pos = static_cast<int>(kMtStateWords);
+    numpy_written_ = true;
+    write_torch_state(seed);
+    return true;
+  }
+
+ private:
+  void write_torch_state(uint64_t seed) {
+    uint8_t* out = torch_state_.data();
+    std::array<uint32_t, kMtStateWords> words;
+    mt_state_words(seed, kStreamTorch, words.data(), kMtStateWords);
+    std::memset(out, 0, kTorchStateBytes);  // no cached normals
+    const int32_t left = 1, seeded = 1;  // as after manual_seed: the next draw twists
+    std::memcpy(out, &seed, 8);
+    std::memcpy(out + 8, &left, 4);
+    std::memcpy(out + 12, &seeded, 4);
+    for (size_t i = 0; i < kMtStateWords; ++i) {
+      const uint64_t word = words[i];
+      std::memcpy(out + kTorchStateWordsAt + 8 * i, &word, 8);
+    }
+  }
+
+  nb::object python_;
+  nb::object numpy_bit_generator_;  // keeps the state that numpy_ points into alive
+  NumpyMtLayout* numpy_ = nullptr;
+  nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> torch_state_;
+  std::array<uint32_t, kMtStateWords> numpy_words_{};
+  bool numpy_written_ = false;
+};
+
+void bind_global_rngs(nb::module_& m) {
+  nb::class_<GlobalRngs>(m, "GlobalRngs",
+                         "Sets the global generators of Python, numpy and torch per sample.")
+      .def(nb::init<nb::object, nb::object,
+                    nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(),
+           nb::arg("python_random"), nb::arg("numpy_random_state"),
+           nb::arg("torch_state").noconvert())
+      .def("seed", &GlobalRngs::seed, nb::arg("seed"), nb::arg("force_numpy"),
+           "Set the generators to the states of seed (see csrc/bindings.cpp); False: numpy was "
+           "drawn from since the last call and force_numpy is false, nothing written.");
 }
 
 // ---------------------------------------------------------------- test support
@@ -350,6 +509,10 @@ NB_MODULE(_core, m) {
         nb::arg("offsets").noconvert(), nb::arg("which").noconvert(), nb::arg("rows").noconvert(),
         "Rows of byte columns as one bytes object each, one copy per row; returns (code, item, "
         "message, list of bytes).");
+  m.def("group_shards", &py_group_shards, nb::arg("shards").noconvert(),
+        nb::arg("unique_out").noconvert(), nb::arg("which_out").noconvert(),
+        "The distinct shards of a batch in increasing order into unique_out, each row's "
+        "position among them into which_out; returns (code, item, message, count).");
   m.def("set_num_threads", [](size_t n) { set_global_pool_size(n); }, nb::arg("threads"),
         "Size of the native thread pool (0 = hardware concurrency).");
   m.def("get_num_threads", []() { return global_pool_size(); },
@@ -360,4 +523,6 @@ NB_MODULE(_core, m) {
         "(tests) Open or close the gate that _test_pool_job's block_at chunk waits for; "
         "returns how many chunks wait at it.");
   bind_scheduler(m);
+  bind_global_rngs(m);
+  bind_xxh64(m);
 }

@@ -1,5 +1,6 @@
 #include "gather.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <limits>
@@ -13,6 +14,14 @@ namespace {
 
 // Below this many bytes a batch is copied on the calling thread: waking the pool costs more.
 constexpr size_t kParallelBytes = 1 << 20;
+// Above it, threads claim chunks of about this many bytes.
+constexpr size_t kChunkBytes = 256 << 10;
+
+// Rows per chunk for a job of `rows` rows and `bytes` bytes in all.
+size_t rows_per_chunk(size_t rows, size_t bytes) {
+  const size_t row_bytes = std::max<size_t>(1, bytes / std::max<size_t>(1, rows));
+  return std::max<size_t>(1, kChunkBytes / row_bytes);
+}
 
 std::string row_message(size_t i, int32_t shard, int64_t row) {
   return "batch item " + std::to_string(i) + " asks for shard " + std::to_string(shard) +
@@ -115,7 +124,7 @@ Status gather_fixed(const std::vector<Span>& sources, size_t stride, const int32
   if (n * stride < kParallelBytes) {
     body(0, n);
   } else {
-    global_pool().parallel_for(n, 1, body);
+    global_pool().parallel_for(n, rows_per_chunk(n, n * stride), body);
   }
   return error.take();
 }
@@ -187,10 +196,11 @@ Status gather_var(const std::vector<VarSource>& sources, size_t elem_size, const
       }
     }
   };
-  if (static_cast<size_t>(last) * elem_size < kParallelBytes) {
+  const size_t total_bytes = static_cast<size_t>(last) * elem_size;
+  if (total_bytes < kParallelBytes) {
     body(0, n);
   } else {
-    global_pool().parallel_for(n, 1, body);
+    global_pool().parallel_for(n, rows_per_chunk(n, total_bytes), body);
   }
   return error.take();
 }
@@ -222,9 +232,31 @@ Status gather_var_rows(const std::vector<VarSource>& sources, size_t elem_size,
   if (last < 0 || static_cast<size_t>(last) * elem_size < kParallelBytes) {
     body(0, n);
   } else {
-    global_pool().parallel_for(n, 1, body);
+    global_pool().parallel_for(n, rows_per_chunk(n, static_cast<size_t>(last) * elem_size),
+                               body);
   }
   return error.take();
+}
+
+size_t group_values(const int64_t* values, size_t n, int64_t* unique_out, int32_t* which) {
+  // A batch reads a few shards: collect them with a linear scan while they are few, else sort.
+  constexpr size_t kFew = 16;
+  size_t k = 0;
+  for (size_t i = 0; i < n && k <= kFew; ++i) {
+    if (std::find(unique_out, unique_out + k, values[i]) == unique_out + k) unique_out[k++] = values[i];
+  }
+  if (k > kFew) {
+    std::copy(values, values + n, unique_out);
+    std::sort(unique_out, unique_out + n);
+    k = static_cast<size_t>(std::unique(unique_out, unique_out + n) - unique_out);
+  } else {
+    std::sort(unique_out, unique_out + k);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    which[i] = static_cast<int32_t>(std::lower_bound(unique_out, unique_out + k, values[i]) -
+                                    unique_out);
+  }
+  return k;
 }
 
 }  // namespace streamcache

@@ -76,7 +76,7 @@ void ThreadPool::parallel_for(size_t n, size_t grain,
                               const std::function<void(size_t, size_t)>& fn) {
   if (n == 0) return;
   grain = std::max<size_t>(grain, 1);
-  size_t chunks = std::min(size(), (n + grain - 1) / grain);
+  size_t chunks = std::min(size() * kChunksPerThread, (n + grain - 1) / grain);
   if (chunks <= 1) {
     fn(0, n);
     return;

@@ -27,9 +27,12 @@ class ThreadPool {
 
   size_t size() const { return workers_.size() + 1; }
 
-  // Run fn(begin, end) over [0, n) split into at most size() contiguous chunks of at least
-  // `grain` items. The calling thread takes chunks too, so a job finishes even when every
-  // worker is busy with another caller's job. Returns when every chunk of *this* call is done
+  static constexpr size_t kChunksPerThread = 4;
+
+  // Run fn(begin, end) over [0, n) split into contiguous chunks of at least `grain` items,
+  // at most kChunksPerThread per thread. Threads claim chunks one at a time, the calling
+  // thread too, so a job finishes even when every worker is busy with another caller's job,
+  // and a worker the OS leaves unscheduled (a loaded machine) holds up one small chunk. Returns when every chunk of *this* call is done
   // (concurrent calls do not wait for each other). An exception thrown by fn in any thread is
   // rethrown here, after every chunk has finished; the chunks not yet started are skipped.
   void parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn);

@@ -32,6 +32,11 @@ def gather_bytes(values: Sequence[Annotated[NDArray[numpy.uint8], dict(shape=(No
     Rows of byte columns as one bytes object each, one copy per row; returns (code, item, message, list of bytes).
     """
 
+def group_shards(shards: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], unique_out: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')], which_out: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu')]) -> tuple[int, int, str, int]:
+    """
+    The distinct shards of a batch in increasing order into unique_out, each row's position among them into which_out; returns (code, item, message, count).
+    """
+
 def set_num_threads(threads: int) -> None:
     """Size of the native thread pool (0 = hardware concurrency)."""
 
@@ -78,3 +83,24 @@ class Scheduler:
     def inflight_bytes(self) -> int: ...
 
     def queued(self) -> int: ...
+
+class GlobalRngs:
+    """Sets the global generators of Python, numpy and torch per sample."""
+
+    def __init__(self, python_random: object, numpy_random_state: object, torch_state: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu')]) -> None: ...
+
+    def seed(self, seed: int, force_numpy: bool) -> bool:
+        """
+        Set the generators to the states of seed (see csrc/bindings.cpp); False: numpy was drawn from since the last call and force_numpy is false, nothing written.
+        """
+
+class Xxh64:
+    """XXH64 of the concatenation of every buffer given to update()."""
+
+    def __init__(self, seed: int = 0) -> None: ...
+
+    def update(self, data: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> None:
+        """Add a contiguous byte buffer (GIL released)."""
+
+    def digest(self) -> int:
+        """XXH64 of everything added so far (more may be added after)."""

@@ -42,6 +42,19 @@ class _SchedulerImpl(Protocol):
     def queued(self) -> int: ...
 
 
+class _GlobalRngsImpl(Protocol):
+    """``_core.GlobalRngs`` and ``_twin.GlobalRngs``; see csrc/bindings.cpp."""
+
+    def seed(self, seed: int, force_numpy: bool) -> bool: ...
+
+
+class _Xxh64Impl(Protocol):
+    """``_core.Xxh64`` and ``_twin.Xxh64``."""
+
+    def update(self, data: np.ndarray) -> None: ...
+    def digest(self) -> int: ...
+
+
 class Backend(Protocol):
     """What the extension and its twin both provide, as modules.
 
@@ -61,10 +74,16 @@ class Backend(Protocol):
                    out_offsets: np.ndarray, out_values: np.ndarray) -> tuple[int, int, str]: ...
     def gather_bytes(self, values: Sequence[np.ndarray], offsets: Sequence[np.ndarray],
                      which: np.ndarray, rows: np.ndarray) -> tuple[int, int, str, list[Any]]: ...
+    def group_shards(self, shards: np.ndarray, unique_out: np.ndarray,
+                     which_out: np.ndarray) -> tuple[int, int, str, int]: ...
     def set_num_threads(self, threads: int) -> None: ...
     def get_num_threads(self) -> int: ...
     @property
     def Scheduler(self) -> Callable[[int], _SchedulerImpl]: ...  # a class in both modules
+    @property
+    def GlobalRngs(self) -> Callable[[Any, Any, np.ndarray], _GlobalRngsImpl]: ...
+    @property
+    def Xxh64(self) -> Callable[[int], _Xxh64Impl]: ...
 
 
 _compiled: Backend | None
@@ -242,6 +261,57 @@ def gather_bytes(
                                                   np.zeros(1, np.int64)))
     _raise(code, item, message)
     return list(result)
+
+
+def group_shards(shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct shards of a batch in increasing order, and each row's position among them
+    (int32): ``numpy.unique(shards, return_inverse=True)``, in a microsecond or two.
+
+    Raises:
+        NativeError: ``shards`` is not a one-dimensional C-contiguous int64 array.
+    """
+    unique = np.empty(len(shards), dtype=np.int64)
+    which = np.empty(len(shards), dtype=np.int32)
+    try:
+        code, item, message, count = _backend.group_shards(shards, unique, which)
+    except TypeError as exc:
+        _refused(exc, _twin_checks.array_problem_status("group_shards", "shards", shards,
+                                                        np.dtype(np.int64)))
+    _raise(code, item, message)
+    return unique[:count], which
+
+
+def global_rngs(python_random: Any, numpy_random_state: Any,
+                torch_state: np.ndarray) -> _GlobalRngsImpl:
+    """The active backend's ``GlobalRngs`` over these generators (see csrc/bindings.cpp; the
+    caller checks the native one against the twin before trusting it:
+    :mod:`streamcache.loading.seeding`)."""
+    return _backend.GlobalRngs(python_random, numpy_random_state, torch_state)
+
+
+def twin_global_rngs(python_random: Any, numpy_random_state: Any,
+                     torch_state: np.ndarray) -> _GlobalRngsImpl:
+    """The twin's ``GlobalRngs`` (the reference the native one is checked against)."""
+    return _twin.GlobalRngs(python_random, numpy_random_state, torch_state)
+
+
+class Xxh64:
+    """XXH64 of everything given to :meth:`update`, in order (a file checksummed while it is
+    written gives the digest :func:`xxh64_file` gives for the whole file).
+
+    Thread safety: any thread may call; the native update releases the GIL.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self._impl = _backend.Xxh64(int(seed))
+
+    def update(self, data: Any) -> None:
+        """Add a contiguous buffer (bytes, memoryview, numpy array)."""
+        buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+        self._impl.update(buf.reshape(-1).view(np.uint8))
+
+    def digest(self) -> int:
+        return int(self._impl.digest())
 
 
 def set_num_threads(threads: int) -> None:

@@ -22,10 +22,12 @@ from ._twin_checks import (
     OK,
     OUT_OF_RANGE,
     Status,
+    array_problem,
     check_fixed_args,
     check_var_args,
     check_var_request,
 )
+from ._twin_rngs import GlobalRngs as GlobalRngs  # the Backend protocol's GlobalRngs
 from ._twin_scheduler import Scheduler as Scheduler  # the Backend protocol's Scheduler
 
 _MASK = (1 << 64) - 1
@@ -97,6 +99,19 @@ class _Xxh64:
         h = (h * _P3) & _MASK
         h ^= h >> 32
         return h
+
+
+class Xxh64:
+    """XXH64 of the concatenation of every buffer given to :meth:`update`."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._state = _Xxh64(seed)
+
+    def update(self, data: np.ndarray) -> None:
+        self._state.update(np.ascontiguousarray(data).tobytes())
+
+    def digest(self) -> int:
+        return self._state.digest()
 
 
 def xxh64(data: np.ndarray, seed: int = 0) -> int:
@@ -253,6 +268,25 @@ def gather_bytes(
         values[shard][int(offsets[shard][row]):int(offsets[shard][row + 1])].tobytes()
         for shard, row in zip(which.tolist(), rows.tolist(), strict=True)
     ]
+
+
+def group_shards(shards: np.ndarray, unique_out: np.ndarray,
+                 which_out: np.ndarray) -> tuple[int, int, str, int]:
+    """The distinct shards in increasing order into ``unique_out``, each row's position among
+    them into ``which_out``; returns (code, item, message, count)."""
+    for name, array, dtype in (("shards", shards, np.dtype(np.int64)),
+                               ("unique_out", unique_out, np.dtype(np.int64)),
+                               ("which_out", which_out, np.dtype(np.int32))):
+        if (problem := array_problem(name, array, dtype=dtype,
+                                     writable=name != "shards")) is not None:
+            return INVALID, -1, problem, 0
+    if len(unique_out) < len(shards) or len(which_out) != len(shards):
+        return INVALID, -1, ("unique_out must hold len(shards) entries and which_out exactly "
+                             "as many"), 0
+    unique, which = np.unique(shards, return_inverse=True)
+    unique_out[:len(unique)] = unique
+    which_out[:] = which
+    return OK, -1, "", len(unique)
 
 
 def set_num_threads(threads: int) -> None:

@@ -39,6 +39,13 @@ def array_problem(name: str, array: object, dtype: np.dtype | None = None, *,
     return None
 
 
+def array_problem_status(function: str, name: str, array: object,
+                         dtype: np.dtype) -> Status | None:
+    """:func:`array_problem` of one input array as a status naming ``function``, or None."""
+    problem = array_problem(name, array, dtype)
+    return None if problem is None else (INVALID, -1, f"{function}: {problem}")
+
+
 def _first_problem(function: str, arrays: Sequence[Array]) -> Status | None:
     for name, array, dtype, writable in arrays:
         problem = array_problem(name, array, dtype, writable=writable)

@@ -305,3 +305,35 @@ def test_the_committed_stub_is_the_one_the_build_generated() -> None:
     assert committed.read_text() == built.read_text(), (
         f"csrc/bindings.cpp changed: copy the generated {built} to streamcache/_core.pyi"
     )
+
+
+def test_streaming_xxh64_over_pieces_is_the_xxh64_of_the_whole(backend: str) -> None:
+    data = np.random.default_rng(7).integers(0, 256, 5000, dtype=np.uint8).tobytes()
+    for cuts in ([], [1], [31, 32, 33], [7, 100, 4095, 4999]):
+        state = _native.Xxh64(seed=3)
+        for start, stop in zip([0, *cuts], [*cuts, len(data)], strict=True):
+            state.update(data[start:stop])
+        assert state.digest() == xxhash.xxh64_intdigest(data, seed=3), cuts
+    state = _native.Xxh64()
+    state.update(data[:10])
+    first = state.digest()  # a digest does not end the stream
+    state.update(np.frombuffer(data[10:], np.uint8))
+    assert (first, state.digest()) == (xxhash.xxh64_intdigest(data[:10]),
+                                       xxhash.xxh64_intdigest(data))
+
+
+@given(shards=st.lists(st.integers(-3, 2**40), max_size=300), few=st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_group_shards_is_numpy_unique_with_inverse(shards: list[int], few: bool) -> None:
+    values = np.array([s % 7 for s in shards] if few else shards, dtype=np.int64)
+    want_unique, want_which = np.unique(values, return_inverse=True)
+    for name in _native.available_backends():
+        with _native.use(name):
+            unique, which = _native.group_shards(values)
+        assert unique.tolist() == want_unique.tolist(), name
+        assert which.dtype == np.int32 and which.tolist() == want_which.tolist(), name
+
+
+def test_group_shards_refuses_what_it_would_have_to_convert(backend: str) -> None:
+    with pytest.raises(NativeError, match="shards must have dtype int64"):
+        _native.group_shards(np.array([1, 2], np.int32))
