@@ -37,8 +37,9 @@ from format_helpers import backend  # noqa: F401  (fixture: native core and Pyth
 from servers import FaultServer, MotoServer, S3Bucket, aws_test_environment
 
 # Folders a process keeps for its lifetime, made by the libraries beneath the tests
-# (multiprocessing's helper folder for spawn and forkserver): not a test's leftovers.
-_PROCESS_LIFETIME_PREFIXES = ("pymp-",)
+# (multiprocessing's helper folder for spawn and forkserver; torch's compile cache, made
+# when torch._dynamo is first imported, e.g. by the first optimizer): not a test's leftovers.
+_PROCESS_LIFETIME_PREFIXES = ("pymp-", "torchinductor_")
 
 
 def pytest_configure(config: pytest.Config) -> None:
