@@ -18,10 +18,10 @@ or batch size continues the epoch exactly.
 from __future__ import annotations
 
 import collections
-import contextlib
 import multiprocessing.context
 import numbers
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -37,6 +37,8 @@ from ..plan.bijection import derive_key
 from ..plan.mixture_cursor import MixtureCursor
 from .dataset import StreamDataset
 from .schedule import Schedule, StepRef
+from .stats import LoaderStats, StepCounters, open_reader
+from .stats_logger import StatsLogger, metrics_sink
 
 STATE_VERSION = 1
 WorkerMode = Literal["auto", "process", "thread"]
@@ -61,8 +63,9 @@ class _NativeBatches:
     """Steps of a schedule read by a thread pool, ``depth`` ahead, delivered in order."""
 
     def __init__(self, dataset: StreamDataset, schedule: Schedule, depth: int, threads: int,
-                 pin: bool) -> None:
+                 pin: bool, counters: StepCounters) -> None:
         self._dataset = dataset
+        self._counters = counters
         self._refs = dataset.planned(schedule=schedule)
         self._depth = max(1, depth)
         self._pin = pin
@@ -76,11 +79,15 @@ class _NativeBatches:
     def _work(self, ref: StepRef, part: RankBatch) -> Any:
         if self._stopped:  # interrupted: no read may start (it would open a new reader)
             raise CancelledError("the loader was interrupted")
+        started = time.perf_counter()
         arrays = self._dataset.read_step(ref, part)
         if self._dataset.transformed:
+            self._counters.read(time.perf_counter() - started)
             return arrays  # finished on the consumer thread
-        return _pinned(self._dataset.finish_step(ref, arrays)) if self._pin else \
+        batch = _pinned(self._dataset.finish_step(ref, arrays)) if self._pin else \
             self._dataset.finish_step(ref, arrays)
+        self._counters.read(time.perf_counter() - started)
+        return batch
 
     def _fill(self) -> None:
         while len(self._pending) < self._depth:
@@ -94,10 +101,14 @@ class _NativeBatches:
         if self._closed or not self._pending:
             raise StopIteration
         ref, future = self._pending.popleft()
+        ready = future.done()
         self._fill()
         result = future.result()  # a worker's exception is raised here, with its type
+        self._counters.took(ready, sum(1 for _, f in self._pending if f.done()))
         if self._dataset.transformed:
+            started = time.perf_counter()
             batch = self._dataset.finish_step(ref, result)
+            self._counters.transformed(time.perf_counter() - started)
             return _pinned(batch) if self._pin else batch
         return result
 
@@ -133,13 +144,20 @@ class _LoaderIterator:
 
     def __init__(self, loader: StreamLoader) -> None:
         self._loader = loader
+        self._done = False
+        self._open()
+
+    def _open(self) -> None:
+        """Start reading from the dataset's cursor (a pass starts, or the cursor was replaced)."""
+        loader = self._loader
         dataset = loader.dataset
         self._schedule = dataset.schedule()
         self._steps = 0
+        self._moved = False
         self._source: Any
         if not loader.uses_processes:
             self._source = _NativeBatches(dataset, self._schedule, loader.prefetch,
-                                          loader.threads, loader.pin_memory)
+                                          loader.threads, loader.pin_memory, loader.counters)
         else:
             self._torch_loader = DataLoader(
                 dataset, batch_size=None, num_workers=loader.num_workers,
@@ -149,7 +167,6 @@ class _LoaderIterator:
                 generator=worker_generator(self._schedule.cursor),
             )
             self._source = iter(self._torch_loader)
-        self._done = False
 
     def __iter__(self) -> _LoaderIterator:
         return self
@@ -158,9 +175,19 @@ class _LoaderIterator:
     def done(self) -> bool:
         return self._done
 
+    def moved(self) -> None:
+        """The dataset's cursor was replaced (``load_state_dict`` during the pass): stop the
+        reads ahead now; the next batch comes from the new cursor."""
+        self._close_source()
+        self._moved = True
+
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
+        if self._moved:
+            self._open()
+        counters = self._loader.counters
+        started = time.perf_counter()
         try:
             batch = next(self._source)
         except StopIteration:
@@ -171,8 +198,11 @@ class _LoaderIterator:
                 self._interrupt()
             self.close()
             raise
+        counters.received(time.perf_counter() - started)
         self._steps += 1
         self._loader.dataset.cursor = self._schedule.cursor_after(self._steps)
+        for logger in self._loader.stats_loggers:
+            logger.step(counters.steps)
         return batch
 
     def _interrupt(self) -> None:
@@ -196,6 +226,9 @@ class _LoaderIterator:
         if self._done:
             return
         self._done = True
+        self._close_source()
+
+    def _close_source(self) -> None:
         closer = getattr(self._source, "close", None)
         if closer is not None:
             closer()
@@ -204,18 +237,24 @@ class _LoaderIterator:
             shutdown()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # at interpreter teardown nobody is left to tell
+        # No module globals here (contextlib, ...): at interpreter exit they may be None
+        # already, and nobody is left to tell of a failure.
+        try:  # noqa: SIM105
             self.close()
+        except Exception:
+            pass
 
 
 def _check_options(*, num_workers: int, prefetch: int, threads: int, worker_mode: str,
-                   timeout: float) -> None:
+                   timeout: float, pin_memory: bool) -> None:
     """Refuse a StreamLoader option that cannot work, naming it and what it accepts."""
     for name, value, minimum in (("num_workers", num_workers, 0), ("prefetch", prefetch, 1),
                                  ("threads", threads, 1)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or \
                 value < minimum:
             raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if not isinstance(pin_memory, bool):
+        raise ConfigError(f"pin_memory must be True or False, got {pin_memory!r}")
     if worker_mode not in WORKER_MODES:
         raise ConfigError(f"worker_mode must be one of {', '.join(map(repr, WORKER_MODES))}; "
                           f"got {worker_mode!r}")
@@ -263,7 +302,7 @@ class StreamLoader:
         if not isinstance(dataset, StreamDataset):
             raise TypeError("StreamLoader takes a StreamDataset")
         _check_options(num_workers=num_workers, prefetch=prefetch, threads=threads,
-                       worker_mode=worker_mode, timeout=timeout)
+                       worker_mode=worker_mode, timeout=timeout, pin_memory=pin_memory)
         self.dataset = dataset
         self.num_workers = num_workers
         self.worker_mode = worker_mode
@@ -278,6 +317,8 @@ class StreamLoader:
         self.pin_memory = pin_memory and self._can_pin()
         self._active: _LoaderIterator | None = None
         self._lock = threading.Lock()
+        self.counters = StepCounters(prefetch, num_workers if self.uses_processes else 0)
+        self.stats_loggers: list[StatsLogger] = []
 
     @staticmethod
     def _can_pin() -> bool:
@@ -328,13 +369,62 @@ class StreamLoader:
     def cursor(self) -> Cursor | MixtureCursor:
         return self.dataset.cursor
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch comes from: 0 for a fresh loader, the saved epoch after
+        ``load_state_dict`` (the next one when the state was taken after an epoch's last
+        batch). A training loop that counts epochs starts there, so that a resumed job trains
+        as many epochs in all as an uninterrupted one::
+
+            for epoch in range(loader.epoch, 10):
+                for batch in loader:
+                    ...
+
+        During a pass it moves as batches are received (after an epoch's last batch it is
+        the next epoch)."""
+        return int(self.dataset.cursor.epoch)
+
+    def stats(self) -> LoaderStats:
+        """Where this loader's time and bytes went so far: the loop's wait for batches, how
+        many were ready when asked, the prefetch depth, reads and transforms, cache hits and
+        misses, bytes fetched, and the Fetcher's retries and stalls (see
+        :class:`~streamcache.loading.stats.LoaderStats`). The difference of two snapshots,
+        ``later.since(earlier)``, is what happened in between.
+
+        Thread safety: may be called from any thread, also while the loop runs or the
+        loader closes; it never opens a reader.
+        """
+        return self.counters.snapshot(open_reader(self.dataset))
+
+    def log_stats(self, target: Any, *, every_n_steps: int = 50,
+                  prefix: str = "streamcache/") -> StatsLogger:
+        """Report :meth:`stats` to a logger every ``every_n_steps`` received batches.
+
+        ``target``: a Lightning logger (``trainer.logger``: ``log_metrics``), a TensorBoard
+        ``SummaryWriter`` (``add_scalar``), ``wandb`` or a wandb Run (``log``, added to the
+        job's next step), or a function ``(metrics, step)``. Each report holds what happened
+        since the previous one (wait per step in ms, fraction of batches ready, bytes
+        fetched, cache hit rate, retries, stalls, prefetch depth), named ``prefix + name``.
+        A logger that raises is warned about once and then dropped; training goes on.
+        Returns the :class:`~streamcache.loading.stats_logger.StatsLogger` (``close()`` stops
+        it).
+
+        Raises:
+            ConfigError: ``target`` is none of those, or ``every_n_steps`` is not >= 1.
+        """
+        logger = StatsLogger(metrics_sink(target), self.stats, self.counters,
+                             every_n_steps=every_n_steps, prefix=prefix)
+        self.stats_loggers = [*(x for x in self.stats_loggers if not x.closed), logger]
+        return logger
+
     def state_dict(self) -> dict[str, Any]:
         """The loader state: ``{"version": 1, "cursor": {...}}``, the same on every rank."""
         return {KEY_VERSION: STATE_VERSION, KEY_CURSOR: self.dataset.cursor.to_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` at the next iteration, on any world size, worker count or
-        batch size.
+        """Continue from ``state``, on any world size, worker count or batch size: at the next
+        iteration, or, when called while a ``for batch in loader`` loop runs (a rollback), with
+        that loop's next batch (the reads ahead of the old position are dropped).
 
         A mixture's state holds its position, each source's cursor and the weights in force
         since they last changed: loaded with other weights, the new weights apply from the
@@ -345,6 +435,19 @@ class StreamLoader:
                 message names the source that differs), seed or shuffle, is of an unknown
                 version, or lacks or adds keys.
         """
+        cursor = self._checked_cursor(state)
+        with self._lock:
+            self.dataset.cursor = cursor
+            if self._active is not None and not self._active.done:
+                self._active.moved()
+
+    def validate_state_dict(self, state: dict[str, Any]) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state``, changing nothing
+        (the Checkpointer checks every part of a checkpoint before it applies any)."""
+        self._checked_cursor(state)
+
+    def _checked_cursor(self, state: dict[str, Any]) -> Cursor | MixtureCursor:
+        """The cursor in ``state``, checked against this dataset (strict)."""
         if not isinstance(state, dict) or state.get(KEY_VERSION) != STATE_VERSION:
             version = state.get(KEY_VERSION) if isinstance(state, dict) else None
             raise CursorMismatchError(
@@ -352,9 +455,8 @@ class StreamLoader:
                 f"{STATE_VERSION}); it was not written by this StreamLoader")
         check_state(state, "loader state", frozenset({KEY_VERSION, KEY_CURSOR}), STATE_VERSION,
                     hint=" (pass what StreamLoader.state_dict() returned, unchanged)")
-        cursor = self.dataset.load_cursor(state[KEY_CURSOR])
-        self._close_active()
-        self.dataset.cursor = cursor
+        cursor: Cursor | MixtureCursor = self.dataset.load_cursor(state[KEY_CURSOR])
+        return cursor
 
     def _close_active(self) -> None:
         with self._lock:

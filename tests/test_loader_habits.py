@@ -1,0 +1,107 @@
+"""What a training loop does with a loader besides iterating it: count epochs across a
+resume, roll back mid-loop, leave an iterator behind at exit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from loader_helpers import ids_of, loader, make_dataset
+
+STEPS_PER_EPOCH = 156
+GLOBAL_BATCH = 2  # 313 samples: 156 steps an epoch, the last sample dropped
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    folder = str(tmp_path_factory.mktemp("habits"))
+    return make_dataset(folder, [100, 113, 100], seq=False), folder + "/cache"
+
+
+def test_a_resume_at_step_154_of_156_trains_ten_epochs_in_all(data: tuple[str, str]) -> None:
+    url, cache = data
+    with loader(url, cache, global_batch_size=GLOBAL_BATCH, seed=3) as first:
+        assert len(first) == STEPS_PER_EPOCH and first.epoch == 0
+        stream = iter(first)
+        for _ in range(154):
+            next(stream)
+        state = first.state_dict()
+        assert first.epoch == 0
+
+    with loader(url, cache, global_batch_size=GLOBAL_BATCH, seed=3) as resumed:
+        resumed.load_state_dict(state)
+        assert resumed.epoch == 0
+        steps_per_epoch: dict[int, int] = {}
+        for epoch in range(resumed.epoch, 10):  # the loop the README writes
+            for _ in resumed:
+                steps_per_epoch[epoch] = steps_per_epoch.get(epoch, 0) + 1
+        assert steps_per_epoch == {0: 2, **{e: STEPS_PER_EPOCH for e in range(1, 10)}}
+        assert 154 + sum(steps_per_epoch.values()) == 10 * STEPS_PER_EPOCH
+        assert resumed.epoch == 10
+
+
+def test_a_state_taken_after_an_epochs_last_batch_is_in_the_next_epoch(
+        data: tuple[str, str]) -> None:
+    url, cache = data
+    with loader(url, cache, global_batch_size=GLOBAL_BATCH, seed=3) as first:
+        stream = iter(first)
+        for _ in range(STEPS_PER_EPOCH):
+            next(stream)
+        assert first.epoch == 1  # the last batch is received: the next one is epoch 1's
+        state = first.state_dict()
+    with loader(url, cache, global_batch_size=GLOBAL_BATCH, seed=3) as resumed:
+        resumed.load_state_dict(state)
+        assert resumed.epoch == 1
+        assert len(list(resumed)) == STEPS_PER_EPOCH
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_load_state_dict_during_a_loop_continues_that_loop_from_the_loaded_state(
+        data: tuple[str, str], workers: int) -> None:
+    """A rollback inside ``for batch in loader``: the loop goes on, from the loaded position
+    (it used to end silently after the current batch)."""
+    url, cache = data
+    with loader(url, cache, global_batch_size=8, seed=1, workers=workers) as it:
+        reference = [ids_of(b).tolist() for b in it]  # epoch 0 whole
+    with loader(url, cache, global_batch_size=8, seed=1, workers=workers) as it:
+        seen, rolled_back = [], False
+        for batch in it:
+            seen.append(ids_of(batch).tolist())
+            if len(seen) == 3:
+                saved = it.state_dict()
+            if len(seen) == 7 and not rolled_back:
+                it.load_state_dict(saved)  # back to step 3
+                rolled_back = True
+        assert seen == reference[:7] + reference[3:]
+        assert it.epoch == 1
+
+
+def test_an_iterator_freed_at_interpreter_exit_prints_nothing(data: tuple[str, str]) -> None:
+    """At exit Python sets module globals to None before it frees what they held: an
+    iterator freed then used to print ``AttributeError: 'NoneType' object has no attribute
+    'suppress'`` from its ``__del__``. The script does what the interpreter does (the loader
+    module's globals set to None, then the iterator freed) and exits at once."""
+    url, cache = data
+    script = (
+        "import os, sys; sys.path.insert(0, sys.argv[1])\n"
+        "from loader_helpers import loader\n"
+        "import streamcache.loading.loader as module\n"
+        "it = loader(sys.argv[2], sys.argv[3], global_batch_size=8)\n"
+        "stream = iter(it)\n"
+        "next(stream)\n"
+        "it._active = None\n"
+        "for name in [n for n in vars(module) if not n.startswith('__')]:\n"
+        "    setattr(module, name, None)\n"
+        "del stream\n"
+        "print('ok', flush=True)\n"
+        "sys.stderr.flush()\n"
+        "os._exit(0)\n"
+    )
+    tests = os.path.dirname(os.path.abspath(__file__))
+    result = subprocess.run([sys.executable, "-c", script, tests, url, cache],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+    assert "Exception ignored" not in result.stderr, result.stderr
