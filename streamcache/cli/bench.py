@@ -29,7 +29,9 @@ import torch
 from ..errors import UsageError
 from ..loading.dataset import StreamDataset
 from ..loading.dataset_reader import DatasetReader
+from ..loading.explain import Diagnosis, diagnose
 from ..loading.loader import StreamLoader
+from ..loading.stats import LoaderStats
 from ..progress import ProgressLine
 from ..units import format_number, size_argument
 from .plots import plot_bench, require_matplotlib
@@ -63,6 +65,8 @@ class BenchResult:
     store: dict[str, Any] = field(default_factory=dict)
     cache_dir: str | None = None
     error: str | None = None
+    loader_stats: LoaderStats | None = field(default=None, repr=False)
+    settings: dict[str, int] = field(default_factory=dict, repr=False)
 
     first_batch_samples: int = 0
     first_batch_bytes: int = 0
@@ -86,8 +90,17 @@ class BenchResult:
 
     def to_json(self) -> dict[str, Any]:
         """Everything but the per-step timeline (that is what ``--plot`` draws)."""
-        summary = {k: v for k, v in asdict(self).items() if k != "timeline"}
+        summary = {k: v for k, v in asdict(self).items()
+                   if k not in ("timeline", "loader_stats", "settings")}
+        if self.loader_stats is not None:
+            summary["loader_stats"] = self.loader_stats.to_dict()
         return {**summary, "samples_per_s": self.samples_per_s, "mb_per_s": self.mb_per_s}
+
+    def explain(self) -> Diagnosis | None:
+        """Where this run's time went and what would help (streamcache runs only)."""
+        if self.loader_stats is None or self.error is not None:
+            return None
+        return diagnose(self.loader_stats, self.seconds, **self.settings)
 
 
 def _nbytes(batch: Any) -> int:
@@ -266,6 +279,8 @@ def run_bench(url: str, *, batch_size: int = 256, num_workers: int = 0,
         result = measure("streamcache", loader, max_steps=steps, compute_s=compute_ms / 1e3,
                          progress=progress, total_steps=len(loader),
                          cache_counters=_cache_counters(dataset))
+        result.loader_stats = loader.stats()
+        result.settings = {"num_workers": loader.num_workers, "threads": loader.threads}
         result.store = _store_counters(dataset)
         result.cache_dir = getattr(getattr(dataset.reader.store, "cache", None), "cache_dir",
                                    None)
@@ -319,8 +334,10 @@ def format_results(results: list[BenchResult]) -> str:
             lines.append(f"{r.name} cache folder: {r.cache_dir}")
     finished = [r for r in results if r.error is None]
     if len(results) == 2 and len(finished) == 2 and results[1].samples_per_s:
-        lines.append(f"ratio streamcache / DataLoader: "
-                     f"{results[0].samples_per_s / results[1].samples_per_s:.2f}x")
+        lines.append(f"streamcache: {results[0].samples_per_s / results[1].samples_per_s:.2f}x "
+                     f"the samples/s of the baseline, a plain torch DataLoader over the same "
+                     f"data in this process (map-style, one sample per __getitem__, shuffled, "
+                     f"same batch size and workers)")
     return "\n".join(lines)
 
 
@@ -341,10 +358,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulated compute per step, to show overlap")
     parser.add_argument("--compare", action="store_true",
                         help="also run a plain torch DataLoader over the same data")
+    parser.add_argument("--explain", action="store_true",
+                        help="say where the run's time went (the loop's work, waiting on "
+                             "downloads, transforms or reads) and what setting would help; "
+                             "give --compute-ms for your model's time per step")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--plot", metavar="FILE",
                         help="draw throughput, waiting and cache hits per step into FILE "
-                             "(PNG, SVG or PDF; needs matplotlib: pip install streamcache[plot])")
+                             "(PNG, SVG or PDF; needs matplotlib: pip install matplotlib)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -381,7 +402,18 @@ def _bench_from_args(args: argparse.Namespace, url: str, cache_dir: str | None,
                         steps=args.steps, compute_ms=args.compute_ms, compare=args.compare,
                         progress=None if args.json else sys.stderr, on_result=show_early)
     if args.json:
-        print(json.dumps([r.to_json() for r in results], indent=1))
+        payload = [r.to_json() for r in results]
+        if args.explain:
+            for item, result in zip(payload, results, strict=True):
+                diagnosis = result.explain()
+                if diagnosis is not None:
+                    item["explain"] = {"bottleneck": diagnosis.bottleneck,
+                                       "wait_share": diagnosis.wait_share,
+                                       "lines": list(diagnosis.lines)}
+        print(json.dumps(payload, indent=1))
     else:
         print(format_results(results))
+        diagnosis = results[0].explain() if args.explain else None
+        if diagnosis is not None:
+            print(str(diagnosis))
     return results

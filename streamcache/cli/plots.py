@@ -1,6 +1,6 @@
 """Pictures for the CLI (``bench --plot``, ``goodput --plot``), drawn with matplotlib.
 
-matplotlib is optional (``pip install 'streamcache[plot]'``): it is imported only when a
+matplotlib is optional (``pip install matplotlib``): it is imported only when a
 plot is asked for, and its absence is one clear :class:`MissingDependencyError`. The
 format follows the file's suffix (PNG, SVG, PDF, ...).
 """
@@ -30,8 +30,8 @@ def require_matplotlib() -> Any:
         import matplotlib
     except ImportError:
         raise MissingDependencyError(
-            "--plot needs matplotlib, which is not installed: pip install 'streamcache[plot]' "
-            "(or pip install matplotlib)") from None
+            "--plot needs matplotlib, which is not installed: pip install matplotlib (or, in a "
+            "checkout of streamcache, pip install -e '.[plot]')") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
