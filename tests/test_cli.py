@@ -117,3 +117,18 @@ def test_counts_are_singular_for_one(tmp_path, capsys) -> None:
     assert "indexed 1 file, 1 row," in capsys.readouterr().out
     assert main(["convert", str(folder), str(tmp_path / "out"), "--quiet"]) == 0
     assert "converted 1 sample into 1 shard at" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "usage", "typo"), [
+    (["goodput", "--failures-per-day", "3", "--intervl", "2h"], "usage: streamcache goodput",
+     "--intervl"),
+    (["bench", "--demo", "--stpes", "5"], "usage: streamcache bench", "--stpes"),
+    (["inspect", "x", "--jsn"], "usage: streamcache inspect", "--jsn"),
+])
+def test_a_mistyped_flag_prints_the_subcommands_usage(argv: list[str], usage: str, typo: str,
+                                                      capsys) -> None:
+    with pytest.raises(SystemExit) as exited:  # it printed the top-level usage
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.startswith(usage) and "unrecognized arguments: " + typo in err

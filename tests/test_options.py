@@ -81,6 +81,8 @@ def test_a_misspelt_keyword_is_a_type_error(data: tuple[str, str]) -> None:
     ({"collate_fn": list}, ["collate_fn", "transform="]),
     ({"fetch": {"retries": 2}}, ["fetch", "FetchOptions"]),
     ({"prefetch": 4}, ["prefetch", "PrefetchOptions"]),
+    ({"pad_value": "x"}, ["pad_value", "number"]),  # was refused only at the first batch
+    ({"pad_value": True}, ["pad_value", "number"]),
 ])
 def test_each_invalid_value_is_a_config_error_naming_the_option(
         data: tuple[str, str], options: dict[str, Any], names: list[str]) -> None:
@@ -98,6 +100,7 @@ def test_each_invalid_value_is_a_config_error_naming_the_option(
     ({"threads": 0}, ["threads", ">= 1"]),
     ({"worker_mode": "fork"}, ["worker_mode", "'auto', 'process', 'thread'"]),
     ({"timeout": -1.0}, ["timeout", ">= 0"]),
+    ({"pin_memory": "yes"}, ["pin_memory", "True or False"]),  # was accepted
 ])
 def test_each_invalid_loader_value_is_a_config_error(
         data: tuple[str, str], options: dict[str, Any], names: list[str]) -> None:
@@ -208,3 +211,15 @@ def test_a_type_checker_reports_a_misspelt_option(tmp_path: Path) -> None:
     assert '"shufle"' in errors[0] and "retrys" in errors[2]
     assert "Literal['drop', 'pad', 'split']" in errors[1]
     assert "Literal['auto', 'process', 'thread']" in errors[3]
+
+
+@pytest.mark.parametrize("below", ["", "sub/dir"])
+def test_a_cache_dir_at_or_under_a_file_is_a_config_error(data: tuple[str, str], tmp_path: Path,
+                                                          below: str) -> None:
+    """It was a raw NotADirectoryError (or FileExistsError) at the first batch."""
+    url, _ = data
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    with pytest.raises(ConfigError, match=f"cache_dir must be a folder, but {a_file} is a file"):
+        StreamDataset(url, batch_size=4, cache_dir=str(a_file / below) if below else a_file)
+    StreamDataset(url, batch_size=4, cache_dir=tmp_path / "new" / "cache")  # made later: fine

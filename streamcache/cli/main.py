@@ -45,7 +45,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _build_parser(chosen: str | None) -> argparse.ArgumentParser:
+def _build_parser(chosen: str | None,
+                  ) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser | None]:
+    """The top-level parser, and the chosen subcommand's (None when none is chosen)."""
     parser = argparse.ArgumentParser(
         prog="streamcache",
         description="Fast, exactly-once, resumable data streaming for PyTorch training.",
@@ -55,13 +57,15 @@ def _build_parser(chosen: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"streamcache {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    chosen_parser = None
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
             module = importlib.import_module(module_name)
             module.add_arguments(sub_parser)
             sub_parser.set_defaults(_run=module.run)
-    return parser
+            chosen_parser = sub_parser
+    return parser, chosen_parser
 
 
 def one_line(text: str) -> str:
@@ -137,8 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     chosen = next((a for a in args_list if not a.startswith("-")), None)
-    parser = _build_parser(chosen if chosen in SUBCOMMANDS else None)
-    args = parser.parse_args(args_list)
+    parser, sub_parser = _build_parser(chosen if chosen in SUBCOMMANDS else None)
+    args, unknown = parser.parse_known_args(args_list)
+    if unknown:  # a mistyped flag of the subcommand: its own usage, not the top-level one
+        (sub_parser or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         code = int(args._run(args))
         sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at exit

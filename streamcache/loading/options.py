@@ -78,6 +78,11 @@ class StreamOptions:
         for name in ("shuffle", "with_seeds", "infinite", "allow_external_paths"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.pad_value, bool) or not isinstance(self.pad_value, numbers.Real):
+            raise ConfigError(f"pad_value must be a number (it fills the padding of "
+                              f"variable-length fields), got {self.pad_value!r}")
+        if self.cache_dir is not None:
+            check_local_folder("cache_dir", self.cache_dir)
         self._check_callables()
         for name, kind in (("fetch", FetchOptions), ("prefetch", PrefetchOptions)):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), kind):
@@ -102,6 +107,29 @@ class StreamOptions:
                               "give it with transform=")
 
 
+def check_local_folder(name: str, path: str | os.PathLike[str]) -> None:
+    """``path`` (a local folder, made later if missing) is or can become a folder: neither it
+    nor a folder above it is a file.
+
+    Raises:
+        ConfigError: naming the option and the file in the way.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"{name} must be a folder path, got {type(path).__name__}")
+    current = os.path.abspath(os.fspath(path))
+    while True:
+        if os.path.exists(current):
+            if not os.path.isdir(current):
+                where = "" if current == os.path.abspath(os.fspath(path)) else \
+                    f" (it would be made under {current})"
+                raise ConfigError(f"{name} must be a folder, but {current} is a file{where}")
+            return
+        parent = os.path.dirname(current)
+        if parent == current:
+            return
+        current = parent
+
+
 def _check_int(name: str, value: Any, minimum: int) -> None:
     """``value`` is None or an int >= ``minimum``, else a :class:`ConfigError` naming ``name``."""
     if value is None:
@@ -119,4 +147,5 @@ __all__ = [
     "StreamOptions",
     "TailMode",
     "WindowUnit",
+    "check_local_folder",
 ]
