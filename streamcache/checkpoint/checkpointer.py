@@ -41,6 +41,7 @@ from .commit import Committer, SaveJob
 from .errors import CheckpointError
 from .layout import CheckpointInfo
 from .lease import Lease
+from .memory import MemoryOptions, MemoryTier, restore_agreed, snapshot_entries
 from .ranks import Ranks
 from .restore import Restorer
 from .staging import Staging
@@ -121,6 +122,11 @@ class Checkpointer:
         writer_nice: (thread mode, Linux) scheduling niceness of the writer thread (default
             19, the lowest priority), so that the background write takes the CPU time the
             training loop leaves idle; 0 writes at the training's priority.
+        memory: the memory tier (``True`` or :class:`~.memory.MemoryOptions`): each rank's
+            newest snapshots in node-local shared memory (``/dev/shm``), taken by
+            :meth:`snapshot` (and by every ``save``) and restored by ``load`` when every rank
+            holds a step at least as new as ``root``'s newest and the world is unchanged
+            (docs/recovery.md). Off by default.
 
     Thread safety: call from one thread (the training loop); the background work has its own
     thread and its own gloo process group.
@@ -142,6 +148,7 @@ class Checkpointer:
         lease_ttl: float = 60.0,
         job_id: str | None = None,
         storage_options: dict[str, Any] | None = None,
+        memory: bool | MemoryOptions = False,
     ) -> None:
         if keep_last < 1:
             raise CheckpointError(f"keep_last={keep_last}: keep at least 1 checkpoint")
@@ -187,6 +194,13 @@ class Checkpointer:
         if self.rank == 0:
             self.root.makedirs()
         write_base.makedirs()
+        self._memory: MemoryTier | None = None
+        # (the last save started, the last known committed): what snapshots continue
+        self._saves: tuple[str | None, str | None] = (None, None)
+        self._saves_known = False
+        if memory:
+            options = memory if isinstance(memory, MemoryOptions) else MemoryOptions()
+            self._memory = MemoryTier(options, self.root.url, self.rank, self.world_size)
 
     # ------------------------------------------------------------------ public API
 
@@ -220,6 +234,9 @@ class Checkpointer:
         self._sequence += 1
         entries = resolve(state)
         state_dict, global_bytes = self._collect(entries)
+        self._saves = (name, self._saves[1])
+        if self._memory is not None:
+            self._snapshot_entries(step, entries)
         job = SaveJob(step, name, self._committer.write_base.child(name), None, global_bytes,
                       started, timeline=self._timeline)
         if self.async_mode is AsyncMode.SYNC:
@@ -262,6 +279,25 @@ class Checkpointer:
         self._job, self._thread = None, None
         self._finish(job)
 
+    def snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
+        """Snapshot ``state`` as ``step`` into the memory tier only: no collective, no disk.
+
+        Meant for every step or few (docs/recovery.md): it copies this rank's state into
+        node-local shared memory before it returns (one checksummed copy), and a restart on
+        the same world restores the newest step every rank holds. Disk and ``root`` get only
+        what :meth:`save` writes. All ranks call it at the same steps. Returns False when the
+        memory tier is off or the snapshot did not fit (a warning; the previous one stays).
+
+        Raises:
+            CheckpointError: a value of ``state`` cannot be kept in the memory tier, or
+                another live job holds the lease on ``root``.
+        """
+        self._check_open()
+        if self._memory is None:
+            return False
+        self._ensure_lease()
+        return self._snapshot_entries(step, resolve(state))
+
     def wait_staged(self) -> None:
         """Block until the save in flight no longer reads the live model/optimizer tensors.
 
@@ -299,10 +335,22 @@ class Checkpointer:
         """
         self._check_open()
         self.wait()
+        if self._memory is not None and step is None:
+            newest = layout.latest(self.root) if self.rank == 0 else None
+            restored = restore_agreed(self._memory, self._ranks,
+                                      (newest.name, newest.step) if newest else None, state)
+            if restored is not None:
+                self._saves, self._saves_known = (None, newest.name if newest else None), True
+                return restored
+            self._memory.clear()  # they do not continue what the disk tiers hold
         loaded = self._restorer.load(state, step)
         if loaded is None:
             return None
         info, rollback = loaded
+        if self._memory is not None:
+            self._saves, self._saves_known = (None, info.name), True
+            if rollback:
+                self._memory.clear()
         if rollback:
             self._start_timeline(info)
         return info.step
@@ -316,13 +364,21 @@ class Checkpointer:
         return layout.list_checkpoints(self.root)
 
     def close(self) -> None:
-        """Wait for the save in flight, then release buffers, hooks and process groups."""
+        """Wait for the save in flight, then release buffers, hooks and process groups; a
+        clean finish also removes this rank's memory-tier snapshots."""
+        self._close(finished=True)
+
+    def _close(self, *, finished: bool) -> None:
         if self._closed:
             return
         try:
             self.wait()
         finally:
             self._closed = True
+            if self._memory is not None:
+                if finished:
+                    self._memory.remove()
+                self._memory.close()
             if self._staging is not None:
                 self._staging.close()
             if self._lease is not None:
@@ -338,8 +394,8 @@ class Checkpointer:
         if exc_type is None:
             self.close()
             return
-        try:
-            self.close()
+        try:  # the memory tier's snapshots stay: a restart restores them
+            self._close(finished=False)
         except CheckpointError as close_error:  # do not mask the original exception
             log.error("while closing after an error: %s", close_error)
 
@@ -420,6 +476,16 @@ class Checkpointer:
                         info.step, new_id)
         self._timeline = self._ranks.broadcast(new_id, self._ranks.control)
 
+    def _snapshot_entries(self, step: int, entries: Mapping[str, Any]) -> bool:
+        assert self._memory is not None
+        if not self._saves_known:  # no load yet: the root's newest is what we continue
+            newest = layout.latest(self.root) if self.rank == 0 else None
+            known = self._ranks.broadcast(newest.name if newest else None, self._ranks.control)
+            self._saves, self._saves_known = (self._saves[0], known), True
+        started, committed = self._saves
+        return self._memory.write(step, snapshot_entries(entries), rng.capture(),
+                                  timeline=self._timeline, started=started, committed=committed)
+
     def _run_in_thread(self, job: SaveJob) -> None:
         if self.writer_nice and hasattr(os, "setpriority"):
             try:
@@ -431,6 +497,7 @@ class Checkpointer:
     def _finish(self, job: SaveJob) -> None:
         if job.error is not None:
             raise job.error
+        self._saves = (self._saves[0], job.name)
         if job.durable_s is not None:
             self.last_save = SaveStats(job.step, job.blocked_s or job.durable_s, job.durable_s)
 

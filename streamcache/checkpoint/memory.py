@@ -1,0 +1,565 @@
+"""The memory tier: each rank's newest snapshots in node-local shared memory (``/dev/shm``).
+
+A snapshot outlives the process that took it (a file on tmpfs), not the node. Each rank keeps
+two slot files and writes a snapshot into the older one, header last (memory_format.py), so a
+kill at any moment leaves the newer slot whole. Writing costs one pass over the state's bytes
+for the checksum and one copy into the page cache; nothing is fsynced (tmpfs has no disk and
+a process's writes survive its death). Restoring reads and verifies everything before anything
+is applied.
+
+Where (``MemoryOptions.directory``, ``/dev/shm`` by default)::
+
+    streamcache-mem-<uid>/           0700, owned by this user (refused otherwise)
+        <sha256(root)[:24]>/         one folder per checkpoint root: two jobs never collide,
+                                     the restarts of one job find their snapshots
+            rank<r>-slot<0|1>        0600, this user's regular files, never followed links
+
+Space: two slots per rank, each about the size of the rank's state (model, optimizer and the
+small entries). A clean finish (``Checkpointer.close()`` without an exception) removes this
+rank's slots; a job that is killed for good leaves them until its next run reuses them or the
+node reboots. A slot that does not fit the free space is not written (a warning; the previous
+slot stays whole) and training goes on with the disk tiers.
+
+Thread safety: one training thread per MemoryTier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from .. import _native
+from . import rng
+from .errors import CheckpointError
+from .memory_format import (
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    K_COMMITTED,
+    K_ENTRIES,
+    K_KIND,
+    K_RANK,
+    K_RNG,
+    K_ROOT,
+    K_STARTED,
+    K_STEP,
+    K_TENSORS,
+    K_TIMELINE,
+    K_TREE,
+    K_VERSION,
+    K_WORLD,
+    FormatProblem,
+    Header,
+    Manifest,
+    SlotSummary,
+    align,
+    check_manifest,
+    choose,
+    decode_tree,
+    encode_tree,
+    pack_header,
+    pieces,
+    tensor_record,
+    unpack_header,
+)
+from .ranks import Ranks
+from .state import is_global_state, resolve
+
+log = logging.getLogger("streamcache.checkpoint")
+
+SLOTS = 2
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """Options of the memory tier.
+
+    Args:
+        directory: a node-local tmpfs (``/dev/shm``); the tier's files live in a folder of
+            this user's under it.
+        max_bytes: the largest slot this rank may write (None: as much as the free space
+            allows); a larger state is not snapshotted (a warning).
+    """
+
+    directory: str = "/dev/shm"
+    max_bytes: int | None = None
+
+
+@dataclass
+class Prepared:
+    """A verified snapshot, ready to apply (its tensors are private copies)."""
+
+    step: int
+    manifest: Manifest
+    trees: dict[str, Any]
+
+
+def _digest(data: Any) -> int:
+    return _native.xxh64(data)
+
+
+def root_key(root_url: str) -> str:
+    return hashlib.sha256(root_url.encode()).hexdigest()[:24]
+
+
+class MemoryTier:
+    """This rank's two snapshot slots for one checkpoint root.
+
+    Raises (constructor):
+        CheckpointError: the tier's folder exists but is not this user's private folder (a
+            link, another owner, or open to others), or cannot be made.
+    """
+
+    def __init__(self, options: MemoryOptions, root_url: str, rank: int, world_size: int
+                 ) -> None:
+        self.options, self.root_url = options, root_url
+        self.rank, self.world_size = rank, world_size
+        self.folder = os.path.join(options.directory, f"streamcache-mem-{os.geteuid()}",
+                                   root_key(root_url))
+        self._dir_fd = _private_dir(self.folder)
+        self._seqs: list[int | None] = [None] * SLOTS  # the valid slots' sequence numbers
+        self._warned = False
+        for slot in range(SLOTS):
+            self._seqs[slot] = self._header_seq(slot)
+
+    def slot_name(self, slot: int) -> str:
+        return f"rank{self.rank}-slot{slot}"
+
+    # ------------------------------------------------------------------ writing
+
+    def write(self, step: int, entries: Mapping[str, tuple[str, Any]], rng_state: dict[str, Any],
+              *, timeline: str, started: str | None, committed: str | None) -> bool:
+        """Snapshot ``entries`` ({key: (kind, value)}) as ``step`` into the older slot.
+
+        Returns False (after a warning) when the slot does not fit: the state is larger than
+        ``max_bytes`` or the tier's filesystem is full; the newer slot is then untouched.
+
+        Raises:
+            CheckpointError: a value cannot be kept in the memory tier (names it).
+        """
+        tensors: list[torch.Tensor] = []
+        try:
+            encoded = {k: {K_KIND: kind, K_TREE: encode_tree(v, tensors)}
+                       for k, (kind, v) in entries.items()}
+            records, data_len = [], 0
+            for tensor in tensors:
+                records.append(tensor_record(tensor, data_len))
+                data_len = align(data_len + records[-1]["nbytes"])
+        except TypeError as exc:
+            raise CheckpointError(f"snapshot of step {step}: {exc}") from exc
+        cap = self.options.max_bytes
+        if cap is not None and HEADER_SIZE + data_len > cap:
+            return self._skip(step, f"its {data_len} bytes of tensors exceed max_bytes={cap}")
+        slot = self._target_slot()
+        seq = max((s for s in self._seqs if s is not None), default=0) + 1
+        self._seqs[slot] = None
+        try:
+            fd = self._open_for_write(slot)
+        except OSError as exc:
+            return self._skip(step, f"cannot open {self.slot_name(slot)}: {exc}")
+        try:
+            os.pwrite(fd, bytes(HEADER_SIZE), 0)  # the slot is not whole from here on
+            for tensor, record in zip(tensors, records, strict=True):
+                record["digests"] = _write_tensor(fd, tensor, HEADER_SIZE + record["offset"])
+            manifest = json.dumps({
+                K_VERSION: FORMAT_VERSION, K_ROOT: self.root_url, K_RANK: self.rank,
+                K_WORLD: self.world_size, K_STEP: step, K_TIMELINE: timeline,
+                K_STARTED: started, K_COMMITTED: committed, K_ENTRIES: encoded,
+                K_TENSORS: records, K_RNG: rng_state}, separators=(",", ":")).encode()
+            m_off = HEADER_SIZE + data_len
+            needed = m_off + len(manifest)
+            if self.options.max_bytes is not None and needed > self.options.max_bytes:
+                return self._skip(step, f"a slot of {needed} bytes exceeds max_bytes="
+                                        f"{self.options.max_bytes}")
+            if os.fstat(fd).st_size < needed:
+                os.posix_fallocate(fd, 0, needed)  # ENOSPC here, never a fault later
+            _pwrite_all(fd, manifest, m_off)
+            header = Header(seq, step, data_len, m_off, len(manifest), _digest(manifest))
+            _pwrite_all(fd, pack_header(header, _digest), 0)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                return self._skip(step, f"{self.options.directory} is full ({exc.strerror})")
+            raise CheckpointError(f"memory tier: writing {self.slot_name(slot)} failed: {exc}"
+                                  ) from exc
+        finally:
+            os.close(fd)
+        self._seqs[slot] = seq
+        return True
+
+    def _target_slot(self) -> int:
+        """The slot to overwrite: an invalid one, else the one with the older snapshot."""
+        for slot, seq in enumerate(self._seqs):
+            if seq is None:
+                return slot
+        return min(range(SLOTS), key=lambda s: self._seqs[s] or 0)
+
+    def _open_for_write(self, slot: int) -> int:
+        name = self.slot_name(slot)
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            return os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=self._dir_fd)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            fd = -1
+        if fd < 0 or _file_problem(os.fstat(fd)) is not None:
+            if fd >= 0:
+                os.close(fd)
+            os.unlink(name, dir_fd=self._dir_fd)  # not a file of ours: replace it
+            return os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=self._dir_fd)
+        return fd
+
+    def _skip(self, step: int, why: str) -> bool:
+        log_fn = log.debug if self._warned else log.warning
+        log_fn("memory tier: snapshot of step %d not kept: %s (the previous snapshot and the "
+               "disk tiers are intact)", step, why)
+        self._warned = True
+        return False
+
+    # ------------------------------------------------------------------ reading
+
+    def scan(self) -> list[tuple[int, SlotSummary]]:
+        """(slot, summary) of each whole, valid slot of this rank; problems are logged."""
+        found = []
+        for slot in range(SLOTS):
+            try:
+                with self._open_for_read(slot) as (fd, size):
+                    header, manifest = _read_manifest(fd, size)
+            except FileNotFoundError:
+                continue
+            except (OSError, FormatProblem) as exc:
+                log.warning("memory tier: ignoring %s: %s", self.slot_name(slot), exc)
+                continue
+            if manifest.root != self.root_url:
+                log.warning("memory tier: ignoring %s: it belongs to root %r",
+                            self.slot_name(slot), manifest.root)
+                continue
+            found.append((slot, SlotSummary(header.step, header.seq, manifest.rank,
+                                            manifest.world_size, manifest.started,
+                                            manifest.committed)))
+        return found
+
+    def prepare(self, slot: int, summary: SlotSummary) -> Prepared | None:
+        """Read and verify ``slot`` (which :meth:`scan` reported as ``summary``).
+
+        Returns None (logged) when it changed since the scan or a digest does not match.
+        """
+        try:
+            with self._open_for_read(slot) as (fd, size):
+                header, manifest = _read_manifest(fd, size)
+                if header.seq != summary.seq:
+                    raise FormatProblem("it was rewritten since it was scanned")
+                tensors = _read_tensors(fd, manifest)
+            trees = {k: (kind, decode_tree(tree, tensors))
+                     for k, (kind, tree) in manifest.entries.items()}
+        except (OSError, FormatProblem) as exc:
+            log.warning("memory tier: not restoring %s: %s", self.slot_name(slot), exc)
+            return None
+        return Prepared(header.step, manifest, trees)
+
+    def _open_for_read(self, slot: int) -> _ReadHandle:
+        return _ReadHandle(self._dir_fd, self.slot_name(slot))
+
+    def _header_seq(self, slot: int) -> int | None:
+        try:
+            with self._open_for_read(slot) as (fd, size):
+                return unpack_header(os.pread(fd, HEADER_SIZE, 0), size, _digest).seq
+        except (OSError, FormatProblem):
+            return None
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def discard_after(self, step: int) -> None:
+        """Invalidate this rank's slots newer than ``step`` (a restore rolls back to it)."""
+        for slot, summary in self.scan():
+            if summary.step > step:
+                self._invalidate(slot)
+
+    def clear(self) -> None:
+        """Invalidate both slots (the snapshots no longer continue the root's state)."""
+        for slot in range(SLOTS):
+            self._invalidate(slot)
+
+    def _invalidate(self, slot: int) -> None:
+        self._seqs[slot] = None
+        try:
+            fd = os.open(self.slot_name(slot), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=self._dir_fd)
+        except OSError:
+            return
+        try:
+            if _file_problem(os.fstat(fd)) is None:
+                os.pwrite(fd, bytes(HEADER_SIZE), 0)
+        finally:
+            os.close(fd)
+
+    def remove(self) -> None:
+        """Delete this rank's slots (a clean finish), and the root's folder once empty."""
+        for slot in range(SLOTS):
+            try:
+                os.unlink(self.slot_name(slot), dir_fd=self._dir_fd)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("memory tier: could not remove %s: %s", self.slot_name(slot), exc)
+        self._seqs = [None] * SLOTS
+        with contextlib.suppress(OSError):  # other ranks' slots may still be there
+            os.rmdir(self.folder)
+
+    def close(self) -> None:
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+
+
+class _ReadHandle:
+    """An fd of one slot, opened without following links and checked to be ours."""
+
+    def __init__(self, dir_fd: int, name: str) -> None:
+        self.fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+
+    def __enter__(self) -> tuple[int, int]:
+        info = os.fstat(self.fd)
+        problem = _file_problem(info)
+        if problem is not None:
+            os.close(self.fd)
+            raise FormatProblem(problem)
+        return self.fd, info.st_size
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+
+def _file_problem(info: os.stat_result) -> str | None:
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file"
+    if info.st_uid != os.geteuid():
+        return f"owned by uid {info.st_uid}, not this user"
+    if info.st_mode & 0o077:
+        return f"open to other users (mode {stat.S_IMODE(info.st_mode):o})"
+    if info.st_nlink != 1:
+        return f"{info.st_nlink} links to it"
+    return None
+
+
+def _private_dir(path: str) -> int:
+    """An fd of ``path`` (made 0700 if missing, parents included), checked to be ours alone."""
+    parent = os.path.dirname(path)
+    for folder in (parent, path):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise CheckpointError(f"memory tier: cannot make {folder}: {exc}; pass "
+                                  "MemoryOptions(directory=...) a writable tmpfs") from exc
+        info = os.lstat(folder)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or \
+                info.st_mode & 0o077:
+            raise CheckpointError(
+                f"memory tier: {folder} is not a private folder of this user (a link, another "
+                f"owner, or mode {stat.S_IMODE(info.st_mode):o}); remove it, or pass "
+                "MemoryOptions(directory=...) another tmpfs")
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _write_tensor(fd: int, tensor: torch.Tensor, offset: int) -> list[int]:
+    """Write one tensor's bytes at ``offset``; the digest of each piece (hashed, then written
+    while it is in cache)."""
+    flat = tensor.detach()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    flat = flat.contiguous().reshape(-1).view(torch.uint8)
+    digests = []
+    for start, length in pieces(flat.numel()):
+        piece = flat[start:start + length].numpy()
+        digests.append(_digest(piece))
+        _pwrite_all(fd, piece, offset + start)
+    return digests
+
+
+def _read_manifest(fd: int, size: int) -> tuple[Header, Manifest]:
+    header = unpack_header(os.pread(fd, HEADER_SIZE, 0), size, _digest)
+    raw = os.pread(fd, header.manifest_len, header.manifest_offset)
+    if len(raw) != header.manifest_len or _digest(raw) != header.manifest_digest:
+        raise FormatProblem("manifest checksum mismatch (torn or edited)")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise FormatProblem(f"manifest is not JSON: {exc}") from None
+    return header, check_manifest(doc, header)
+
+
+def _read_tensors(fd: int, manifest: Manifest) -> list[torch.Tensor]:
+    """Every tensor of the snapshot read into one fresh buffer, each piece verified."""
+    total = max((spec.offset + spec.nbytes for spec in manifest.tensors), default=0)
+    buffer = torch.empty(total, dtype=torch.uint8)
+    raw = buffer.numpy()
+    tensors = []
+    for i, spec in enumerate(manifest.tensors):
+        for (start, length), expected in zip(pieces(spec.nbytes), spec.digests, strict=True):
+            view = raw[spec.offset + start: spec.offset + start + length]
+            if os.preadv(fd, [view.data], HEADER_SIZE + spec.offset + start) != length:
+                raise FormatProblem(f"tensor {i} is cut short")
+            if _digest(view) != expected:
+                raise FormatProblem(f"tensor {i} checksum mismatch (torn or edited)")
+        tensors.append(buffer[spec.offset: spec.offset + spec.nbytes].view(spec.dtype)
+                       .reshape(spec.shape))
+    return tensors
+
+
+# ---------------------------------------------------------------------------- collect, apply
+
+def snapshot_entries(entries: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
+    """{key: (kind, value)} of a resolved state (:func:`~.state.resolve`), as a save collects
+    it: global states and Stateful entries through ``state_dict()``, plain values as they are.
+    """
+    collected: dict[str, tuple[str, Any]] = {}
+    for key, value in entries.items():
+        if is_global_state(value):
+            collected[key] = ("global", value.state_dict())
+        elif isinstance(value, Stateful):
+            collected[key] = ("stateful", value.state_dict())
+        else:
+            collected[key] = ("plain", value)
+    return collected
+
+
+def match(prepared: Prepared, entries: Mapping[str, Any]) -> dict[str, Any] | str:
+    """The snapshot's values shaped as ``entries`` asks (DTensors and devices as the live
+    state's), or a description of how they differ."""
+    kinds = {k: kind for k, (kind, _) in snapshot_entries_kinds(entries).items()}
+    saved = {k: kind for k, (kind, _) in prepared.trees.items()}
+    if kinds != saved:
+        return (f"the snapshot holds entries {sorted(saved.items())}, the state "
+                f"{sorted(kinds.items())}")
+    shaped: dict[str, Any] = {}
+    for key, value in entries.items():
+        kind, tree = prepared.trees[key]
+        if kind != "stateful":
+            shaped[key] = tree
+            continue
+        problem: list[str] = []
+        shaped[key] = _like(tree, value.state_dict(), key, problem)
+        if problem:
+            return problem[0]
+    return shaped
+
+
+def snapshot_entries_kinds(entries: Mapping[str, Any]) -> dict[str, tuple[str, None]]:
+    return {k: ("global" if is_global_state(v) else "stateful" if isinstance(v, Stateful)
+                else "plain", None) for k, v in entries.items()}
+
+
+def _like(saved: Any, live: Any, path: str, problem: list[str]) -> Any:
+    """``saved`` with each tensor made like the live tensor at the same place."""
+    if problem:
+        return None
+    if isinstance(live, torch.Tensor):
+        local = live.to_local() if isinstance(live, DTensor) else live
+        if not isinstance(saved, torch.Tensor) or tuple(saved.shape) != tuple(local.shape) \
+                or saved.dtype != local.dtype:
+            problem.append(f"{path}: the snapshot's value does not have the state's shape and "
+                           f"dtype ({tuple(local.shape)}, {local.dtype})")
+            return None
+        if local.device != saved.device:
+            saved = saved.to(local.device)
+        if isinstance(live, DTensor):
+            return DTensor.from_local(saved, live.device_mesh, live.placements, run_check=False,
+                                      shape=live.shape, stride=live.stride())
+        return saved
+    if isinstance(live, dict):
+        if not isinstance(saved, dict) or set(saved) != set(live):
+            missing = sorted(map(str, set(live) - set(saved))) if isinstance(saved, dict) else []
+            extra = sorted(map(str, set(saved) - set(live))) if isinstance(saved, dict) else []
+            problem.append(f"{path}: keys differ (the state asks for {missing[:4]} too, the "
+                           f"snapshot holds {extra[:4]} too)")
+            return None
+        return {k: _like(saved[k], v, f"{path}.{k}", problem) for k, v in live.items()}
+    if isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)) \
+            and len(saved) == len(live):
+        return type(saved)(_like(s, v, f"{path}[{i}]", problem)
+                           for i, (s, v) in enumerate(zip(saved, live, strict=True)))
+    if isinstance(saved, torch.Tensor) != isinstance(live, torch.Tensor) or \
+            isinstance(saved, (list, tuple, dict)) != isinstance(live, (list, tuple, dict)):
+        problem.append(f"{path}: the snapshot holds a {type(saved).__name__}, the state a "
+                       f"{type(live).__name__}")
+        return None
+    return saved
+
+
+def apply(shaped: Mapping[str, Any], entries: Mapping[str, Any], state: dict[str, Any],
+          rng_state: dict[str, Any]) -> None:
+    """Load matched values (:func:`match`) into ``state`` and this process's RNGs.
+
+    Global states (the loader's cursor, which checks its dataset on load) go first, so that
+    a refusal there leaves the rest untouched.
+    """
+    ordered = sorted(entries, key=lambda k: not is_global_state(entries[k]))
+    for key in ordered:
+        value = entries[key]
+        if isinstance(value, Stateful):
+            value.load_state_dict(shaped[key])
+        else:
+            state[key] = shaped[key]
+    rng.restore(rng_state)
+
+
+def restore_agreed(tier: MemoryTier, ranks: Ranks, latest: tuple[str, int] | None,
+                   state: dict[str, Any]) -> int | None:
+    """Restore the newest step every rank holds whole in memory, or None (collective).
+
+    ``latest`` is rank 0's newest complete checkpoint of the root (name, step). A rank alone
+    cannot know whether its newest slot is whole on the others (a kill may have cut another
+    rank's snapshot short), so the ranks exchange their slots' summaries (one small
+    all-gather) and all choose the same step (:func:`~.memory_format.choose`); each then
+    reads and verifies its slot, and only when every rank succeeded (one all-reduce) are the
+    values applied. Slots newer than the step are discarded.
+    """
+    found = tier.scan()
+    mine = [(s.step, s.seq, s.rank, s.world_size, s.started, s.committed) for _, s in found]
+    gathered = ranks.all_gather((mine, latest), ranks.control)
+    per_rank = [[SlotSummary(*fields) for fields in summaries] for summaries, _ in gathered]
+    entries = resolve(state)
+    while True:  # newest first; a step that fails to verify on any rank is passed over
+        step = choose(per_rank, gathered[0][1])
+        if step is None:
+            return None
+        slot, summary = max(((slot, s) for slot, s in found if s.step == step),
+                            key=lambda item: item[1].seq)
+        prepared = tier.prepare(slot, summary)
+        shaped = None if prepared is None else match(prepared, entries)
+        if isinstance(shaped, str):
+            log.warning("memory tier: step %d does not match the given state (%s); loading "
+                        "from the disk tiers", step, shaped)
+        outcome = "ok" if isinstance(shaped, dict) else "damaged" if shaped is None else "other"
+        outcomes = ranks.all_gather(outcome, ranks.control)
+        if "other" in outcomes:  # another state than the snapshots': none of them fits
+            return None
+        if "damaged" not in outcomes:
+            break
+        per_rank = [[s for s in summaries if s.step != step] for summaries in per_rank]
+    assert prepared is not None and isinstance(shaped, dict)
+    apply(shaped, entries, state, prepared.manifest.rng)
+    tier.discard_after(step)
+    return step
