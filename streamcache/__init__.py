@@ -28,14 +28,6 @@ from .errors import (
     UnknownProtocolError,
     UsageError,
 )
-from .format.convert import convert
-from .format.index import DatasetIndex, build_index, load_index
-from .format.reader import Ragged
-from .format.schema import Field, Schema
-from .format.writer import ShardWriter, write_dataset
-from .goodput import GoodputError
-from .loading.dataset_reader import DatasetReader
-from .plan import CursorMismatchError, PlanError, PositionOutOfRangeError
 
 __version__ = "0.1.0"
 
@@ -49,22 +41,32 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time these load laz
         CheckpointUnsafeError,
         CheckpointWriteError,
     )
+    from .format.convert import convert
+    from .format.index import DatasetIndex, build_index, load_index
+    from .format.reader import Ragged
+    from .format.schema import Field, Schema
+    from .format.writer import ShardWriter, write_dataset
+    from .goodput import GoodputError
     from .loading.dataset import StreamDataset
+    from .loading.dataset_reader import DatasetReader
     from .loading.loader import StreamLoader
     from .loading.options import StreamOptions
     from .loading.source import Source
+    from .plan import CursorMismatchError, PlanError, PositionOutOfRangeError
     from .remote.options import FetchOptions
     from .remote.retry import FetchError
     from .replicas.loader import ReplicaError
 
-# The torch-facing parts (and the fetcher, which imports aiohttp) are imported on first use,
-# so that `import streamcache` (the CLI's convert/index/inspect, writers in data pipelines)
-# does not pay for importing torch. Every error class is importable from here all the same.
+# Only the exception family is imported with the package; every other public name is imported
+# on first use (attribute access or `from streamcache import X`), so that `import streamcache`
+# costs milliseconds on top of torch: every restarted training process pays it, and so do the
+# CLI's convert/index/inspect and writers in data pipelines, which need no torch at all.
 _LAZY = {
     "StreamDataset": "streamcache.loading.dataset",
     "StreamOptions": "streamcache.loading.options",
     "StreamLoader": "streamcache.loading.loader",
     "Source": "streamcache.loading.source",
+    "DatasetReader": "streamcache.loading.dataset_reader",
     "Checkpointer": "streamcache.checkpoint",
     "CheckpointError": "streamcache.checkpoint.errors",
     "CheckpointWriteError": "streamcache.checkpoint.errors",
@@ -75,6 +77,19 @@ _LAZY = {
     "FetchOptions": "streamcache.remote.options",
     "PrefetchOptions": "streamcache.cache.prefetch",
     "ReplicaError": "streamcache.replicas.loader",
+    "convert": "streamcache.format.convert",
+    "DatasetIndex": "streamcache.format.index",
+    "build_index": "streamcache.format.index",
+    "load_index": "streamcache.format.index",
+    "Ragged": "streamcache.format.reader",
+    "Field": "streamcache.format.schema",
+    "Schema": "streamcache.format.schema",
+    "ShardWriter": "streamcache.format.writer",
+    "write_dataset": "streamcache.format.writer",
+    "GoodputError": "streamcache.goodput",
+    "CursorMismatchError": "streamcache.plan",
+    "PlanError": "streamcache.plan",
+    "PositionOutOfRangeError": "streamcache.plan",
 }
 
 
@@ -87,6 +102,10 @@ def __getattr__(name: str) -> object:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [

@@ -1,0 +1,52 @@
+"""`import streamcache` is light: the exception family only; every other public name loads on
+first use and is still importable, as an attribute and with ``from streamcache import X``.
+
+Checked by what a fresh interpreter has imported, not by timing (benchmarks/bench_chaos.py
+measures the import time).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import streamcache
+
+HEAVY = ("pyarrow", "fsspec", "torch.distributed.checkpoint", "aiohttp", "zstandard",
+         "streamcache.format", "streamcache.loading", "streamcache.checkpoint")
+
+
+def _fresh(code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_import_streamcache_loads_no_heavy_module() -> None:
+    out = _fresh(f"import sys, streamcache; print([m for m in {HEAVY!r} if m in sys.modules])")
+    assert out.strip() == "[]"
+
+
+def test_every_public_name_is_importable_and_listed_by_dir() -> None:
+    for name in streamcache.__all__:
+        assert getattr(streamcache, name) is not None, name
+    exec("from streamcache import " + ", ".join(streamcache.__all__), {})
+    assert set(streamcache.__all__) <= set(dir(streamcache))
+
+
+def test_lazy_names_are_the_objects_of_their_modules() -> None:
+    from streamcache.checkpoint import Checkpointer
+    from streamcache.loading.loader import StreamLoader
+    from streamcache.plan import PlanError
+
+    assert streamcache.Checkpointer is Checkpointer
+    assert streamcache.StreamLoader is StreamLoader
+    assert streamcache.PlanError is PlanError
+    assert issubclass(streamcache.PlanError, streamcache.StreamcacheError)
+    try:
+        streamcache.NoSuchName  # noqa: B018
+    except AttributeError as exc:
+        assert "NoSuchName" in str(exc)
+    else:
+        raise AssertionError("an unknown name must raise AttributeError")
