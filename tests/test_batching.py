@@ -10,14 +10,13 @@ import torch
 
 from streamcache.format.reader import Ragged, bytes_as_rows
 from streamcache.format.schema import Field
-from streamcache.loading import batching
 from streamcache.loading.batching import (
     ID_KEY,
     SEED_KEY,
     gathering,
-    seed_global_rngs,
     split_samples,
 )
+from streamcache.loading.seeding import GlobalRngSeeder, seed_global_rngs
 
 
 def _draws() -> tuple[float, float, int, float, float]:
@@ -25,15 +24,29 @@ def _draws() -> tuple[float, float, int, float, float]:
             float(np.random.standard_normal()), float(torch.rand(1)))
 
 
-def test_the_sample_seeder_seeds_like_seed_global_rngs() -> None:
-    seed_all = batching._sample_seeder()
+def test_the_sample_seeder_seeds_like_seed_global_rngs(backend: str) -> None:
+    seed_all = GlobalRngSeeder()
     for seed in (0, 1, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1, 0x1234_5678_9ABC_DEF0):
         random.gauss(0, 1)  # leaves a cached second normal that seeding must clear
+        np.random.standard_normal()  # numpy's too
         seed_global_rngs(seed)
         want = _draws()
         random.gauss(0, 1)
+        np.random.standard_normal()
         seed_all(seed)
         assert _draws() == want, seed
+
+
+def test_a_sample_sees_no_normal_cached_by_the_one_before(backend: str) -> None:
+    """numpy keeps the second of each pair of normals; a sample that draws one leaves the
+    other behind, and the next sample must not get it."""
+    seed_all = GlobalRngSeeder()
+    seed_all(1)
+    float(np.random.standard_normal())  # one drawn, one cached
+    seed_all(2)
+    after_a_draw = float(np.random.standard_normal())
+    seed_global_rngs(2)
+    assert float(np.random.standard_normal()) == after_a_draw
 
 
 def test_split_samples_gives_python_scalars_row_views_and_bytes() -> None:

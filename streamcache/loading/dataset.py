@@ -38,9 +38,6 @@ from .batching import (
     apply_sample_transform,
     empty_like,
     gathering,
-    preserved_global_rngs,
-    seed_global_rngs,
-    step_seed,
     to_torch,
 )
 from .dataset_reader import DatasetReader
@@ -50,6 +47,7 @@ from .mixture_store import MixtureReader
 from .nodes import NodeLocality
 from .options import RaggedMode, StreamOptions, TailMode, WindowUnit
 from .schedule import Schedule, StepRef, later_epoch_samples
+from .seeding import preserved_global_rngs, seed_global_rngs, step_seed
 from .source import Source
 from .topology import NodeTopology, resolve_topology
 
@@ -367,7 +365,7 @@ class StreamDataset(IterableDataset):
     def _transform_samples(self, arrays: dict[str, Any]) -> Any:
         opts = self.options
         samples_arrays = dict(arrays)
-        samples_arrays[SEED_KEY] = [int(s) for s in arrays[SEED_KEY]]
+        samples_arrays[SEED_KEY] = np.asarray(arrays[SEED_KEY], dtype=np.uint64).tolist()
         assert opts.transform is not None
         return apply_sample_transform(samples_arrays, self._fields, opts.transform,
                                       opts.collate_fn)
