@@ -497,3 +497,19 @@ def test_restore_of_100_mb_takes_a_fraction_of_a_second(tmp_path: Path) -> None:
     assert float(prepared.trees["w"][1]["p9"][0]) == 9.0
     assert sum(t.numel() * 4 for t in prepared.trees["w"][1].values()) == 100_000_000
     np.testing.assert_array_equal(prepared.trees["w"][1]["p3"].numpy()[:5], np.full(5, 3.0))
+
+
+def test_each_job_has_its_own_folder_and_the_next_job_reclaims_an_old_one(
+        tmp_path: Path) -> None:
+    model, optimizer = _model()
+    state = {"train": ModelState(model, optimizer)}
+    with _ckpt(tmp_path, job_id="job-a") as ckpt:
+        ckpt.snapshot(1, state)
+        folder_a = Path(ckpt._memory.folder)  # type: ignore[union-attr]
+        ckpt._close(finished=False)           # job a was killed for good
+    with _ckpt(tmp_path, job_id="job-b") as ckpt:
+        assert Path(ckpt._memory.folder) != folder_a  # type: ignore[union-attr]
+        assert ckpt.load(state) is None       # job a's snapshots are not job b's
+        assert folder_a.exists()
+        ckpt.snapshot(2, state)               # job b holds the root's lease now
+        assert not folder_a.exists()

@@ -198,9 +198,11 @@ class Checkpointer:
         # (the last save started, the last known committed): what snapshots continue
         self._saves: tuple[str | None, str | None] = (None, None)
         self._saves_known = False
+        self._memory_pruned = False
         if memory:
             options = memory if isinstance(memory, MemoryOptions) else MemoryOptions()
-            self._memory = MemoryTier(options, self.root.url, self.rank, self.world_size)
+            self._memory = MemoryTier(options, self.root.url, self.rank, self.world_size,
+                                      job_id)
 
     # ------------------------------------------------------------------ public API
 
@@ -482,6 +484,9 @@ class Checkpointer:
             newest = layout.latest(self.root) if self.rank == 0 else None
             known = self._ranks.broadcast(newest.name if newest else None, self._ranks.control)
             self._saves, self._saves_known = (self._saves[0], known), True
+        if not self._memory_pruned:  # this job holds the lease: earlier jobs are gone
+            self._memory.remove_other_jobs()
+            self._memory_pruned = True
         started, committed = self._saves
         return self._memory.write(step, snapshot_entries(entries), rng.capture(),
                                   timeline=self._timeline, started=started, committed=committed)

@@ -10,15 +10,17 @@ is applied.
 Where (``MemoryOptions.directory``, ``/dev/shm`` by default)::
 
     streamcache-mem-<uid>/           0700, owned by this user (refused otherwise)
-        <sha256(root)[:24]>/         one folder per checkpoint root: two jobs never collide,
-                                     the restarts of one job find their snapshots
+        <sha256(root)>-<sha256(job)>/  one folder per checkpoint root and job id: two jobs
+                                     never collide, the restarts of one job find their
+                                     snapshots (the job id is torchrun's run id by default)
             rank<r>-slot<0|1>        0600, this user's regular files, never followed links
 
 Space: two slots per rank, each about the size of the rank's state (model, optimizer and the
 small entries). A clean finish (``Checkpointer.close()`` without an exception) removes this
-rank's slots; a job that is killed for good leaves them until its next run reuses them or the
-node reboots. A slot that does not fit the free space is not written (a warning; the previous
-slot stays whole) and training goes on with the disk tiers.
+rank's slots; a job that is killed for good leaves them until the next job on the same root
+deletes them (at its first snapshot), or the node reboots. A slot that does not fit the free
+space is not written (a warning; the previous slot stays whole) and training goes on with the
+disk tiers.
 
 Thread safety: one training thread per MemoryTier.
 """
@@ -109,8 +111,12 @@ def _digest(data: Any) -> int:
     return _native.xxh64(data)
 
 
-def root_key(root_url: str) -> str:
-    return hashlib.sha256(root_url.encode()).hexdigest()[:24]
+def folder_name(root_url: str, job_id: str | None) -> str:
+    """``<root digest>-<job digest>``: the restarts of one job (one job id) share a folder,
+    another job or another root never does."""
+    root = hashlib.sha256(root_url.encode()).hexdigest()[:20]
+    job = hashlib.sha256((job_id or "").encode()).hexdigest()[:12]
+    return f"{root}-{job}"
 
 
 class MemoryTier:
@@ -121,12 +127,12 @@ class MemoryTier:
             link, another owner, or open to others), or cannot be made.
     """
 
-    def __init__(self, options: MemoryOptions, root_url: str, rank: int, world_size: int
-                 ) -> None:
+    def __init__(self, options: MemoryOptions, root_url: str, rank: int, world_size: int,
+                 job_id: str | None = None) -> None:
         self.options, self.root_url = options, root_url
         self.rank, self.world_size = rank, world_size
         self.folder = os.path.join(options.directory, f"streamcache-mem-{os.geteuid()}",
-                                   root_key(root_url))
+                                   folder_name(root_url, job_id))
         self._dir_fd = _private_dir(self.folder)
         self._seqs: list[int | None] = [None] * SLOTS  # the valid slots' sequence numbers
         self._warned = False
@@ -318,6 +324,20 @@ class MemoryTier:
         self._seqs = [None] * SLOTS
         with contextlib.suppress(OSError):  # other ranks' slots may still be there
             os.rmdir(self.folder)
+
+    def remove_other_jobs(self) -> None:
+        """Delete the folders of earlier jobs on this root (this job holds the root's lease,
+        so they are not running): what a killed job left is reclaimed by the next one."""
+        parent = os.path.dirname(self.folder)
+        mine = os.path.basename(self.folder)
+        prefix = mine.split("-")[0] + "-"
+        for name in os.listdir(parent):
+            if name.startswith(prefix) and name != mine:
+                folder = os.path.join(parent, name)
+                with contextlib.suppress(OSError):  # another rank of the node removed it
+                    for entry in os.listdir(folder):
+                        os.unlink(os.path.join(folder, entry))
+                    os.rmdir(folder)
 
     def close(self) -> None:
         if self._dir_fd >= 0:
