@@ -1,0 +1,9 @@
+"""streamcache in the tools users train with; each module imports its tool, nothing here does.
+
+- :mod:`.transformers`: ``StreamTrainer`` / ``StreamTrainerMixin``, a Hugging Face Trainer
+  over a StreamLoader, resumed exactly from its checkpoints.
+- :mod:`.accelerate`: how a StreamLoader meets ``accelerator.prepare``, and the refusal of a
+  StreamDataset wrapped in a DataLoader that Accelerate shards or dispatches.
+- :mod:`.lightning`: ``StreamStats``, a Lightning callback that logs the loader's input
+  statistics.
+"""
