@@ -105,3 +105,24 @@ def test_an_iterator_freed_at_interpreter_exit_prints_nothing(data: tuple[str, s
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
     assert "Exception ignored" not in result.stderr, result.stderr
+
+
+def test_reading_the_rank_before_the_process_group_says_what_is_fine(
+        data: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's second process before Trainer.fit made the group: LOCAL_RANK=1,
+    WORLD_SIZE=2, no RANK, no group. Making the loader there is fine; reading its rank is
+    refused, and the message says which is which (it said a loader made in __init__ is
+    fine, and nothing of the rank read that raised it)."""
+    from streamcache import PlanError, StreamDataset, StreamLoader
+
+    url, cache = data
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    loader = StreamLoader(StreamDataset(url, global_batch_size=8, cache_dir=cache))
+    assert len(loader) == 39  # the global batch needs no rank
+    with pytest.raises(PlanError) as caught:
+        loader.dataset.rank  # noqa: B018
+    message = str(caught.value)
+    assert "dataset.rank" in message and "setup()" in message
+    assert "Making the dataset and loader before the group exists is fine" in message

@@ -47,9 +47,12 @@ def _distributed_markers() -> list[str]:
 
 def _refuse_guess(rank: int | None, world_size: int | None) -> None:
     """Raise where the default (rank 0 of 1) would be a guess the environment contradicts."""
-    fix = ("Start iterating after torch.distributed.init_process_group (Lightning's Trainer "
-           "makes the group before the first epoch, so a loader made in __init__ is fine), "
-           "or pass rank= and world_size= explicitly.")
+    fix = ("The rank is taken where it is needed: when a pass starts, or when "
+           "dataset.rank, .world_size, .topology or, with batch_size=, len() is read. Making "
+           "the dataset and loader before the group exists is fine (in a LightningModule's "
+           "__init__, say); reading their rank there is not: read it after "
+           "torch.distributed.init_process_group (with Lightning: in setup() or later, where "
+           "self.global_rank is known too), or pass rank= and world_size= explicitly.")
     if world_size is not None and world_size > 1 and rank is None:
         raise PlanError(f"world_size={world_size} without rank=, and there is no process group "
                         "or RANK to take the rank from: every process would read as rank 0 "
