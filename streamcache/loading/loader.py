@@ -37,6 +37,7 @@ from ..plan.bijection import derive_key
 from ..plan.mixture_cursor import MixtureCursor
 from .dataset import StreamDataset
 from .schedule import Schedule, StepRef
+from .shared_batches import SharedBatchDataset, SlotReader
 from .stats import LoaderStats, StepCounters, open_reader
 from .stats_logger import StatsLogger, metrics_sink
 
@@ -129,6 +130,33 @@ class _NativeBatches:
         self._pool.shutdown(wait=True)
 
 
+class _WorkerBatches:
+    """Steps made by worker processes (torch's DataLoader machinery), in step order; their
+    tensors arrive in shared slots set up once per worker (:mod:`.shared_batches`)."""
+
+    def __init__(self, loader: StreamLoader, schedule: Schedule) -> None:
+        self._pin = loader.pin_memory
+        self._slots = SlotReader()
+        torch_loader = DataLoader(
+            SharedBatchDataset(loader.dataset, slots=loader.prefetch + 3), batch_size=None,
+            num_workers=loader.num_workers, prefetch_factor=loader.prefetch,
+            persistent_workers=False, timeout=loader.timeout,
+            multiprocessing_context=loader.multiprocessing_context,
+            generator=worker_generator(schedule.cursor),
+        )
+        self._batches = iter(torch_loader)
+
+    def __next__(self) -> Any:
+        batch = self._slots.unpack(next(self._batches))
+        return _pinned(batch) if self._pin else batch
+
+    def close(self) -> None:
+        shutdown = getattr(self._batches, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self._slots.forget()
+
+
 def _pinned(batch: Any) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.pin_memory()
@@ -159,14 +187,7 @@ class _LoaderIterator:
             self._source = _NativeBatches(dataset, self._schedule, loader.prefetch,
                                           loader.threads, loader.pin_memory, loader.counters)
         else:
-            self._torch_loader = DataLoader(
-                dataset, batch_size=None, num_workers=loader.num_workers,
-                pin_memory=loader.pin_memory, prefetch_factor=loader.prefetch,
-                persistent_workers=False, timeout=loader.timeout,
-                multiprocessing_context=loader.multiprocessing_context,
-                generator=worker_generator(self._schedule.cursor),
-            )
-            self._source = iter(self._torch_loader)
+            self._source = _WorkerBatches(loader, self._schedule)
 
     def __iter__(self) -> _LoaderIterator:
         return self
