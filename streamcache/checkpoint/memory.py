@@ -61,6 +61,7 @@ from .memory_format import (
     K_TREE,
     K_VERSION,
     K_WORLD,
+    EmptySlot,
     FormatProblem,
     Header,
     Manifest,
@@ -246,6 +247,8 @@ class MemoryTier:
                     header, manifest = _read_manifest(fd, size)
             except FileNotFoundError:
                 continue
+            except EmptySlot:
+                continue  # invalidated, or a snapshot that never finished: nothing to say
             except (OSError, FormatProblem) as exc:
                 log.warning("memory tier: ignoring %s: %s", self.slot_name(slot), exc)
                 continue

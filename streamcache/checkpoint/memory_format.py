@@ -58,6 +58,10 @@ class FormatProblem(ValueError):
     """A slot file is not a whole, valid snapshot (the message says what is wrong)."""
 
 
+class EmptySlot(FormatProblem):
+    """The slot's header is zeroes: invalidated, or a snapshot was cut short there."""
+
+
 @dataclass(frozen=True)
 class Header:
     seq: int
@@ -81,6 +85,8 @@ def unpack_header(raw: bytes, file_size: int, digest_fn: Any) -> Header:
         raise FormatProblem(f"header is {len(raw)} bytes, shorter than {_HEADER.size}")
     magic, version, _, seq, step, data_len, m_off, m_len, m_digest, digest = _HEADER.unpack(
         raw[: _HEADER.size])
+    if magic == bytes(len(MAGIC)):
+        raise EmptySlot("no snapshot (invalidated, or cut short while it was written)")
     if magic != MAGIC:
         raise FormatProblem("no valid header (never written, being written, or not ours)")
     if digest_fn(raw[: _HEADER.size - 8]) != digest:

@@ -63,8 +63,12 @@ class Ranks:
         return self._reduce(flag, dist.ReduceOp.MAX, group) if self.distributed else flag
 
     def close(self) -> None:
+        """Destroy the two groups; groups already destroyed (an in-process restart engine
+        such as NVRx aborts and destroys every group after a fault) are skipped, so that
+        closing while a fault unwinds never replaces the fault's exception with another."""
         for group in (self.writer, self.control):
-            if group is not None:
+            if group is not None and dist.is_initialized() and \
+                    group in dist.distributed_c10d._world.pg_names:
                 dist.destroy_process_group(group)
         self.writer = self.control = None
 
