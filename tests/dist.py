@@ -89,7 +89,7 @@ def _child(
     port: int,
     args: tuple[Any, ...],
     result_dir: str,
-    backend: str,
+    backend: str | None,
     pg_timeout_s: float,
     env: dict[str, str],
 ) -> None:
@@ -106,16 +106,19 @@ def _child(
     try:
         import torch.distributed as dist
 
-        dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout_s),
-        )
-        try:
+        if backend is None:  # the function makes its groups (e.g. under NVRx's Wrapper)
             result.value = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
+        else:
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=pg_timeout_s),
+            )
+            try:
+                result.value = fn(rank, world_size, *args)
+            finally:
+                dist.destroy_process_group()
     except BaseException as exc:
         result.error_type = type(exc).__name__
         result.error = str(exc)
@@ -137,7 +140,9 @@ class RankGroup:
         world_size: number of processes.
         args: extra positional arguments (picklable).
         timeout_s: :meth:`join` kills every rank and raises after this long.
-        backend: process group backend ("gloo").
+        backend: process group backend ("gloo"); None: no default group is made, the
+            function makes its own (an in-process restart engine such as NVRx's Wrapper
+            requires that no group exists when it starts).
         env: extra environment variables for the children.
         fail_fast: when a rank exits abnormally, SIGKILL the others after ``grace_s``.
 
@@ -151,7 +156,7 @@ class RankGroup:
         *,
         args: Sequence[Any] = (),
         timeout_s: float = 120.0,
-        backend: str = "gloo",
+        backend: str | None = "gloo",
         env: dict[str, str] | None = None,
         fail_fast: bool = True,
         grace_s: float = 2.0,
