@@ -211,5 +211,47 @@ def test_lightning_ddp_killed_mid_epoch_resumes_exactly(tmp_path) -> None:
     assert _done(tmp, "full") == _done(tmp, "resumed") == [expected_end, expected_end]
 
 
+class _Tiny(L.LightningModule):
+    def __init__(self, loader: StreamLoader) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(1, 1)
+        self.loader = loader
+
+    def train_dataloader(self) -> StreamLoader:
+        return self.loader
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        x = batch["x"].float().unsqueeze(1) / SAMPLES
+        return ((self.net(x) - x) ** 2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")  # Lightning's own
+def test_stream_stats_callback_logs_the_loaders_statistics(tmp_path) -> None:
+    """One line in the Trainer's callbacks: the loader's statistics reach Lightning's
+    logging (callback_metrics, and so any logger) at the Trainer's steps."""
+    from loader_helpers import make_dataset
+
+    from streamcache.integrations.lightning import StreamStats
+
+    data = make_dataset(str(tmp_path), [60, 60], seq=False)
+    loader = StreamLoader(StreamDataset(data, global_batch_size=GLOBAL_BATCH, seed=1,
+                                        cache_dir=str(tmp_path / "cache")))
+    stats = StreamStats(every_n_steps=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False,
+                        default_root_dir=str(tmp_path), enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False,
+                        callbacks=[stats])
+    trainer.fit(_Tiny(loader))
+    metrics = trainer.callback_metrics
+    assert stats.loader is loader  # found as the Trainer's train loader
+    assert {"streamcache/wait_ms_per_step", "streamcache/ready_fraction",
+            "streamcache/bytes_fetched", "streamcache/steps"} <= set(metrics)
+    assert float(metrics["streamcache/steps"]) == 2  # each report covers its 2 steps
+    loader.close()
+
+
 if __name__ == "__main__":
     job(sys.argv[1:])

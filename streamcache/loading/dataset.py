@@ -20,6 +20,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..cache.advice import ShardAdvice
 from ..cache.prefetch import PrefetchOptions
 from ..format.index import DatasetIndex, load_index
+from ..integrations.accelerate import refuse_accelerate_wrapping
 from ..plan import (
     EpochOrder,
     EpochSegment,
@@ -394,6 +395,7 @@ class StreamDataset(IterableDataset):
                         pad_value=self.options.pad_value)
 
     def __iter__(self) -> Iterator[Any]:
+        refuse_accelerate_wrapping()  # a DataLoader Accelerate prepared would split it again
         info = get_worker_info()
         if info is None:  # a pass starts in this process
             worker, workers, schedule = 0, 1, self.schedule()
