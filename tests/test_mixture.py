@@ -4,8 +4,10 @@ worker processes, and two real gloo ranks."""
 
 from __future__ import annotations
 
+import copy
 import math
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -142,11 +144,12 @@ def test_new_weights_on_resume_go_on_where_each_source_stood(urls, tmp_path):
     assert len(state["source_cursors"]) == 3
 
 
-def test_a_state_of_another_mixture_is_refused_naming_what_differs(urls, tmp_path):
+def test_a_state_of_another_mixture_is_refused_naming_what_differs(urls, issue_urls,
+                                                                  tmp_path):
     state = mixture(urls, tmp_path).state_dict()
-    swapped = mixture([urls[0], urls[2], urls[1]], tmp_path)
+    other = mixture([urls[0], issue_urls[1], urls[2]], tmp_path)
     with pytest.raises(CursorMismatchError, match="source 1 dataset fingerprint"):
-        swapped.load_state_dict(state)
+        other.load_state_dict(state)
     with pytest.raises(CursorMismatchError, match="number of sources"):
         mixture(urls[:2], tmp_path, WEIGHTS[:2]).load_state_dict(state)
     single = StreamLoader(StreamDataset(urls[0], global_batch_size=6, cache_dir=str(tmp_path)))
@@ -321,3 +324,162 @@ def test_transforms_keep_source_and_id(urls, tmp_path, kind):
     for step, batch in zip(plain, transformed, strict=False):
         assert pairs(batch) == step  # __source__ and __id__ name the sample of the mixture
         assert batch["y"].tolist() == [2 * i for _, i in step]
+
+
+# ---------------------------------------------------------------- what a state is bound to
+
+def _relabel(steps: list[list[tuple[int, int]]], label: dict[int, int]
+             ) -> list[list[tuple[int, int]]]:
+    return [[(label[source], i) for source, i in step] for step in steps]
+
+
+def test_sources_listed_in_another_order_resume_exactly(urls, tmp_path):
+    reference = _steps(mixture(urls, tmp_path, infinite=True), 12)
+    before = mixture(urls, tmp_path, infinite=True)
+    head = _steps(before, 5)
+    # the same sources and weights, listed as 2, 0, 1: read as saved, labelled as listed now
+    listed = [urls[2], urls[0], urls[1]]
+    after = mixture(listed, tmp_path, (WEIGHTS[2], WEIGHTS[0], WEIGHTS[1]), infinite=True)
+    after.load_state_dict(before.state_dict())
+    tail = _steps(after, 7)
+    assert head + _relabel(tail, {1: 0, 2: 1, 0: 2}) == reference
+    for batch_pairs in tail:  # __source__ is the index in today's list
+        for source, i in batch_pairs:
+            assert 0 <= i < [27, 10, 16][[2, 0, 1][source]]
+    # its state, in the saved order, resumes the first listing as it was
+    again = mixture(urls, tmp_path, infinite=True)
+    again.load_state_dict(after.state_dict())
+    assert head + _relabel(tail, {1: 0, 2: 1, 0: 2}) + _steps(again, 3) == \
+        _steps(mixture(urls, tmp_path, infinite=True), 15)
+
+
+def _same_shape_parquet(folder: Path, offset: int) -> str:
+    """A Parquet dataset of 2 files x 30 rows, indexed without checksums: any offset gives
+    files of the same names and sizes (so the same fingerprint), with other values."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from streamcache import build_index
+
+    folder.mkdir(parents=True)
+    for part in range(2):
+        values = np.arange(30, dtype=np.int64) + 30 * part + offset
+        pq.write_table(pa.table({"x": values}), folder / f"part-{part}.parquet",
+                       compression="none", use_dictionary=False, write_statistics=False)
+    build_index(str(folder), checksums=False)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def same_shape(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("same-shape")
+    return _same_shape_parquet(root / "a", 0), _same_shape_parquet(root / "b", 1000)
+
+
+def test_a_state_is_bound_to_its_data_not_to_its_shape(same_shape, tmp_path):
+    from streamcache import load_index
+
+    a, b = same_shape
+    assert load_index(a).fingerprint == load_index(b).fingerprint  # the attack's premise
+
+    def single(url: str, **options: Any) -> StreamLoader:
+        return StreamLoader(StreamDataset(url, global_batch_size=8, seed=3,
+                                          cache_dir=str(tmp_path), **options))
+
+    first = single(a)
+    next(iter(first))
+    state = first.state_dict()
+    assert state["cursor"]["data"]["location"].endswith("/a")
+    with pytest.raises(CursorMismatchError, match=r"location: saved .*/a', now .*/b'.*"
+                                                  r"resume_check=\"fingerprint\""):
+        single(b).load_state_dict(state)
+    # a copy of A elsewhere (index.json copied with it): refused too, unless the user says
+    # it is the same data
+    copy = tmp_path / "copy-of-a"
+    shutil.copytree(a, copy)
+    with pytest.raises(CursorMismatchError, match="location"):
+        single(str(copy)).load_state_dict(state)
+    moved = single(str(copy), resume_check="fingerprint")
+    moved.load_state_dict(state)
+    resumed = single(a)
+    resumed.load_state_dict(state)
+    assert [b["x"].tolist() for b in moved] == [b["x"].tolist() for b in resumed]
+    # a mixture of both: the sources are told apart, listed in any order
+    two = mixture([a, b], tmp_path, (0.5, 0.5), batch=8, infinite=True)
+    reference = _steps(mixture([a, b], tmp_path, (0.5, 0.5), batch=8, infinite=True), 12)
+    head = _steps(two, 4)
+    swapped = mixture([b, a], tmp_path, (0.5, 0.5), batch=8, infinite=True)
+    swapped.load_state_dict(two.state_dict())
+    assert head + _relabel(_steps(swapped, 8), {0: 1, 1: 0}) == reference
+
+
+# ---------------------------------------------------------------- states of earlier versions
+
+#: A finite mixture's loader state as written before version 2 (by 71efce6, over datasets of
+#: SIZES with WEIGHTS, seed 5, global batch 6, shuffle_window 8, after 2 steps; the
+#: fingerprints are of the datasets written then), and the (source, id) pairs that code read
+#: after loading it: the rest of epoch 0, then epoch 1.
+V1_STATE = {'version': 1,
+            'cursor': {'version': 1,
+                       'kind': 'mixture',
+                       'sources': [{'dataset_fingerprint': 'xxh64:9deb87cf6d0df7dc',
+                                    'num_samples': 27,
+                                    'epoch_samples': 27},
+                                   {'dataset_fingerprint': 'xxh64:b956ad09aba1ddac',
+                                    'num_samples': 10,
+                                    'epoch_samples': 10},
+                                   {'dataset_fingerprint': 'xxh64:eba7f9f087256301',
+                                    'num_samples': 16,
+                                    'epoch_samples': 16}],
+                       'seed': 5,
+                       'shuffle': {'enabled': True,
+                                   'window': 8,
+                                   'window_unit': 'samples',
+                                   'stagger': True},
+                       'infinite': False,
+                       'epoch': 0,
+                       'epoch_start': 0,
+                       'num_samples': 32,
+                       'samples_consumed': 12,
+                       'phases': [{'start': 0, 'counts': [0, 0, 0], 'shares': [5, 3, 2]}],
+                       'source_cursors': [[0, 6], [0, 4], [0, 2]]}}
+V1_REST = [[[0, 0], [2, 1], [0, 7], [1, 7], [0, 3], [1, 9]],
+           [[0, 14], [2, 4], [0, 13], [1, 6], [0, 1], [2, 5]],
+           [[0, 4], [1, 4], [0, 5], [1, 2], [0, 23], [2, 13]],
+           [[0, 19], [1, 5], [0, 17], [2, 9], [0, 22], [1, 2]],
+           [[0, 18], [1, 4], [0, 15], [2, 13], [0, 24], [1, 3]],
+           [[0, 26], [2, 15], [0, 25], [1, 7], [0, 20], [1, 8]],
+           [[0, 21], [2, 11], [0, 16], [1, 0], [0, 1], [2, 7]],
+           [[0, 7], [1, 1], [0, 6], [1, 9], [0, 2], [2, 5]]]
+
+
+def test_a_version_1_state_resumes_as_it_did(urls, tmp_path):
+    from streamcache import load_index
+
+    state = copy.deepcopy(V1_STATE)
+    for source, url in zip(state["cursor"]["sources"], urls, strict=True):
+        source["dataset_fingerprint"] = load_index(url).fingerprint  # these datasets' own
+    loader = mixture(urls, tmp_path)
+    loader.load_state_dict(state)  # the sources have checksums: their fingerprints suffice
+    rest = [pairs(b) for b in loader] + [pairs(b) for b in loader]
+    assert [[list(p) for p in step] for step in rest] == V1_REST
+    assert loader.state_dict()["cursor"]["version"] == 2
+
+
+def test_a_version_1_state_of_data_without_checksums_is_refused_unless_asked(same_shape,
+                                                                          tmp_path):
+    a, _ = same_shape
+
+    def single(**options: Any) -> StreamLoader:
+        return StreamLoader(StreamDataset(a, global_batch_size=8, seed=3,
+                                          cache_dir=str(tmp_path), **options))
+
+    current = single().state_dict()["cursor"]
+    old = {k: v for k, v in current.items() if k != "data"} | {"version": 1,
+                                                                "samples_consumed": 16}
+    with pytest.raises(CursorMismatchError, match=r"older streamcache.*resume_check"):
+        single().load_state_dict({"version": 1, "cursor": old})
+    loader = single(resume_check="fingerprint")
+    loader.load_state_dict({"version": 1, "cursor": old})
+    assert loader.state_dict()["cursor"]["samples_consumed"] == 16
+    assert loader.state_dict()["cursor"]["data"] == current["data"]  # bound from now on

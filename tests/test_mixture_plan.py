@@ -25,6 +25,13 @@ from streamcache.plan.mixture import (
 from streamcache.plan.mixture_cursor import MixtureCursor, SourceKey
 
 SHUFFLE = ShuffleOptions(window=16)
+
+
+def resume(state: object, current: MixtureCursor) -> MixtureCursor:
+    """:meth:`MixtureCursor.load` of a mixture whose sources are listed as they were."""
+    cursor, order = MixtureCursor.load(state, current)
+    assert order == tuple(range(len(current.sources)))
+    return cursor
 FAST = settings(max_examples=25, deadline=None)
 
 shares_st = st.lists(st.integers(1, 30), min_size=1, max_size=5).map(tuple)
@@ -191,7 +198,7 @@ def test_resume_on_any_topology_and_batch_size_is_exact(shares, first, second, b
     head, cursor = run(fresh, orders, stop, batches[0], *first)
     assert head == reference[:stop]
     state = json.loads(json.dumps(cursor.to_dict()))
-    resumed = MixtureCursor.load(state, fresh)
+    resumed = resume(state, fresh)
     same, _ = run(resumed, orders, 80 - stop, batches[0], *second)
     assert same == reference[stop:]  # same global batch: the very same batches
     other, after = run(resumed, orders, 20, batches[1], *second)
@@ -212,7 +219,7 @@ def test_new_weights_on_resume_continue_every_source_without_repeat_or_skip(shar
     reference = per_source(flat(run(fresh, orders, 120, batch)[0]), SIZES)
     head, cursor = run(fresh, orders, stop, batch)
     fresh_new, _ = make(ROWS, new, infinite=True)
-    resumed = MixtureCursor.load(cursor.to_dict(), fresh_new)
+    resumed = resume(cursor.to_dict(), fresh_new)
     assert resumed.shares == fresh_new.shares
     tail, _ = run(resumed, orders, 30, batch)
     changed = per_source(flat(head) + flat(tail), SIZES)
@@ -223,7 +230,7 @@ def test_new_weights_on_resume_continue_every_source_without_repeat_or_skip(shar
     since = flat(tail) if resumed.shares != cursor.shares else flat(head) + flat(tail)
     owner = np.searchsorted(np.cumsum([0, *SIZES]), since, side="right") - 1
     assert drift_ok(owner, fresh_new.shares)
-    again = MixtureCursor.load(resumed.to_dict(), fresh_new)
+    again = resume(resumed.to_dict(), fresh_new)
     assert again == resumed  # a state saved after the change resumes as it was
 
 
@@ -231,7 +238,7 @@ def test_new_weights_in_a_finite_epoch_cut_it_where_the_first_source_now_ends():
     fresh, orders = make(ROWS, (1, 1, 1), infinite=False)
     head, cursor = run(fresh, orders, 3, 2)
     favour, _ = make(ROWS, (1, 8, 1), infinite=False)
-    resumed = MixtureCursor.load(cursor.to_dict(), favour)
+    resumed = resume(cursor.to_dict(), favour)
     rest, after = run(resumed, orders, 1, resumed.num_samples - resumed.samples_consumed,
                       tail=TailPolicy.SPLIT)
     counts = [len(m) for m in per_source(flat(head) + flat(rest), SIZES)]
@@ -248,13 +255,13 @@ def test_state_is_strict_and_names_what_differs():
                                       for i, n in enumerate(SIZES)), (2, 1, 1), 3, SHUFFLE,
                                 True)
     with pytest.raises(CursorMismatchError, match="source 1 dataset fingerprint"):
-        MixtureCursor.load(state, other)
+        resume(state, other)
     fewer, _ = make(ROWS[:2], (1, 1), infinite=True)
     with pytest.raises(CursorMismatchError, match="number of sources: saved 3, now 2"):
-        MixtureCursor.load(state, fewer)
+        resume(state, fewer)
     finite, _ = make(ROWS, (2, 1, 1), infinite=False)
     with pytest.raises(CursorMismatchError, match="infinite"):
-        MixtureCursor.load(state, finite)
+        resume(state, finite)
     tampered = {**state, "source_cursors": [[0, 0]] * 3}
     with pytest.raises(CursorMismatchError, match="do not follow from its phases"):
         MixtureCursor.from_dict(tampered)
@@ -299,7 +306,7 @@ def test_batches_follow_the_model_across_resumes_with_other_batch_sizes(shares, 
     cursor, got = fresh, []
     for (batch, steps), (world, workers) in zip(plan, topologies, strict=False):
         world = world if batch % world == 0 else 1
-        cursor = MixtureCursor.load(json.loads(json.dumps(cursor.to_dict())), fresh)
+        cursor = resume(json.loads(json.dumps(cursor.to_dict())), fresh)
         read, cursor = run(cursor, orders, steps, batch, world, workers)
         got += read
     assert got == [combined(b) for b in model.batches(infinite, plan)]

@@ -436,7 +436,7 @@ def test_a_cursor_from_another_dataset_or_order_is_refused(
 
 @pytest.mark.parametrize(
     "edit",
-    [lambda d: d.pop("epoch"), lambda d: d.update(extra=1), lambda d: d.update(version=2),
+    [lambda d: d.pop("epoch"), lambda d: d.update(extra=1), lambda d: d.update(version=3),
      lambda d: d.update(samples_consumed=31), lambda d: d.update(samples_consumed=-1),
      lambda d: d.update(epoch="1"), lambda d: d.update(shuffle={"window": 3}),
      lambda d: d.update(dataset_fingerprint="")],

@@ -324,6 +324,11 @@ class ShardTable(Sequence[ShardInfo]):
         return pa.table(columns, schema=pa.schema([*ARROW_SCHEMA, *CHUNK_FIELDS]))
 
     @property
+    def all_checksummed(self) -> bool:
+        """Whether every shard records a checksum (the fingerprint then fixes the content)."""
+        return self._checksums.null_count == 0
+
+    @property
     def has_chunk_layouts(self) -> bool:
         """Whether any shard records its chunk layout."""
         return bool((self._chunk_rows != _UNKNOWN).any())

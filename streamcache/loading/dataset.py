@@ -29,6 +29,7 @@ from ..plan import (
     TailPolicy,
 )
 from ..plan import sample_seeds as plan_sample_seeds
+from ..plan.cursor import ResumeCheck
 from ..plan.order import DEFAULT_WINDOW
 from ..remote.options import FetchOptions
 from .batching import (
@@ -108,6 +109,11 @@ class StreamDataset(IterableDataset):
             LOCAL_WORLD_SIZE, else the process group's host names, else 1. With several,
             each node caches only its share of the shards (docs/multinode.md); ``nodes=1``
             turns that off. The global batches are the same either way.
+        resume_check: what a loaded state must match: ``"identity"`` (default) the data's
+            fingerprint and, where its index has no checksums (the fingerprint then fixes only
+            the shape), where the data lives and which index describes it;
+            ``"fingerprint"`` the fingerprint alone, for the same files copied to another
+            folder or bucket or indexed again (docs/trust.md, "Loader states").
 
     ``len()`` is the number of steps of a whole epoch (as a DataLoader's, also after a
     mid-epoch resume); ``steps_remaining`` the steps left in the cursor's epoch. With
@@ -157,6 +163,7 @@ class StreamDataset(IterableDataset):
         rank: int | None = None,
         world_size: int | None = None,
         nodes: int | None = None,
+        resume_check: ResumeCheck = "identity",
     ) -> None:
         super().__init__()
         self.options = StreamOptions(
@@ -167,7 +174,7 @@ class StreamDataset(IterableDataset):
             infinite=infinite, cache_dir=cache_dir, cache_limit=cache_limit,
             storage_options=storage_options, fetch=fetch, prefetch=prefetch,
             allow_external_paths=allow_external_paths, rank=rank, world_size=world_size,
-            nodes=nodes,
+            nodes=nodes, resume_check=resume_check,
         )
         opts = self.options
         self.tail = TailPolicy(opts.tail)

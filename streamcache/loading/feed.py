@@ -31,6 +31,7 @@ from .nodes import (
     upcoming_on_node,
 )
 from .options import StreamOptions
+from .source import data_identity
 
 
 class FeedBase:
@@ -43,6 +44,9 @@ class FeedBase:
     """
 
     _PICKLED: tuple[str, ...] = ()
+    #: Re-send the advice when the set of upcoming shards changes (a mixture, whose first
+    #: upcoming shard changes at nearly every step) rather than its first shard.
+    _ADVISE_BY_SET = False
     options: StreamOptions
     locality: NodeLocality | None
     _lock: threading.RLock
@@ -70,7 +74,7 @@ class FeedBase:
         if isinstance(store, Prefetcher):
             self._advised = advise_store(store, self.advice(cursor, epoch), self.options.prefetch,
                                          self.locality, (epoch, position, global_batch),
-                                         self._advised)
+                                         self._advised, by_set=self._ADVISE_BY_SET)
 
     def use_locality(self, locality: NodeLocality) -> None:
         """This rank's node, resolved when a pass starts: the advice to the prefetcher and
@@ -134,7 +138,7 @@ class ShardFeed(FeedBase):
 
     def start_cursor(self) -> Cursor:
         return Cursor(self.index.fingerprint, self.index.num_samples, self.options.seed,
-                      self.shuffle)
+                      self.shuffle, data=data_identity(self.index, self.options.storage_options))
 
     def at_epoch(self, cursor: Cursor, epoch: int) -> Cursor:
         """The start of ``epoch`` (the cursor itself when it is in that epoch already)."""
@@ -145,7 +149,8 @@ class ShardFeed(FeedBase):
         """A saved cursor, checked against this dataset and order (strict)."""
         return Cursor.load(data, dataset_fingerprint=current.dataset_fingerprint,
                            num_samples=current.num_samples, seed=current.seed,
-                           shuffle=current.shuffle)
+                           shuffle=current.shuffle, identity=current.data,
+                           check=self.options.resume_check)
 
     def batch_keys(self, sample_ids: np.ndarray) -> dict[str, np.ndarray]:
         return {ID_KEY: sample_ids}
@@ -225,15 +230,23 @@ class ShardFeed(FeedBase):
 
 def advise_store(store: Prefetcher, advice: ShardAdvice, prefetch: PrefetchOptions | None,
                  locality: NodeLocality | None, where: tuple[int, int, int],
-                 advised: tuple[int, int] | None) -> tuple[int, int] | None:
+                 advised: tuple[int, int] | None, *, by_set: bool = False,
+                 ) -> tuple[int, int] | None:
     """Give ``store`` the shards the reader needs next from ``where`` = (epoch, position,
     global batch), this node's only; returns what to pass as ``advised`` next time (the
-    advice is sent again when the first upcoming shard changes, and every so often)."""
+    advice is sent again when the first upcoming shard changes, or with ``by_set`` the set of
+    upcoming shards, and every so often: with ``by_set`` every as many positions as there
+    are upcoming shards, so that a step costs what it reads, not what the lookahead holds)."""
     epoch, position, global_batch = where
     count = (prefetch or PrefetchOptions()).lookahead(advice.working_set_shards())
     shards, next_use = upcoming_on_node(locality, advice, position, count)
-    key = (epoch, int(shards[0]) if len(shards) else -1)
-    if key != advised or position % max(1, advice.stride * 16) < global_batch:
+    refresh = max(1, advice.stride * 16)
+    if by_set:
+        key = (epoch, hash(np.sort(shards).tobytes()))
+        refresh = max(refresh, advice.stride * len(shards))
+    else:
+        key = (epoch, int(shards[0]) if len(shards) else -1)
+    if key != advised or position % refresh < global_batch:
         store.update(shards, next_use)
         return key
     return advised

@@ -23,7 +23,7 @@ from ..cache.prefetch import Prefetcher
 from ..errors import CacheBudgetError, ConfigError
 from ..format.index import DatasetIndex, load_index
 from ..format.schema import Schema
-from ..plan import EpochOrder, ShuffleOptions, TailPolicy
+from ..plan import EpochOrder, PlanError, ShuffleOptions, TailPolicy
 from ..plan.mixture import MixtureOrder, SourceOrders, SourceShape, shares_of, source_seed
 from ..plan.mixture_cursor import MixtureCursor, SourceKey
 from .batching import ID_KEY
@@ -31,7 +31,7 @@ from .feed import FeedBase, default_cache_dir
 from .mixture_store import MixtureCache, MixtureReader, source_caches
 from .nodes import NodeLocality, follow_locality, read_by_range
 from .options import StreamOptions
-from .source import SOURCE_KEY, Source, SourceTransforms
+from .source import SOURCE_KEY, Source, SourceTransforms, data_identity
 
 
 class MixtureFeed(FeedBase):
@@ -57,21 +57,43 @@ class MixtureFeed(FeedBase):
         self.sources = sources
         self.options = options
         self.shuffle = shuffle
-        self.storage = [s.storage_options if s.storage_options is not None
-                        else options.storage_options for s in sources]
-        self.indexes = [s.url if isinstance(s.url, DatasetIndex) else load_index(
+        storage = [s.storage_options if s.storage_options is not None
+                   else options.storage_options for s in sources]
+        indexes = [s.url if isinstance(s.url, DatasetIndex) else load_index(
             s.url, storage, allow_external_paths=options.allow_external_paths,
-            fetch=options.fetch) for s, storage in zip(sources, self.storage, strict=True)]
-        self.schemas = _agreeing_schemas(sources, self.indexes, options.fields)
-        self.schema = self.schemas[0]
-        self.shares = shares_of([s.weight for s in sources])
-        self.keys = tuple(SourceKey(i.fingerprint, i.num_samples, s.epoch_samples(i.num_samples))
-                          for s, i in zip(sources, self.indexes, strict=True))
+            fetch=options.fetch) for s, storage in zip(sources, storage, strict=True)]
+        schemas = _agreeing_schemas(sources, indexes, options.fields)
+        self.schema = schemas[0]
+        keys = tuple(SourceKey(i.fingerprint, i.num_samples, s.epoch_samples(i.num_samples),
+                               data_identity(i, st))
+                     for s, i, st in zip(sources, indexes, storage, strict=True))
+        # in the order of the list; the mixture reads them in self.read_order (see arrange)
+        self.listed = (storage, indexes, schemas, keys, _shares(sources))
         self.locality: NodeLocality | None = None  # this rank's node, set when a pass starts
-        self._forget()
+        self._set_order(tuple(range(len(sources))))
 
-    _PICKLED = ("sources", "options", "shuffle", "storage", "indexes", "schemas", "schema",
-                "shares", "keys", "locality")
+    _ADVISE_BY_SET = True
+    _PICKLED = ("sources", "options", "shuffle", "listed", "read_order", "labels", "storage",
+                "indexes", "schemas", "schema", "shares", "keys", "locality")
+
+    def arrange(self, order: tuple[int, ...]) -> None:
+        """Read the sources in ``order`` (its ``n``-th is the index in the list of the
+        mixture's source ``n``): the order a resumed run began with, when its state lists the
+        same sources in another order. Batches name each sample's source by its index in
+        the list (``__source__``) whatever the order."""
+        self.close()  # a reader of the former order (none before the first pass)
+        self._set_order(order)
+
+    def _set_order(self, order: tuple[int, ...]) -> None:
+        storage, indexes, schemas, keys, shares = self.listed
+        self.read_order = order
+        self.labels = np.asarray(order, dtype=np.int64)
+        self.storage = [storage[j] for j in order]
+        self.indexes = [indexes[j] for j in order]
+        self.schemas = [schemas[j] for j in order]
+        self.keys = tuple(keys[j] for j in order)
+        self.shares = tuple(shares[j] for j in order)
+        self._forget()
 
     def _forget(self) -> None:
         self._lock = threading.RLock()
@@ -80,6 +102,7 @@ class MixtureFeed(FeedBase):
         self._advised: tuple[int, int] | None = None
         self._reader: MixtureReader | None = None
         self._reader_pid = -1
+        self._id_base = np.cumsum([0] + [k.num_samples for k in self.keys])[:-1]
         self._source_orders = [
             SourceOrders(SourceShape(i.shard_rows, k.epoch_samples),
                          source_seed(self.options.seed, n), self.shuffle)
@@ -100,15 +123,22 @@ class MixtureFeed(FeedBase):
         return cursor.at_epoch(epoch, global_batch() if cursor.infinite else None, tail)
 
     def load_cursor(self, data: Any, current: MixtureCursor) -> MixtureCursor:
-        """The saved cursor, checked against this mixture, with today's weights from the
-        saved position on."""
-        return MixtureCursor.load(data, current)
+        """The saved cursor, checked against this mixture's sources (in the order of the
+        list or in another: then they are read in the saved order, see :meth:`arrange`),
+        with today's weights from the saved position on."""
+        *_, keys, shares = self.listed
+        listed = MixtureCursor.start(keys, shares, current.seed, current.shuffle,
+                                     current.infinite)
+        cursor, order = MixtureCursor.load(data, listed, self.options.resume_check)
+        if order != self.read_order:
+            self.arrange(order)
+        return cursor
 
     def batch_keys(self, sample_ids: np.ndarray) -> dict[str, np.ndarray]:
-        """``__source__`` and ``__id__`` (the id within the source) of combined ids."""
-        base = np.cumsum([0] + [k.num_samples for k in self.keys])[:-1]
-        source = np.searchsorted(base, sample_ids, side="right") - 1
-        return {SOURCE_KEY: source.astype(np.int64), ID_KEY: sample_ids - base[source]}
+        """``__source__`` (the index in the list) and ``__id__`` (the id within the source)
+        of combined ids."""
+        source = np.searchsorted(self._id_base, sample_ids, side="right") - 1
+        return {SOURCE_KEY: self.labels[source], ID_KEY: sample_ids - self._id_base[source]}
 
     def transform(self) -> SourceTransforms | None:
         """The per-sample transform, when a source has one of its own."""
@@ -193,6 +223,18 @@ class MixtureFeed(FeedBase):
                                cache_limit=opts.cache_limit, working_set_bytes=working_set,
                                storage_options=self.storage, fetch_options=opts.fetch)
         return self._prefetcher(cast(NodeCache, MixtureCache(caches)), cursor)
+
+def _shares(sources: Sequence[Source]) -> tuple[int, ...]:
+    """The sources' weights as shares (plan.mixture.shares_of).
+
+    Raises:
+        ConfigError: a weight too small against the others to be represented.
+    """
+    try:
+        return shares_of([s.weight for s in sources])
+    except PlanError as error:
+        raise ConfigError(str(error)) from None
+
 
 def _agreeing_schemas(sources: Sequence[Source], indexes: Sequence[DatasetIndex],
                       fields: Sequence[str] | None) -> list[Schema]:

@@ -13,6 +13,7 @@ from typing import Any, Literal, get_args
 from ..cache.prefetch import PrefetchOptions
 from ..errors import ConfigError
 from ..plan import TailPolicy
+from ..plan.cursor import RESUME_CHECKS, ResumeCheck
 from ..plan.order import DEFAULT_WINDOW
 from ..remote.options import FetchOptions
 from .batching import RAGGED_MODES
@@ -58,6 +59,7 @@ class StreamOptions:
     rank: int | None = None
     world_size: int | None = None
     nodes: int | None = None  # nodes the ranks run on (None: from the launcher)
+    resume_check: ResumeCheck = "identity"  # what a loaded state must match (plan/cursor.py)
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.global_batch_size is None):
@@ -71,7 +73,8 @@ class StreamOptions:
         if self.seed >= 1 << 64:
             raise ConfigError(f"seed must be below 2**64, got {self.seed}")
         for name, allowed in (("tail", TAIL_MODES), ("ragged", RAGGED_MODES),
-                              ("shuffle_window_unit", WINDOW_UNITS)):
+                              ("shuffle_window_unit", WINDOW_UNITS),
+                              ("resume_check", RESUME_CHECKS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}; "
                                   f"got {getattr(self, name)!r}")

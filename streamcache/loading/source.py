@@ -1,4 +1,5 @@
-"""Source: one dataset of a weighted mixture (``StreamDataset([Source(...), ...])``)."""
+"""Source: one dataset of a weighted mixture (``StreamDataset([Source(...), ...])``), and
+what binds a loader state to a dataset's data (:func:`data_identity`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from ..cache.identity import canonical_location
 from ..errors import ConfigError
 from ..format.index import DatasetIndex
+from ..plan.cursor import DataIdentity
+from ..plan.mixture_cursor import POSITION_LIMIT
 from .batching import SOURCE_KEY
 
 
@@ -66,12 +70,38 @@ class Source:
             object.__setattr__(self, "fields", tuple(self.fields))
 
     def epoch_samples(self, num_samples: int) -> int:
-        """The source's epoch size, given its sample count."""
+        """The source's epoch size, given its sample count.
+
+        Raises:
+            ConfigError: ``repeat`` or ``samples`` asks for an epoch longer than a mixture
+                counts (:data:`~streamcache.plan.mixture_cursor.POSITION_LIMIT` samples).
+        """
         if self.samples is not None:
-            return int(self.samples)
-        if self.repeat is None:
-            return num_samples
-        return max(1, round(num_samples * self.repeat))
+            size = int(self.samples)
+        elif self.repeat is None:
+            size = num_samples
+        else:
+            size = max(1, round(num_samples * float(self.repeat)))
+        if size > POSITION_LIMIT:
+            asked = f"samples={self.samples!r}" if self.samples is not None else \
+                f"repeat={self.repeat!r} of its {num_samples:,} samples"
+            raise ConfigError(
+                f"Source {self.url if isinstance(self.url, str) else 'DatasetIndex'}: {asked} "
+                f"asks for an epoch of {size:.3g} samples, more than a mixture counts "
+                f"({POSITION_LIMIT:.3g}); for a source that never ends, use infinite=True "
+                "with its natural epoch")
+        return size
+
+
+def data_identity(index: DatasetIndex, storage_options: Mapping[str, Any] | None,
+                  ) -> DataIdentity | None:
+    """What a loader state of ``index``'s data is bound to besides the fingerprint: nothing
+    where every shard has a checksum (the fingerprint then fixes the content, and a state
+    resumes on any copy), else where the data lives and the index's ``created`` time."""
+    if index.shard_table.all_checksummed:
+        return None
+    location = canonical_location(index.root, storage_options) if index.url else ""
+    return DataIdentity(location, index.created)
 
 
 def _positive(value: Any) -> bool:
@@ -93,4 +123,4 @@ class SourceTransforms:
         transform = self.transforms[int(sample[SOURCE_KEY])]
         return sample if transform is None else transform(sample)
 
-__all__ = ["SOURCE_KEY", "Source", "SourceTransforms"]
+__all__ = ["SOURCE_KEY", "Source", "SourceTransforms", "data_identity"]

@@ -15,34 +15,73 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ._util import CursorMismatchError, PlanError, check_int, check_seed, check_state, malformed
-from .mixture import EpochPlan, Phase, quota
+from ._util import CursorMismatchError, PlanError, check_int, check_seed, malformed
+from .cursor import (
+    CURSOR_VERSION,
+    IDENTITY_HINT,
+    DataIdentity,
+    ResumeCheck,
+    check_versioned_state,
+    identity_problems,
+)
+from .mixture import MAX_PERIOD, EpochPlan, Phase, quota
 from .order import ShuffleOptions
 from .steps import EpochSegment, TailPolicy, tail_policy
 
-MIXTURE_CURSOR_VERSION = 1
+#: Version 2 adds each source's ``data`` (its DataIdentity, or null where its index has
+#: checksums); version 1 states load where that is unambiguous (docs/mixtures.md).
+MIXTURE_CURSOR_VERSION = CURSOR_VERSION
 _KEYS = frozenset({"version", "kind", "sources", "seed", "shuffle", "infinite", "epoch",
                    "epoch_start", "num_samples", "samples_consumed", "phases",
                    "source_cursors"})
-_SOURCE_KEYS = frozenset({"dataset_fingerprint", "num_samples", "epoch_samples"})
+_SOURCE_KEYS_ORDER = ("dataset_fingerprint", "num_samples", "epoch_samples")
+_SOURCE_KEYS = {1: frozenset(_SOURCE_KEYS_ORDER),
+                MIXTURE_CURSOR_VERSION: frozenset({*_SOURCE_KEYS_ORDER, "data"})}
 _PHASE_KEYS = frozenset({"start", "counts", "shares"})
 KIND = "mixture"
+#: Positions and counts in a saved state stay below this (int64 arithmetic never overflows).
+POSITION_LIMIT = 1 << 62
+#: Phases a saved state may hold (one is added per change of weights within an epoch).
+MAX_PHASES = 1024
 
 
 @dataclass(frozen=True)
 class SourceKey:
-    """What a saved mixture cursor checks of each source."""
+    """What a saved mixture cursor checks of each source: its fingerprint, sample count and
+    epoch size, and for an index without checksums its :class:`DataIdentity`."""
 
     dataset_fingerprint: str
     num_samples: int
     epoch_samples: int
+    data: DataIdentity | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset_fingerprint, str) or not self.dataset_fingerprint:
             raise PlanError(f"dataset_fingerprint must be a non-empty string, got "
                             f"{self.dataset_fingerprint!r}")
-        check_int("num_samples", self.num_samples, minimum=1)
-        check_int("epoch_samples", self.epoch_samples, minimum=1)
+        check_int("num_samples", self.num_samples, minimum=1, maximum=POSITION_LIMIT)
+        check_int("epoch_samples", self.epoch_samples, minimum=1, maximum=POSITION_LIMIT)
+        if self.data is not None and not isinstance(self.data, DataIdentity):
+            raise PlanError(f"data must be a DataIdentity or None, got {self.data!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dataset_fingerprint": self.dataset_fingerprint,
+                "num_samples": self.num_samples, "epoch_samples": self.epoch_samples,
+                "data": None if self.data is None else self.data.to_dict()}
+
+    @classmethod
+    def from_dict(cls, value: Any, version: int) -> SourceKey:
+        entry = _strict(value, _SOURCE_KEYS[version], "source")
+        return cls(entry["dataset_fingerprint"], entry["num_samples"], entry["epoch_samples"],
+                   DataIdentity.from_dict(entry.get("data")))
+
+    def differences(self, current: SourceKey, saved_version: int,
+                    check: ResumeCheck) -> list[str]:
+        """What makes this saved source another than ``current``."""
+        shape = [f"{name.replace('_', ' ')}: saved {getattr(self, name)!r}, now "
+                 f"{getattr(current, name)!r}" for name in _SOURCE_KEYS_ORDER
+                 if getattr(self, name) != getattr(current, name)]
+        return shape or identity_problems(self.data, saved_version, current.data, check)
 
 
 @dataclass(frozen=True)
@@ -50,7 +89,9 @@ class MixtureCursor:
     """Progress through the epochs of a mixture.
 
     Attributes:
-        sources: each source's fingerprint, sample count and epoch size, in list order.
+        sources: each source's :class:`SourceKey`, in the order the run began with (the
+            order of its list then; a resume with the sources listed in another order keeps
+            it, see :meth:`load`).
         seed, shuffle: the order's seed and shuffle options (each source's own order
             derives its seed from ``seed`` and its index).
         infinite: how epochs follow each other (see the module docstring).
@@ -58,6 +99,7 @@ class MixtureCursor:
         epoch, samples_consumed: as a single dataset's cursor.
         num_samples: positions in this epoch.
         epoch_start: the epoch's first global position.
+        saved_version: the state version it was read from (1: no data identities).
 
     Thread safety: immutable.
     """
@@ -71,11 +113,14 @@ class MixtureCursor:
     epoch: int = 0
     epoch_start: int = 0
     samples_consumed: int = 0
+    saved_version: int = dataclasses.field(default=MIXTURE_CURSOR_VERSION, compare=False,
+                                           repr=False)
 
     def __post_init__(self) -> None:
         check_seed(self.seed)
-        check_int("epoch", self.epoch, minimum=0)
-        check_int("num_samples", self.num_samples, minimum=1)
+        check_int("epoch", self.epoch, minimum=0, maximum=POSITION_LIMIT)
+        check_int("epoch_start", self.epoch_start, minimum=0, maximum=POSITION_LIMIT)
+        check_int("num_samples", self.num_samples, minimum=1, maximum=POSITION_LIMIT)
         check_int("samples_consumed", self.samples_consumed, minimum=0,
                   maximum=self.num_samples)
         if not self.phases or self.phases[0].start > self.epoch_start or any(
@@ -223,7 +268,7 @@ class MixtureCursor:
         """A small, JSON-able, versioned dict (the loader's state)."""
         return {
             "version": MIXTURE_CURSOR_VERSION, "kind": KIND,
-            "sources": [dataclasses.asdict(s) for s in self.sources],
+            "sources": [s.to_dict() for s in self.sources],
             "seed": self.seed, "shuffle": self.shuffle.to_dict(), "infinite": self.infinite,
             "epoch": self.epoch, "epoch_start": self.epoch_start,
             "num_samples": self.num_samples, "samples_consumed": self.samples_consumed,
@@ -234,64 +279,130 @@ class MixtureCursor:
 
     @classmethod
     def from_dict(cls, data: Any) -> MixtureCursor:
-        """Read :meth:`to_dict`'s output back; anything else raises CursorMismatchError."""
+        """Read :meth:`to_dict`'s output (or a version 1 state) back; anything else, or a
+        state that does not hold together (positions past the limits, phases whose shares
+        pass :data:`~streamcache.plan.mixture.MAX_PERIOD`, a finite epoch of another length
+        than its sources give, counts that do not follow), raises CursorMismatchError."""
         if isinstance(data, dict) and data.get("kind") != KIND:
             raise CursorMismatchError(
                 "the saved loader state is of a single dataset, not of a mixture of sources; "
                 "resume it with the StreamDataset it was saved from")
-        check_state(data, "mixture cursor", _KEYS, MIXTURE_CURSOR_VERSION)
+        _, version = check_versioned_state(data, "mixture cursor",
+                                           dict.fromkeys(_SOURCE_KEYS, _KEYS),
+                                           MIXTURE_CURSOR_VERSION)
         with malformed("mixture cursor"):
-            sources = tuple(SourceKey(**_strict(s, _SOURCE_KEYS, "source"))
-                            for s in _list(data["sources"]))
-            phases = tuple(Phase(check_int("phase start", p["start"], minimum=0),
-                                 _ints(p["counts"], len(sources), 0),
-                                 _ints(p["shares"], len(sources), 1))
-                           for p in (_strict(p, _PHASE_KEYS, "phase")
-                                     for p in _list(data["phases"])))
+            sources = tuple(SourceKey.from_dict(s, version) for s in _list(data["sources"]))
+            phases = tuple(_phase(p, len(sources)) for p in _list(data["phases"], MAX_PHASES))
             if not isinstance(data["infinite"], bool):
                 raise PlanError(f"infinite must be a bool, got {data['infinite']!r}")
             cursor = cls(sources, data["seed"], ShuffleOptions.from_dict(data["shuffle"]),
                          data["infinite"], phases, data["num_samples"], data["epoch"],
-                         check_int("epoch_start", data["epoch_start"], minimum=0),
-                         data["samples_consumed"])
+                         data["epoch_start"], data["samples_consumed"], version)
+            cursor._check_finite_epoch()
         if [list(c) for c in cursor.source_cursors()] != data["source_cursors"]:
             raise CursorMismatchError(
                 f"malformed mixture cursor: the sources' cursors {data['source_cursors']} do "
                 f"not follow from its phases ({[list(c) for c in cursor.source_cursors()]})")
         return cursor
 
-    def check_matches(self, current: MixtureCursor) -> None:
-        """Raise CursorMismatchError unless the cursor belongs to ``current``'s mixture."""
-        problems = []
-        if len(self.sources) != len(current.sources):
-            problems.append(f"number of sources: saved {len(self.sources)}, now "
-                            f"{len(current.sources)}")
-        else:
-            for i, (saved, now) in enumerate(zip(self.sources, current.sources, strict=True)):
-                problems += [f"source {i} {name.replace('_', ' ')}: saved {a!r}, now {b!r}"
-                             for name, a, b in zip(_SOURCE_KEYS_ORDER, dataclasses.astuple(saved),
-                                                   dataclasses.astuple(now), strict=True)
-                             if a != b]
-        for name in ("seed", "shuffle", "infinite"):
-            if getattr(self, name) != getattr(current, name):
-                problems.append(f"{name}: saved {getattr(self, name)!r}, now "
-                                f"{getattr(current, name)!r}")
+    def _check_finite_epoch(self) -> None:
+        """A finite epoch starts every source's epoch and ends where the first finishes it."""
+        if self.infinite:
+            return
+        expected = tuple(self.epoch * s.epoch_samples for s in self.sources)
+        if self.counts_at(self.epoch_start) != expected:
+            raise PlanError(f"a finite epoch {self.epoch} starts every source at its epoch's "
+                            f"start ({list(expected)}), the phases say "
+                            f"{list(self.counts_at(self.epoch_start))}")
+        length = max(_epoch_length(self.sources, self.phases[-1], self.epoch,
+                                   self.epoch_start), self.samples_consumed, 1)
+        if self.num_samples != length:
+            raise PlanError(f"num_samples is {self.num_samples}, the sources and weights "
+                            f"give an epoch of {length}")
+
+    def source_order(self, current: MixtureCursor, check: ResumeCheck = "identity",
+                     ) -> tuple[int, ...]:
+        """Where each saved source is in ``current``'s list: the same index, or, when the
+        sources are listed in another order, the one current source with the same data
+        (fingerprint, sample count, epoch size and identity).
+
+        Raises:
+            CursorMismatchError: another number of sources, a saved source that is not in
+                the list, or one that matches several (the same data listed twice).
+        """
+        saved, now = self.sources, current.sources
+        if len(saved) != len(now):
+            raise _mismatch([f"number of sources: saved {len(saved)}, now {len(now)}"])
+        differences = [s.differences(c, self.saved_version, check)
+                       for s, c in zip(saved, now, strict=True)]
+        if not any(differences):
+            return tuple(range(len(now)))
+        candidates = [[j for j, c in enumerate(now)
+                       if not s.differences(c, self.saved_version, check)] for s in saved]
+        order = tuple(found[0] for found in candidates if len(found) == 1)
+        if len(order) == len(now) and len(set(order)) == len(now):
+            return order
+        problems = [f"source {i} {d}" for i, found in enumerate(differences) for d in found]
+        identity = any(p for s, c in zip(saved, now, strict=True)
+                       for p in identity_problems(s.data, self.saved_version, c.data, check))
+        raise _mismatch(problems, identity=identity,
+                        unmatched=[i for i, found in enumerate(candidates) if len(found) != 1])
+
+    def check_matches(self, current: MixtureCursor, check: ResumeCheck = "identity") -> None:
+        """Raise CursorMismatchError unless the cursor belongs to ``current``'s mixture (its
+        sources in this order or in another: :meth:`source_order`)."""
+        self.source_order(current, check)
+        problems = [f"{name}: saved {getattr(self, name)!r}, now {getattr(current, name)!r}"
+                    for name in ("seed", "shuffle", "infinite")
+                    if getattr(self, name) != getattr(current, name)]
         if problems:
-            raise CursorMismatchError(
-                f"the saved cursor does not belong to this mixture ({'; '.join(problems)}); "
-                "resume with the same sources in the same order, seed, shuffle options and "
-                "infinite mode, or start fresh without loading the loader state")
+            raise _mismatch(problems)
 
     @classmethod
-    def load(cls, data: Any, current: MixtureCursor) -> MixtureCursor:
+    def load(cls, data: Any, current: MixtureCursor, check: ResumeCheck = "identity",
+             ) -> tuple[MixtureCursor, tuple[int, ...]]:
         """The strict way to resume: :meth:`from_dict`, :meth:`check_matches`, then the
-        current weights from the saved position on (:meth:`with_shares`)."""
+        current weights from the saved position on (:meth:`with_shares`).
+
+        Returns:
+            ``(cursor, order)``: saved source ``i`` is source ``order[i]`` of ``current``.
+            The cursor keeps the saved order of the sources (the mixture's sequence depends
+            on it), bound to the current sources' data; a mixture whose sources are listed
+            in another order reads in the saved order and labels each sample with its
+            source's index in the current list.
+        """
         cursor = cls.from_dict(data)
-        cursor.check_matches(current)
-        return cursor.with_shares(current.shares)
+        cursor.check_matches(current, check)
+        order = cursor.source_order(current, check)
+        shares = tuple(current.shares[j] for j in order)
+        resumed = cursor.with_shares(shares)
+        return dataclasses.replace(
+            resumed, sources=tuple(current.sources[j] for j in order),
+            saved_version=MIXTURE_CURSOR_VERSION), order
 
 
-_SOURCE_KEYS_ORDER = ("dataset_fingerprint", "num_samples", "epoch_samples")
+def _mismatch(problems: list[str], *, identity: bool = False,
+              unmatched: list[int] | None = None) -> CursorMismatchError:
+    """The CursorMismatchError of a state of another mixture, naming what differs."""
+    reorder = ("; no order of the listed sources matches the saved ones either (saved "
+               f"source{'s' if len(unmatched) > 1 else ''} {', '.join(map(str, unmatched))} "
+               "match no source, or more than one)") if unmatched else ""
+    return CursorMismatchError(
+        f"the saved cursor does not belong to this mixture ({'; '.join(problems)}{reorder}); "
+        "resume with the same sources (in any order), seed, shuffle options and infinite "
+        "mode, or start fresh without loading the loader state"
+        + (f"; {IDENTITY_HINT}" if identity else ""))
+
+
+def _phase(value: Any, sources: int) -> Phase:
+    """A saved phase, checked: positions below the limit, shares within one period table."""
+    entry = _strict(value, _PHASE_KEYS, "phase")
+    shares = _ints(entry["shares"], sources, 1, MAX_PERIOD)
+    if sum(shares) > MAX_PERIOD:
+        raise PlanError(f"a phase's shares add up to {sum(shares)}, more than a mixture's "
+                        f"longest period ({MAX_PERIOD})")
+    return Phase(check_int("phase start", entry["start"], minimum=0, maximum=POSITION_LIMIT),
+                 _ints(entry["counts"], sources, 0, POSITION_LIMIT), shares)
 
 
 def _epoch_length(sources: tuple[SourceKey, ...], phase: Phase, epoch: int,
@@ -303,9 +414,11 @@ def _epoch_length(sources: tuple[SourceKey, ...], phase: Phase, epoch: int,
     return max(1, min(ends) - epoch_start)
 
 
-def _list(value: Any) -> list[Any]:
+def _list(value: Any, limit: int | None = None) -> list[Any]:
     if not isinstance(value, list) or not value:
         raise PlanError(f"expected a non-empty list, got {value!r}")
+    if limit is not None and len(value) > limit:
+        raise PlanError(f"expected at most {limit} items, got {len(value)}")
     return value
 
 
@@ -315,10 +428,11 @@ def _strict(value: Any, keys: frozenset[str], what: str) -> dict[str, Any]:
     return value
 
 
-def _ints(value: Any, length: int, minimum: int) -> tuple[int, ...]:
+def _ints(value: Any, length: int, minimum: int, maximum: int) -> tuple[int, ...]:
     if not isinstance(value, list) or len(value) != length:
         raise PlanError(f"expected a list of {length} integers, got {value!r}")
-    return tuple(check_int("a count or share", v, minimum=minimum) for v in value)
+    return tuple(check_int("a count or share", v, minimum=minimum, maximum=maximum)
+                 for v in value)
 
 
 __all__ = ["MIXTURE_CURSOR_VERSION", "MixtureCursor", "SourceKey"]

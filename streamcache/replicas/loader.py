@@ -29,6 +29,7 @@ from ..loading.batching import PADDING_KEY
 from ..loading.dataset import StepRef, StreamDataset
 from ..plan import Cursor, CursorMismatchError, EpochSegment, PlanError, RankBatch, TailPolicy
 from ..plan._util import check_int, check_state
+from ..plan.cursor import CURSOR_VERSION, KEY_DATA
 from .ledger import PAD_SLICE, Ledger, ReplicaPlan
 
 STATE_VERSION = 1
@@ -255,11 +256,14 @@ class ReplicaLoader:
         if not isinstance(dataset, dict):
             raise CursorMismatchError(f"malformed replica loader state: dataset {dataset!r}")
         current = self.dataset.cursor
-        Cursor.load({**dataset, "version": current.to_dict()["version"],
-                     "epoch": ledger.epoch, "samples_consumed": 0},
+        # a state written before cursor version 2 has no "data" (the data's identity)
+        version = CURSOR_VERSION if KEY_DATA in dataset else 1
+        Cursor.load({**dataset, "version": version, "epoch": ledger.epoch,
+                     "samples_consumed": 0},
                     dataset_fingerprint=current.dataset_fingerprint,
                     num_samples=current.num_samples, seed=current.seed,
-                    shuffle=current.shuffle)
+                    shuffle=current.shuffle, identity=current.data,
+                    check=self.dataset.options.resume_check)
         self._ledger = ledger
         self._read_at = None
         self.dataset.set_epoch(ledger.epoch)
