@@ -1,0 +1,136 @@
+"""The Trainer integration's inputs, adversarially: a checkpoint's loader state that is
+missing, too large, malformed, from another checkpoint, another dataset or another global
+batch; and the batches it hands the model. (The SIGKILL and resume run is
+tests/test_hf_trainer.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from loader_helpers import make_dataset
+
+from streamcache import ConfigError, CursorMismatchError, StreamDataset, StreamLoader
+
+transformers_integration = pytest.importorskip("streamcache.integrations.transformers")
+LoaderStateError = transformers_integration.LoaderStateError
+restore_loader = transformers_integration.restore_loader
+write_loader_state = transformers_integration.write_loader_state
+
+STEPS = 15  # 240 samples, global batch 16
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    folder = str(tmp_path_factory.mktemp("integrations"))
+    return make_dataset(folder, [120, 120], seq=False), folder + "/cache"
+
+
+def _loader(data: tuple[str, str], seed: int = 11, batch: int = 16) -> StreamLoader:
+    url, cache = data
+    return StreamLoader(StreamDataset(url, global_batch_size=batch, seed=seed, rank=0,
+                                      world_size=1, cache_dir=cache))
+
+
+def _checkpoint(tmp_path: Path, data: tuple[str, str], trained: int, global_step: int,
+                accumulation: int = 2) -> Path:
+    """A checkpoint folder as StreamTrainer writes it after ``trained`` batches."""
+    folder = tmp_path / f"checkpoint-{global_step}"
+    with _loader(data) as loader:
+        left = trained
+        while left:  # across epochs, as the Trainer iterates the loader once per epoch
+            for _ in loader:
+                left -= 1
+                if not left:
+                    break
+        write_loader_state(str(folder), loader, global_step)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": global_step}))
+    return folder
+
+
+def test_a_consistent_checkpoint_restores_the_cursor(tmp_path: Path,
+                                                     data: tuple[str, str]) -> None:
+    # 8 optimizer steps an epoch (15 batches, accumulation 2): step 9 = epoch 1, 2 batches in
+    folder = _checkpoint(tmp_path, data, STEPS + 2, 9)
+    with _loader(data) as loader:
+        assert restore_loader(str(folder), loader, 2) == 2
+        assert (loader.epoch, loader.cursor.samples_consumed) == (1, 32)
+
+
+def test_a_missing_state_says_what_to_do(tmp_path: Path, data: tuple[str, str]) -> None:
+    folder = tmp_path / "checkpoint-3"
+    folder.mkdir()
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    with _loader(data) as loader, pytest.raises(LoaderStateError, match="ignore_data_skip"):
+        restore_loader(str(folder), loader, 1)
+
+
+@pytest.mark.parametrize("content", [
+    b"not json",
+    b'{"version": 2, "global_step": 3, "loader": {}}',
+    b'{"version": 1, "global_step": 3}',
+    b'{"version": 1, "global_step": 3, "loader": {}, "extra": 1}',
+    b"[" * 100 + b"]" * 100,
+    b" " * ((1 << 20) + 1),
+], ids=["not-json", "version-2", "no-loader", "extra-key", "nested-list", "over-1MiB"])
+def test_a_malformed_state_is_refused_and_changes_nothing(tmp_path: Path, data: tuple[str, str],
+                                                          content: bytes) -> None:
+    folder = tmp_path / "checkpoint-3"
+    folder.mkdir()
+    (folder / "streamcache_loader.json").write_bytes(content)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    with _loader(data) as loader:
+        before = loader.state_dict()
+        with pytest.raises(LoaderStateError):
+            restore_loader(str(folder), loader, 1)
+        assert loader.state_dict() == before
+
+
+def test_a_state_of_another_checkpoint_is_refused(tmp_path: Path, data: tuple[str, str]) -> None:
+    folder = _checkpoint(tmp_path, data, 6, 3)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 6}))
+    with _loader(data) as loader, pytest.raises(LoaderStateError, match="mixes two checkpoints"):
+        restore_loader(str(folder), loader, 2)
+
+
+def test_a_state_of_another_seed_is_refused_and_changes_nothing(tmp_path: Path,
+                                                                data: tuple[str, str]) -> None:
+    folder = _checkpoint(tmp_path, data, 6, 3)
+    with _loader(data, seed=12) as loader:
+        before = loader.state_dict()
+        with pytest.raises(CursorMismatchError, match="seed"):
+            restore_loader(str(folder), loader, 2)
+        assert loader.state_dict() == before
+
+
+@pytest.mark.parametrize(("accumulation", "batch"), [(1, 16), (2, 8)])
+def test_a_changed_accumulation_or_global_batch_is_refused(
+        tmp_path: Path, data: tuple[str, str], accumulation: int, batch: int) -> None:
+    folder = _checkpoint(tmp_path, data, 6, 3)  # saved with accumulation 2, global batch 16
+    with _loader(data, batch=batch) as loader, \
+            pytest.raises(LoaderStateError, match="gradient_accumulation_steps changed"):
+        restore_loader(str(folder), loader, accumulation)
+
+
+def test_model_inputs_select_the_keys_and_name_what_is_missing(data: tuple[str, str]) -> None:
+    TrainerLoader = transformers_integration.TrainerLoader
+    with _loader(data) as loader:
+        default = next(iter(TrainerLoader(loader, None)))
+        assert set(default) == {"x"}  # streamcache's __id__ is no model input
+        chosen = next(iter(TrainerLoader(loader, ["x", "__id__"])))
+        assert set(chosen) == {"x", "__id__"}
+        with pytest.raises(ConfigError, match=r"model_inputs names \['labels'\]"):
+            next(iter(TrainerLoader(loader, ["x", "labels"])))
+
+
+def test_stream_trainer_takes_a_stream_loader_only(tmp_path: Path) -> None:
+    import torch
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
+    with pytest.raises(ConfigError, match="train_loader must be a StreamLoader"):
+        transformers_integration.StreamTrainer(model=torch.nn.Linear(1, 1), args=args,
+                                               train_loader=[1, 2, 3])
+    assert not os.path.exists(tmp_path / "out" / "checkpoint-1")
