@@ -3,10 +3,15 @@
 - :class:`MotoServer` runs moto's standalone S3-compatible server as a subprocess on a free
   port; :class:`S3Bucket` is a bucket in it, with the fsspec ``storage_options`` that reach it.
 - :class:`FaultServer` is an HTTP/1.1 server that either serves the files of a directory
-  (GET and HEAD, single ranges) or forwards every request to an upstream server (a reverse
-  proxy, e.g. in front of moto, so that s3fs -> proxy -> moto runs under faults). It counts
-  requests per method and path, tracks how many are in flight at once, and injects faults
-  chosen by a :class:`FaultInjector`: at random at a given rate, or by a per-path script.
+  (GET and HEAD, single ranges, and S3's ListObjectsV2, so that s3fs, boto3 and the peers'
+  S3 clients read ``s3://<first folder>/<rest>`` from it with the server as endpoint) or
+  forwards every request to an upstream server (a reverse proxy, e.g. in front of moto, so
+  that s3fs -> proxy -> moto runs under faults). It counts requests per method and path,
+  tracks how many are in flight at once, and injects faults chosen by a
+  :class:`FaultInjector`: at random at a given rate, or by a per-path script. A
+  :class:`StoreModel` makes it behave like a remote object store: a first-byte latency per
+  request and a bandwidth per connection. ``python tests/servers.py --root DIR`` runs one in
+  a process of its own (benchmarks: it must not share the client's interpreter lock).
 
 Only the standard library (plus boto3 to create buckets). Credentials are dummies set by
 :func:`aws_test_environment`; nothing here ever leaves the loopback interface.
@@ -17,9 +22,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import email.utils
 import functools
 import http.client
 import http.server
+import json
 import os
 import random
 import socket
@@ -32,8 +39,11 @@ import time
 import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
+from xml.sax.saxutils import escape as xml_escape
 
 HOST = "127.0.0.1"
+#: ``GET`` it for the request and byte totals of a server (JSON); ``POST`` to read and zero.
+STATS_PATH = "/__stats__"
 
 #: What a :class:`FaultServer` can do to a request instead of answering it well.
 #: error: answer ``status`` (503 by default) with a short body;
@@ -43,8 +53,32 @@ HOST = "127.0.0.1"
 #: truncate: announce the full Content-Length, send half the body, close the connection;
 #: corrupt: send the whole body with one byte flipped;
 #: oversize: announce and send the body followed by ``oversize_bytes`` more bytes (an object
-#: larger than its index says, e.g. rewritten), stopping early if the client goes away.
-FAULT_KINDS = ("error", "slow", "stall", "reset", "truncate", "corrupt", "oversize")
+#: larger than its index says, e.g. rewritten), stopping early if the client goes away;
+#: ignore_range: answer a ``Range`` request with 200 and the whole object (as some servers do);
+#: shifted_range: answer a ``Range`` request with 206, the right length and Content-Range, but
+#: the bytes one position further on (a server or proxy that gets ranges wrong).
+FAULT_KINDS = ("error", "slow", "stall", "reset", "truncate", "corrupt", "oversize",
+               "ignore_range", "shifted_range")
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreModel:
+    """How a :class:`FaultServer` imitates a remote object store (the default: plain loopback).
+
+    Attributes:
+        latency_s: the time to the first byte of every answer (S3: ~10-50 ms).
+        bandwidth: bytes per second of one answer (one connection); None: unlimited.
+    """
+
+    latency_s: float = 0.0
+    bandwidth: float | None = None
+
+    def __str__(self) -> str:
+        if self.latency_s == 0 and self.bandwidth is None:
+            return "loopback"
+        rate = "unlimited" if self.bandwidth is None else f"{self.bandwidth / 1e6:g} MB/s"
+        return f"{self.latency_s * 1e3:g} ms, {rate} per connection"
+
 
 _HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
@@ -163,12 +197,15 @@ class RequestLog:
         self._lock = threading.Lock()
         self._counts: collections.Counter[tuple[str, str]] = collections.Counter()
         self._sent: collections.Counter[str] = collections.Counter()
+        self._whole: collections.Counter[tuple[str, str]] = collections.Counter()
         self.in_flight = 0
         self.max_in_flight = 0
 
-    def begin(self, method: str, path: str) -> None:
+    def begin(self, method: str, path: str, *, ranged: bool = False) -> None:
         with self._lock:
             self._counts[(method, path)] += 1
+            if not ranged:
+                self._whole[(method, path)] += 1
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
@@ -196,15 +233,30 @@ class RequestLog:
             return sum(n for (m, p), n in self._counts.items()
                        if m == method and (path is None or p == path))
 
+    def whole_counts(self, method: str = "GET") -> dict[str, int]:
+        """Requests with ``method`` and no ``Range`` header (whole objects), per path."""
+        with self._lock:
+            return {p: n for (m, p), n in self._whole.items() if m == method}
+
     def counts(self, method: str = "GET") -> dict[str, int]:
         """Requests with ``method``, per path."""
         with self._lock:
             return {p: n for (m, p), n in self._counts.items() if m == method}
 
+    def totals(self, *, reset: bool = False) -> bytes:
+        """``{"requests": n, "bytes": b}`` of every method and path, as JSON (then zeroed,
+        with ``reset``)."""
+        with self._lock:
+            totals = {"requests": sum(self._counts.values()), "bytes": sum(self._sent.values())}
+        if reset:
+            self.reset()
+        return json.dumps(totals).encode()
+
     def reset(self) -> None:
         with self._lock:
             self._counts.clear()
             self._sent.clear()
+            self._whole.clear()
             self.max_in_flight = self.in_flight
 
 
@@ -226,6 +278,7 @@ class FaultServer:
         root: a directory whose files are served at ``/<relative path>``.
         upstream: a base URL (``http://host:port``) to forward every request to.
         faults: the fault policy (a quiet :class:`FaultInjector` by default).
+        store: latency and bandwidth of a remote store (default: plain loopback).
 
     Attributes:
         url: ``http://127.0.0.1:<port>``.
@@ -241,12 +294,14 @@ class FaultServer:
         root: str | os.PathLike[str] | None = None,
         upstream: str | None = None,
         faults: FaultInjector | None = None,
+        store: StoreModel | None = None,
     ) -> None:
         if (root is None) == (upstream is None):
             raise ValueError("give exactly one of root= (serve files) or upstream= (proxy)")
         self.root = None if root is None else os.path.realpath(os.fspath(root))
         self.upstream = None if upstream is None else urllib.parse.urlsplit(upstream)
         self.faults = faults or FaultInjector()
+        self.store = store or StoreModel()
         self.requests = RequestLog()
         self.stopping = threading.Event()
         self._httpd = _ThreadingServer((HOST, 0), _Handler, owner=self)
@@ -290,12 +345,15 @@ class FaultServer:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def respond(self, method: str, target: str, headers: Mapping[str, str], body: bytes) -> _Reply:
-        """The well-formed answer to a request (before any fault)."""
+    def respond(self, method: str, target: str, headers: Mapping[str, str], body: bytes,
+                fault: str | None = None) -> _Reply:
+        """The answer to a request: well-formed, or bent by a range fault."""
+        if fault == "ignore_range":
+            headers = {k: v for k, v in headers.items() if k.lower() != "range"}
         if self.upstream is not None:
             return _forward(self.upstream, method, target, headers, body)
         assert self.root is not None
-        return _serve_file(self.root, method, target, headers)
+        return _serve_file(self.root, method, target, headers, shift=fault == "shifted_range")
 
 
 class _ThreadingServer(http.server.ThreadingHTTPServer):
@@ -311,8 +369,13 @@ class _ThreadingServer(http.server.ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
 
+#: Bytes a bandwidth-limited answer sends at a time.
+_PACE_SLICE = 64 << 10
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    _paced: tuple[float, int] = (0.0, 0)  # (when this answer started, bytes sent since)
     timeout = 30  # an idle keep-alive connection frees its thread after this
     server: _ThreadingServer
 
@@ -328,17 +391,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         owner = self.server.owner
         path = urllib.parse.urlsplit(self.path).path
         body = self._read_body()
-        owner.requests.begin(self.command, path)
+        if path == STATS_PATH:  # (a benchmark's look at the counters; not counted itself)
+            self._send(_Reply(200, [("Content-Type", "application/json")],
+                              owner.requests.totals(reset=self.command == "POST")), None)
+            return
+        owner.requests.begin(self.command, path, ranged="Range" in self.headers)
         try:
             fault = owner.faults.choose(self.command, path)
             if fault == "slow" and owner.stopping.wait(owner.faults.delay_s):
+                self.close_connection = True
+                return
+            if owner.store.latency_s and owner.stopping.wait(owner.store.latency_s):
                 self.close_connection = True
                 return
             if fault == "error":
                 reply = _Reply(owner.faults.status, [("Content-Type", "text/plain")],
                                b"injected fault\n")
             else:
-                reply = owner.respond(self.command, self.path, self.headers, body)
+                reply = owner.respond(self.command, self.path, self.headers, body, fault)
+            self._paced = (time.monotonic(), 0)
             self._send(reply, fault)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client gave up; nothing more to say
@@ -395,28 +466,94 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             extra -= len(piece)
 
     def _write(self, data: bytes) -> None:
-        self.wfile.write(data)
-        self.server.owner.requests.sent(len(data), urllib.parse.urlsplit(self.path).path)
+        owner = self.server.owner
+        bandwidth = owner.store.bandwidth
+        if bandwidth is None:
+            self.wfile.write(data)
+        else:  # one connection's rate: slices, each sent once the clock allows it
+            view = memoryview(data)
+            for at in range(0, len(view), _PACE_SLICE):
+                started, sent = self._paced
+                due = started + sent / bandwidth - time.monotonic()
+                if due > 0 and owner.stopping.wait(due):
+                    return
+                piece = view[at:at + _PACE_SLICE]
+                self.wfile.write(piece)
+                self._paced = (started, sent + len(piece))
+        owner.requests.sent(len(data), urllib.parse.urlsplit(self.path).path)
 
 
-def _serve_file(root: str, method: str, target: str, headers: Mapping[str, str]) -> _Reply:
+def _serve_file(root: str, method: str, target: str, headers: Mapping[str, str], *,
+                shift: bool = False) -> _Reply:
+    """A file of ``root`` (only the bytes asked for are read), a bucket's listing
+    (ListObjectsV2) or a bucket's HEAD; the first folder under ``root`` is the bucket."""
     if method not in ("GET", "HEAD"):
         return _Reply(405, [("Allow", "GET, HEAD")], b"")
-    relative = urllib.parse.unquote(urllib.parse.urlsplit(target).path).lstrip("/")
+    split = urllib.parse.urlsplit(target)
+    relative = urllib.parse.unquote(split.path).lstrip("/")
+    query = urllib.parse.parse_qs(split.query)
     full = os.path.realpath(os.path.join(root, relative))
+    if "/" not in relative.rstrip("/") and os.path.isdir(full) and full.startswith(root + os.sep):
+        if method == "HEAD" or ("list-type" not in query and "prefix" not in query):
+            return _Reply(200, [("Content-Type", "application/xml")], b"", 0)
+        return _list_objects(full, relative.rstrip("/"), query)
     if not full.startswith(root + os.sep) or not os.path.isfile(full):
-        return _Reply(404, [("Content-Type", "text/plain")], b"not found\n")
-    with open(full, "rb") as f:
-        data = f.read()
-    common = [("Content-Type", "application/octet-stream"), ("Accept-Ranges", "bytes")]
-    wanted = _parse_range(headers.get("Range"), len(data))
+        return _Reply(404, [("Content-Type", "application/xml")],
+                      b"<Error><Code>NoSuchKey</Code></Error>")
+    st = os.stat(full)
+    size = st.st_size
+    common = [("Content-Type", "application/octet-stream"), ("Accept-Ranges", "bytes"),
+              ("ETag", f'"{st.st_size:x}-{st.st_mtime_ns:x}-{st.st_ino:x}"'),
+              ("Last-Modified", email.utils.formatdate(st.st_mtime, usegmt=True))]
+    wanted = _parse_range(headers.get("Range"), size)
     if wanted is None:
-        return _Reply(200, common, data, len(data))
+        return _Reply(200, common, _read_file(full, 0, size, method), size)
     start, stop = wanted
     if start >= stop:
-        return _Reply(416, [("Content-Range", f"bytes */{len(data)}")], b"")
-    content_range = ("Content-Range", f"bytes {start}-{stop - 1}/{len(data)}")
-    return _Reply(206, [*common, content_range], data[start:stop], stop - start)
+        return _Reply(416, [("Content-Range", f"bytes */{size}")], b"")
+    content_range = ("Content-Range", f"bytes {start}-{stop - 1}/{size}")
+    at = min(start + 1, size - (stop - start)) if shift else start
+    return _Reply(206, [*common, content_range], _read_file(full, at, stop - start, method),
+                  stop - start)
+
+
+def _read_file(path: str, offset: int, length: int, method: str) -> bytes:
+    if method == "HEAD":
+        return b""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
+def _list_objects(folder: str, bucket: str, query: Mapping[str, list[str]]) -> _Reply:
+    """S3's ListObjectsV2 of the files under ``folder`` (one page; ``delimiter`` folds
+    sub-folders into common prefixes)."""
+    prefix = query.get("prefix", [""])[0]
+    delimiter = query.get("delimiter", [""])[0]
+    keys, prefixes = [], set()
+    for base, _, files in os.walk(folder):
+        for name in files:
+            key = os.path.relpath(os.path.join(base, name), folder).replace(os.sep, "/")
+            if not key.startswith(prefix):
+                continue
+            rest = key[len(prefix):]
+            if delimiter and delimiter in rest:
+                prefixes.add(prefix + rest.split(delimiter)[0] + delimiter)
+            else:
+                keys.append(key)
+    parts = [f"<ListBucketResult><Name>{xml_escape(bucket)}</Name>"
+             f"<Prefix>{xml_escape(prefix)}</Prefix><KeyCount>{len(keys) + len(prefixes)}"
+             "</KeyCount><MaxKeys>100000</MaxKeys><IsTruncated>false</IsTruncated>"]
+    for key in sorted(keys):
+        st = os.stat(os.path.join(folder, key))
+        modified = time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(st.st_mtime))
+        parts.append(f"<Contents><Key>{xml_escape(key)}</Key><LastModified>{modified}"
+                     f"</LastModified><ETag>&quot;{st.st_size:x}-{st.st_mtime_ns:x}&quot;</ETag>"
+                     f"<Size>{st.st_size}</Size><StorageClass>STANDARD</StorageClass></Contents>")
+    for common in sorted(prefixes):
+        parts.append(f"<CommonPrefixes><Prefix>{xml_escape(common)}</Prefix></CommonPrefixes>")
+    parts.append("</ListBucketResult>")
+    return _Reply(200, [("Content-Type", "application/xml")], "".join(parts).encode())
 
 
 def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
@@ -609,3 +746,57 @@ class S3Bucket:
                         ) -> dict[str, Any]:
         """s3fs options reaching this bucket directly, or through the proxy at ``via``."""
         return s3_storage_options(via or self.endpoint_url, client_retries=client_retries)
+
+
+# ------------------------------------------------------------------------------ own process
+
+
+def server_totals(url: str, *, reset: bool = False) -> dict[str, int]:
+    """The request and byte totals of the server at ``url`` (see :data:`STATS_PATH`)."""
+    connection = http.client.HTTPConnection(urllib.parse.urlsplit(url).netloc, timeout=30)
+    try:
+        connection.request("POST" if reset else "GET", STATS_PATH)
+        return dict(json.loads(connection.getresponse().read()))
+    finally:
+        connection.close()
+
+
+def serve_in_process(root: str, store: StoreModel | None = None,
+                     ) -> tuple[subprocess.Popen[str], str]:
+    """A :class:`FaultServer` of ``root`` in a process of its own (``python servers.py``), so
+    that it does not share the client's interpreter lock, as a remote store does not.
+    Returns the process (terminate it when done) and the server's URL."""
+    store = store or StoreModel()
+    command = [sys.executable, os.path.abspath(__file__), "--root", root,
+               "--latency-ms", str(store.latency_s * 1e3)]
+    if store.bandwidth is not None:
+        command += ["--mb-per-s", str(store.bandwidth / 1e6)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                               text=True)
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line.startswith("http://"):
+        process.kill()
+        raise RuntimeError(f"the server did not start: {line!r}")
+    return process, line.strip()
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="serve a folder as FaultServer does")
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument("--mb-per-s", type=float, default=None)
+    args = parser.parse_args(argv)
+    store = StoreModel(args.latency_ms / 1e3, None if args.mb_per_s is None else
+                       args.mb_per_s * 1e6)
+    with FaultServer(root=args.root, store=store) as server:
+        print(server.url, flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            threading.Event().wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -36,7 +36,7 @@ from test_cache import (
     write_shards,
 )
 
-from streamcache import DatasetReader, StreamDataset
+from streamcache import DatasetReader, ShardWriter, StreamDataset, StreamLoader
 from streamcache.cache.accounting import ACCOUNTING_NAME
 from streamcache.cache.advice import shard_usage, working_set_bound
 from streamcache.cache.node import NodeCache, local_bytes_estimate
@@ -430,3 +430,29 @@ def test_no_epoch_keeps_more_in_use_than_the_bound(rows: list[int], window: int,
         order = EpochOrder(shard_rows, seed, epoch, shuffle)
         usage = shard_usage(order)
         assert usage.working_set_bytes(shard_bytes) <= bound
+
+
+def test_a_tight_budget_that_fits_the_disk_reads_a_whole_epoch(tmp_path: Path) -> None:
+    """Evicted shards must not stay mapped by the reader: their disk space is freed only
+    when the last mapping goes, so a budget that fits the disk would fill it anyway. Default
+    options (zstd, chunk size, loader) but for the budget, its window and 1 MB shards (at
+    64 MB shards the same test would take half a gigabyte)."""
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "ds"
+    SAMPLES = 2400
+    with ShardWriter(str(folder), shard_size=1 << 20) as writer:
+        for i in range(SAMPLES):  # ~24 MB installed, incompressible, 24 shards
+            writer.write({"blob": rng.bytes(10_000), "id": i})
+    # the budget plus the temporaries of 4 download threads (a stored and a local copy of
+    # a shard each, 8 MB) plus a few shards mapped by batches in flight fit the disk; the
+    # dataset does not
+    with tmpfs(tmp_path / "small", "18m") as disk:
+        dataset = StreamDataset(str(folder), global_batch_size=32, rank=0, world_size=1,
+                                cache_dir=str(disk / "c"), cache_limit=5 << 20,
+                                shuffle_window=100)
+        seen: list[int] = []
+        with StreamLoader(dataset) as loader:
+            for batch in loader:
+                seen.extend(batch["id"].tolist())
+        dataset.close()
+        assert sorted(seen) == list(range(SAMPLES))

@@ -22,7 +22,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from servers import FaultServer, S3Bucket
 
-from streamcache.errors import ChecksumMismatchError, StreamcacheError
+from streamcache.cache.prefetch import PrefetchOptions
+from streamcache.errors import ChecksumMismatchError, ConfigError, StreamcacheError
 from streamcache.format.checksum import checksum_bytes
 from streamcache.remote.download import TEMP_SUFFIX
 from streamcache.remote.fetch import Fetcher, FetchRequest
@@ -464,3 +465,18 @@ def test_garbage_holding_a_parents_session_is_collected_before_fork(
         assert garbage() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: FetchOptions(timeout_s="10"),  # type: ignore[arg-type]
+    lambda: FetchOptions(retries=True),
+    lambda: FetchOptions(max_concurrency=2.5),  # type: ignore[arg-type]
+    lambda: FetchOptions(allow_unverified_ranges=1),  # type: ignore[arg-type]
+    lambda: FetchOptions(storage_options=["key"]),  # type: ignore[arg-type]
+    lambda: PrefetchOptions(workers="4"),  # type: ignore[arg-type]
+    lambda: PrefetchOptions(poll_s=None),  # type: ignore[arg-type]
+], ids=["timeout-str", "retries-bool", "concurrency-float", "unverified-int", "storage-list",
+        "workers-str", "poll-none"])
+def test_options_of_the_wrong_type_are_config_errors_naming_the_field(make: Any) -> None:
+    with pytest.raises(ConfigError, match=r"invalid (Fetch|Prefetch)Options: \w+ must be"):
+        make()

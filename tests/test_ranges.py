@@ -28,7 +28,7 @@ from streamcache import (
     load_index,
     write_dataset,
 )
-from streamcache.cache import ranges
+from streamcache.cache import prefetch, ranges
 from streamcache.cache.node import NodeCache
 from streamcache.cache.prefetch import Prefetcher, PrefetchOptions
 from streamcache.cache.ranges import RangeReader, coalesce
@@ -42,6 +42,7 @@ from streamcache.format.chunks import (
 )
 from streamcache.format.index import build_index
 from streamcache.format.reader import Ragged
+from streamcache.loading import dataset_reader
 from streamcache.remote.fetch import Fetcher
 from streamcache.remote.options import FetchOptions
 from streamcache.remote.retry import FetchError
@@ -90,6 +91,7 @@ def small_gaps(monkeypatch: pytest.MonkeyPatch) -> None:
     than the default cold budget of such a shard (1/16), so the cold tests raise it."""
     monkeypatch.setattr(ranges, "COALESCE_GAP", 16 << 10)
     monkeypatch.setattr(ranges, "COLD_BUDGET", 0.5)
+    monkeypatch.setattr(ranges, "COLD_START_BUDGET", 0.5)
 
 
 @pytest.fixture
@@ -272,7 +274,8 @@ def test_parquet_row_groups_are_read_by_range(fault_server: FaultServer, tmp_pat
     index = load_index(fault_server.url_for("pq"))
     fault_server.requests.reset()
     ids = [5, 6, 2600, 3999]
-    with DatasetReader(index, by_range=every_shard) as reader:
+    unverified = FetchOptions(allow_unverified_ranges=True)  # (Parquet has no chunk digests)
+    with DatasetReader(index, by_range=every_shard, fetch=unverified) as reader:
         batch = reader.read_batch(ids)
         stats = reader.range_stats
     assert batch["id"].tolist() == ids
@@ -458,6 +461,7 @@ def test_a_dense_cold_read_waits_for_the_install(
         served: tuple[FaultServer, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(ranges, "COLD_BUDGET", 1 / 16)  # less than one chunk of these shards
+    monkeypatch.setattr(dataset_reader, "COLD_START_STEPS", 0)  # past the first steps
     server, url = served
     index = load_index(url)
     cache = NodeCache(index, str(tmp_path / "cache"))
@@ -471,6 +475,7 @@ def test_a_cold_shard_is_read_by_range_within_its_budget_then_installed(
         served: tuple[FaultServer, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(ranges, "COLD_BUDGET", 0.25)
+    monkeypatch.setattr(dataset_reader, "COLD_START_STEPS", 0)  # past the first steps
     server, url = served
     index = load_index(url)
     info = index.shards[0]
@@ -526,3 +531,51 @@ def test_a_forked_child_reads_by_range_through_its_parents_reader(
             process.terminate()
         reader.close()
     assert process.exitcode == 0
+
+
+def test_the_first_steps_are_read_by_range_ahead_of_the_downloads_then_installs_take_over(
+        served: tuple[FaultServer, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cold start: the first steps by range whatever their density, with the prefetcher's
+    downloads held back meanwhile; then the downloads in first-use order, and later steps
+    that are too dense for the cold budget wait for them."""
+    monkeypatch.setattr(ranges, "COLD_BUDGET", 1 / 16)  # less than one chunk of these shards
+    monkeypatch.setattr(ranges, "COLD_START_BUDGET", 1.0)  # the first steps: any density
+    monkeypatch.setattr(prefetch, "HOLD_S", 600.0)  # released by the reader, not by the clock
+    server, url = served
+    index = load_index(url)
+    cache = NodeCache(index, str(tmp_path / "cache"))
+    store = Prefetcher(cache)
+    shards = np.arange(len(index.shards))
+    rng = np.random.default_rng(3)
+    with DatasetReader(str(Path(server.root or "") / "ds")) as warm, \
+            DatasetReader(index, store=store) as reader:
+        store.update(shards, shards)  # every shard queued, in first-use order
+        for step in range(dataset_reader.COLD_START_STEPS):
+            ids = rng.choice(ROWS, 8, replace=False)  # (a few chunks of these small shards)
+            same(reader.read_batch(ids), warm.read_batch(ids))
+            if step < dataset_reader.COLD_START_STEPS - 1:  # (released after the last one)
+                assert store.stats.tasks_done == 0 and cache.stats.installs == 0  # held
+        assert reader.range_stats.shards >= 2 * len(index.shards) - 2  # (read by range)
+        assert store.stats.misses == 0  # no step waited for a download
+        chunks = reader.range_stats.chunks
+        ids = rng.choice(ROWS, 24, replace=False)
+        same(reader.read_batch(ids), warm.read_batch(ids))  # released: installs serve it
+        assert reader.range_stats.chunks == chunks and store.stats.tasks_done > 0
+
+
+def test_a_cold_epoch_costs_about_one_request_per_shard_beyond_the_first_steps(
+        served: tuple[FaultServer, str], tmp_path: Path) -> None:
+    server, url = served
+    index = load_index(url)
+    dataset = StreamDataset(url, global_batch_size=64, rank=0, world_size=1,
+                            cache_dir=str(tmp_path / "cache"))
+    server.requests.reset()
+    seen = []
+    for batch in dataset:
+        seen.extend(batch["__id__"].tolist())
+    ranged = dataset.reader.range_stats.requests
+    dataset.close()
+    assert len(set(seen)) == len(seen) == ROWS // 64 * 64  # (the default tail: dropped)
+    requests = server.requests.count() + server.requests.count(method="HEAD")
+    assert requests <= 2 * len(index.shards) + ranged + 1  # (+ the index)

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import CacheError
 from ..remote import storage
+from .confine import open_below
 from .eviction import Resident, choose_victims
 from .temporaries import listdir, temp_dir
 
@@ -219,7 +220,7 @@ class Accounting:
 
     @contextlib.contextmanager
     def _accounting_lock(self) -> Iterator[None]:
-        with self._book_lock, file_lock(os.path.join(self.cache_dir, ACCOUNTING_LOCK)):
+        with self._book_lock, file_lock(self.cache_dir, ACCOUNTING_LOCK):
             yield
 
     def _tmp_dir(self) -> str:
@@ -243,8 +244,10 @@ class Accounting:
 
 
 @contextlib.contextmanager
-def file_lock(path: str) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path``, on a descriptor of its own (blocks, GIL released).
+def file_lock(root: str, relative: str) -> Iterator[None]:
+    """An exclusive ``flock`` on ``root/relative``, on a descriptor of its own (blocks, GIL
+    released). The file and its folders are made as needed and never through a symbolic
+    link below ``root`` (:func:`open_below`).
 
     ``flock``, not POSIX record locks (``lockf``): record locks belong to the whole process,
     so the kernel's deadlock detection sees two threads of one process as one owner and fails
@@ -252,15 +255,13 @@ def file_lock(path: str) -> Iterator[None]:
     is held shares it, which is why it is released with an explicit LOCK_UN (that releases it
     for every copy of the descriptor) rather than by closing. The kernel releases it when the
     process dies, SIGKILL included (and its forked children, if they still hold the copy).
+
+    Raises:
+        CacheError: a folder or the file below ``root`` is a symbolic link (planted).
     """
     import fcntl  # POSIX only
 
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags, 0o644)
-    except FileNotFoundError:  # the cache folder was removed: make it again
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, flags, 0o644)
+    fd = open_below(root, relative, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:

@@ -16,6 +16,7 @@ from ..format.index import DatasetIndex
 from ..format.materialize import is_local_layout
 from ..remote.fetch import Fetcher
 from .accounting import Accounting
+from .confine import check_folder_below
 from .faults import NOT_WRITABLE, not_writable_error
 from .identity import local_file, read_record, record_path, source_identity, verify_in_place
 
@@ -113,7 +114,7 @@ class CopyLookup(Accounting):
             info = replace(info, checksum=None)  # the size alone
         record = os.path.join(self._shard_dir, f"{shard:06d}.inplace")
         with contextlib.suppress(OSError):
-            os.makedirs(self._shard_dir, exist_ok=True)
+            check_folder_below(self.cache_dir, os.path.relpath(self._shard_dir, self.cache_dir))
         if verify_in_place(path, info, where=path, record=record):
             self._count(verified=1)
         self._verified.add(shard)

@@ -25,6 +25,7 @@ from .accounting import (
     Accounting,
     remove_quietly,
 )
+from .confine import check_folder_below
 from .faults import DISK_FULL_ATTEMPTS, disk_full_error, is_disk_full
 from .identity import Identity, record_path, source_identity, write_record
 
@@ -114,7 +115,8 @@ class Installer(Accounting):
         """
         nbytes = os.path.getsize(staged)
         os.chmod(staged, INSTALLED_MODE)
-        os.makedirs(self._shard_dir, exist_ok=True)  # (again, if cache_dir was removed)
+        # (again, if cache_dir was removed; never through a planted link)
+        check_folder_below(self.cache_dir, os.path.relpath(self._shard_dir, self.cache_dir))
         if identity is not None and self.index.shards[shard].checksum is None:
             write_record(record_path(self._shard_dir, shard),
                          {"url": self.index.shard_url(shard), "identity": identity})

@@ -49,7 +49,14 @@ from ..errors import CacheBudgetError, CacheError
 from ..format.index import DatasetIndex, ShardInfo
 from ..remote.fetch import Fetcher
 from ..remote.options import FetchOptions
-from .accounting import KEY_BYTES, CacheStats, CacheUsage, EvictionListener, file_lock
+from .accounting import (
+    KEY_BYTES,
+    CacheStats,
+    CacheUsage,
+    EvictionListener,
+    file_lock,
+)
+from .confine import check_folder_below
 from .copies import CopyLookup
 from .faults import NOT_WRITABLE, not_writable_error
 from .identity import dataset_folder_name
@@ -280,16 +287,12 @@ class NodeCache(Installer, CopyLookup):
         """Create the folders this cache writes to (again, if someone removed them).
 
         Raises:
-            CacheError: one of them is a symlink (planted: the cache would write, and
-                replace stale copies, wherever it points).
+            CacheError: one of them, or a folder above it inside ``cache_dir``, is a symbolic
+                link (planted: the cache would write, lock and replace stale copies wherever
+                it points). Checked before anything is made, so nothing is created there.
         """
         for folder in (self._shard_dir, self._lock_dir, os.path.join(self.cache_dir, "tmp")):
-            os.makedirs(folder, exist_ok=True)
-            if os.path.islink(folder):
-                raise CacheError(
-                    f"{folder} is a symbolic link to {os.path.realpath(folder)}; the cache "
-                    "writes only into folders of its own: remove the link (or use another "
-                    "cache_dir)")
+            check_folder_below(self.cache_dir, os.path.relpath(folder, self.cache_dir))
 
     def _install_and_path(self, shard: int) -> str:
         self.install(shard)
@@ -306,7 +309,9 @@ class NodeCache(Installer, CopyLookup):
     def _shard_lock(self, shard: int) -> Iterator[None]:
         with self._guard:
             lock = self._shard_locks.setdefault(shard, threading.Lock())
-        with lock, file_lock(os.path.join(self._lock_dir, f"{shard:06d}.lock")):
+        relative = os.path.join(os.path.relpath(self._lock_dir, self.cache_dir),
+                                f"{shard:06d}.lock")
+        with lock, file_lock(self.cache_dir, relative):
             yield
 
     def _check_open(self) -> None:

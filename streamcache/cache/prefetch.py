@@ -43,10 +43,13 @@ from .._native import (
 )
 from ..errors import ConfigError, PrefetchError
 from ..remote.fetch import Fetcher
+from ..remote.options import type_problems
 from .node import NodeCache
 
 #: Priority of a shard a reader is blocked on: ahead of every plan position.
 URGENT = -1
+#: The longest a cold reader may hold the downloads back (:meth:`Prefetcher.hold`).
+HOLD_S = 5.0
 #: Shards a prefetcher keeps ahead beyond the working set, unless told otherwise.
 DEFAULT_LOOKAHEAD_SHARDS = 16
 
@@ -79,6 +82,11 @@ class PrefetchOptions:
     poll_s: float = 0.25
 
     def __post_init__(self) -> None:
+        typed = type_problems(self, integers=("workers", "lookahead_shards", "lookahead_bytes",
+                                              "inflight_bytes"), numbers=("poll_s",),
+                              optional=("lookahead_shards", "lookahead_bytes"))
+        if typed:  # (the ranges below compare numbers: only once the types are right)
+            raise ConfigError(f"invalid PrefetchOptions: {'; '.join(typed)}")
         problems = [f"{name} must be >= 1, got {value!r}" for name, value in (
             ("workers", self.workers), ("lookahead_shards", self.lookahead_shards),
             ("lookahead_bytes", self.lookahead_bytes), ("inflight_bytes", self.inflight_bytes),
@@ -155,6 +163,9 @@ class Prefetcher:
         self._reset_process_state()
 
     def _reset_process_state(self) -> None:
+        self._open = threading.Event()  # set: download threads may start downloads
+        self._open.set()
+        self._held_until = 0.0
         self._lock = threading.Lock()
         self._scheduler = Scheduler(self.options.inflight_bytes)
         self._threads: list[threading.Thread] = []
@@ -219,6 +230,7 @@ class Prefetcher:
             scheduler.note_hit()
             scheduler.mark_ready(shard)
             return path
+        self.release()  # a reader waits for a download: nothing is held any more
         scheduler.forget(shard)  # it may be marked ready but gone: evicted by another process
         scheduler.submit(shard, URGENT, self._stored_bytes(shard))
         count = True
@@ -237,6 +249,20 @@ class Prefetcher:
                 raise PrefetchError(f"the prefetcher was closed while shard {shard} was awaited")
             if code in (WAIT_READY, WAIT_NOT_SCHEDULED):
                 scheduler.submit(shard, URGENT, self._stored_bytes(shard))
+
+    def hold(self, timeout_s: float | None = None) -> None:
+        """Start no new download for a while: a cold reader reads its first steps by range
+        first, with every connection and core to itself, then calls :meth:`release`. A
+        reader that blocks on a shard (:meth:`local_path`) releases at once, and the hold
+        ends by itself after ``timeout_s`` (default :data:`HOLD_S`). Downloads in flight go
+        on."""
+        with self._lock:
+            self._held_until = time.monotonic() + (HOLD_S if timeout_s is None else timeout_s)
+            self._open.clear()
+
+    def release(self) -> None:
+        """End a :meth:`hold` (no-op when there is none)."""
+        self._open.set()
 
     def ready(self, shard: int) -> bool:
         """Whether ``shard`` is installed now (non-blocking; no request is made): a reader
@@ -271,6 +297,7 @@ class Prefetcher:
             self._closed = True
             threads, self._threads = self._threads, []
         self._scheduler.stop()
+        self._open.set()
         self.cache.close()
         self._join(threads, self.options.poll_s + 2.0)
 
@@ -296,6 +323,14 @@ class Prefetcher:
 
     def _work(self, scheduler: Scheduler) -> None:
         while True:
+            if not self._open.is_set():  # held by a cold reader (bounded: see hold())
+                left = self._held_until - time.monotonic()
+                if left > 0:
+                    self._open.wait(min(left, self.options.poll_s))
+                    if scheduler.stopped():
+                        return
+                    continue
+                self._open.set()
             shard = scheduler.next_task(self.options.poll_s)
             if shard == TASK_STOPPED:
                 return

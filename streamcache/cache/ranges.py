@@ -54,11 +54,13 @@ from ..format.materialize import decode_shard
 from ..format.reader import ShardReader
 from ..format.schema import Schema
 from ..remote.fetch import Fetcher
+from ..remote.retry import FetchError, ranges_ignored
 
 #: Two ranges closer than this are fetched as one. A request costs about what a few hundred KiB
 #: to a few MiB of transfer do (an object store's time to first byte, ~20-50 ms, at one
 #: connection's rate; the CPU of a request on both ends here): 256 KiB saves requests
-#: without making a cold start's bytes much larger than its chunks'.
+#: without making a cold start's bytes much larger than its chunks' (merged spans count
+#: against the cold budgets).
 COALESCE_GAP = 256 << 10
 #: A coalesced range never grows beyond this (each range must arrive within ``timeout_s``).
 MAX_RANGE = 8 << 20
@@ -71,6 +73,10 @@ PARQUET_TAIL = 64 << 10
 #: installs, which range reads would otherwise slow down (benchmarks/bench_cold.py: with 1/4
 #: the samples/s over the first 4,096 samples dropped further below the whole-shard path's).
 COLD_BUDGET = 1 / 16
+#: The cold budget of the first steps of a cold start (``dense``): they are read by range
+#: while the bytes read from a shard stay within this fraction of it, ahead of the downloads;
+#: denser rows wait for the shard's install (one download per node, under the node's lock).
+COLD_START_BUDGET = 1 / 8
 #: Parsed footers kept (per reader), and decoded whole shards (bytes, per reader).
 FOOTERS_KEPT = 256
 WHOLE_SHARD_BYTES = 256 << 20
@@ -110,6 +116,12 @@ class MemoryShard(ShardReader):
         self.num_rows = batch.num_rows
         self._batch = batch
         self._buffers = {f.name: column_buffers(f, batch.column(f.name)) for f in schema}
+
+    @property
+    def batch(self) -> pa.RecordBatch:
+        """The rows held, as one record batch of the canonical types (verified: every chunk
+        it came from matched its digest, or the whole object its checksum). Read-only."""
+        return self._batch
 
     def close(self) -> None:
         self._buffers.clear()
@@ -157,6 +169,10 @@ class RangeReader:
         self._stats = RangeStats()
         self._shard_bytes: dict[int, int] = {}  # bytes range-read per shard
         self._whole_only: set[int] = set()  # Parquet files found to have one row group
+        #: Range reads of shards without per-range digests (Parquet, foreign Arrow) serve rows
+        #: before anything verified them: only when the user allows it (FetchOptions).
+        self.unverified = fetcher.options.allow_unverified_ranges
+        self._ranges_ignored = False  # the server answered a range with the whole object
         forksafe.register(self)
 
     def _after_fork_in_child(self) -> None:
@@ -169,33 +185,51 @@ class RangeReader:
             return RangeStats(**vars(self._stats))
 
     def addressable(self, shard: int) -> bool:
-        """Whether rows of ``shard`` can be read without its whole object: a chunked Arrow
-        shard, or a Parquet file of several row groups (its footer is read to know)."""
+        """Whether rows of ``shard`` are read without its whole object: a chunked Arrow shard
+        (every chunk verified against its digest before it is served), or, only with
+        ``FetchOptions(allow_unverified_ranges=True)``, a Parquet file of several row groups
+        (its footer is read to know). Never once the server was found to ignore ranges."""
         info = self.index.shards[shard]
+        if self._ranges_ignored:
+            return False
         if info.chunked:
             return info.chunk_rows is not None and info.chunk_rows < info.rows
-        if info.format != "parquet" or shard in self._whole_only:
+        if not self.unverified or info.format != "parquet" or shard in self._whole_only:
             return False
-        if self._footer(shard).whole:
+        try:
+            whole = self._footer(shard).whole
+        except _RangesIgnored:
+            return False
+        if whole:
             self._whole_only.add(shard)  # (remembered beyond the footers kept)
             return False
         return True
 
-    def cold_budget_left(self, shard: int, more: int = 0) -> bool:
+    def verified(self, shard: int) -> bool:
+        """Whether a range read of ``shard`` is verified before it is served (a chunked
+        shard: its tail against the index, each chunk against the tail's digests)."""
+        return bool(self.index.shards[shard].chunked)
+
+    def cold_budget_left(self, shard: int, more: int = 0, budget: float | None = None,
+                         ) -> bool:
         """Whether a cold start may still read ``shard`` by range: the bytes range-read from
-        it so far, plus ``more``, stay within :data:`COLD_BUDGET` of its stored bytes."""
+        it so far, plus ``more``, stay within ``budget`` (default :data:`COLD_BUDGET`) of its
+        stored bytes."""
         with self._lock:
             used = self._shard_bytes.get(shard, 0)
-        return used + more <= COLD_BUDGET * self.index.shards[shard].bytes
+        fraction = COLD_BUDGET if budget is None else budget
+        return used + more <= fraction * self.index.shards[shard].bytes
 
     def read_rows(self, shard: int, rows: np.ndarray, *, cold: bool = False,
-                  ) -> tuple[ShardReader, np.ndarray] | None:
+                  dense: bool = False) -> tuple[ShardReader, np.ndarray] | None:
         """Rows ``rows`` of ``shard``: an in-memory shard reader holding them (and perhaps
         their neighbours) and the row numbers to gather from it, in the order given.
 
         With ``cold`` (the cold-start rule), None instead when the read would take the
         shard's range-read bytes over :data:`COLD_BUDGET` of its size (its footer is read to
-        know): rows that dense in the shard are cheaper from the install.
+        know; not with ``dense``: the first steps of a cold start): rows that dense in the
+        shard are cheaper from the install. A cold read also declines (None) what only a
+        whole object would serve: the install fetches that.
 
         Raises:
             FetchError: a request failed after the Fetcher's retries.
@@ -209,15 +243,28 @@ class RangeReader:
         if rows.size and (rows.min() < 0 or rows.max() >= info.rows):
             raise RowOutOfRangeError(f"rows {rows.min()}..{rows.max()} of shard {shard}: it "
                                      f"has {info.rows}")
-        if not self.addressable(shard):
-            reader = self._whole_shard(shard)
-            self._count(shards=1, rows=int(rows.size))
-            return reader, rows
+        if self.addressable(shard):
+            try:
+                budget = (COLD_START_BUDGET if dense else COLD_BUDGET) if cold else None
+                return self._by_range(shard, rows, budget)
+            except _RangesIgnored:
+                pass  # (the server ignores ranges: whole objects from now on)
+        if cold:
+            return None  # a cold start awaits the install, which is one request anyway
+        reader = self._whole_shard(shard)
+        self._count(shards=1, rows=int(rows.size))
+        return reader, rows
+
+    def _by_range(self, shard: int, rows: np.ndarray, budget: float | None,
+                  ) -> tuple[ShardReader, np.ndarray] | None:
+        """:meth:`read_rows` of an addressable shard; with ``budget`` (a fraction of the
+        shard), None when the read would take the shard's range-read bytes past it."""
         footer = self._footer(shard)
         units = np.searchsorted(footer.starts, rows, side="right") - 1
         needed = np.unique(units)
         spans = coalesce([footer.blocks[u] for u in needed.tolist()], self.coalesce_gap)
-        if cold and not self.cold_budget_left(shard, sum(s.length for s in spans)):
+        if budget is not None and not self.cold_budget_left(
+                shard, sum(s.length for s in spans), budget):
             return None
         batches = self._read_units(shard, footer, needed.tolist(), spans)
         sizes = np.array([b.num_rows for b in batches], np.int64)
@@ -230,10 +277,10 @@ class RangeReader:
         self._count(shards=1, rows=int(rows.size), chunks=len(needed))
         return MemoryShard(batch, self.schema, where=self.index.shard_url(shard)), local
 
-    def submit(self, shard: int, rows: np.ndarray, *, cold: bool = False,
+    def submit(self, shard: int, rows: np.ndarray, *, cold: bool = False, dense: bool = False,
                ) -> Future[tuple[ShardReader, np.ndarray] | None]:
         """:meth:`read_rows` on this reader's threads."""
-        return self._executor().submit(self.read_rows, shard, rows, cold=cold)
+        return self._executor().submit(self.read_rows, shard, rows, cold=cold, dense=dense)
 
     def read_many(self, requests: Sequence[tuple[int, np.ndarray]],
                   ) -> list[tuple[ShardReader, np.ndarray]]:
@@ -308,9 +355,10 @@ class RangeReader:
             length = int.from_bytes(tail[-8:-4], "little") + 8
             if length > info.bytes - 4:
                 raise ValueError(f"the footer length {length} does not fit the object")
-            if length > len(tail):
+            if length > len(tail):  # one piece: pyarrow reads the footer in one go
                 more = info.bytes - length
-                pieces.insert(0, (more, self._fetch(shard, url, [(more, info.bytes - first)])[0]))
+                head = self._fetch(shard, url, [(more, info.bytes - first)])[0]
+                pieces = [(more, head + tail)]
             metadata = pq.ParquetFile(_sparse_file(info.bytes, pieces)).metadata
         except (ValueError, pa.ArrowInvalid, OSError) as exc:
             raise ShardCorruptError(f"{url} is not a readable Parquet file ({exc}); it is "
@@ -409,7 +457,14 @@ class RangeReader:
 
     def _fetch(self, shard: int, url: str, ranges: list[tuple[int, int]],
                verify: Any = None) -> list[bytes]:
-        blocks = self.fetcher.fetch_ranges(url, ranges, verify=verify)
+        try:
+            blocks = self.fetcher.fetch_ranges(url, ranges, verify=verify)
+        except FetchError as error:
+            if not ranges_ignored(error):
+                raise
+            with self._lock:
+                self._ranges_ignored = True
+            raise _RangesIgnored(str(error)) from error
         nbytes = sum(len(b) for b in blocks)
         self._count(requests=len(ranges), bytes=nbytes)
         with self._lock:
@@ -427,6 +482,10 @@ class RangeReader:
                 self._pool = ThreadPoolExecutor(self._threads,
                                                 thread_name_prefix="streamcache-ranges")
             return self._pool
+
+
+class _RangesIgnored(Exception):
+    """The server answered a range request with more than was asked (it ignores ``Range``)."""
 
 
 def _read(result: tuple[ShardReader, np.ndarray] | None) -> tuple[ShardReader, np.ndarray]:

@@ -13,6 +13,7 @@ import shutil
 import time
 
 from ..processes import process_alive, process_token
+from .confine import check_folder_below
 
 #: Temporaries of a process in another pid namespace (another container) whose liveness
 #: cannot be checked are removed once nothing in them has changed for this long.
@@ -25,7 +26,7 @@ def temp_dir(cache_dir: str, current: str | None, owner: object) -> str:
     if current is None or os.path.basename(os.path.dirname(current)) != token or (
             not os.path.isdir(current)):
         current = os.path.join(cache_dir, "tmp", token, f"{id(owner):x}")
-        os.makedirs(current, exist_ok=True)
+        check_folder_below(cache_dir, os.path.relpath(current, cache_dir))
     return current
 
 

@@ -32,9 +32,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -50,6 +52,12 @@ from ..format.reader import Ragged, ShardReader, first_row, gather
 from ..remote.fetch import Fetcher
 from ..remote.options import FetchOptions
 from ..remote.retry import FetchError
+
+#: Steps of a cold start read by range whatever their density (ranges.COLD_BUDGET applies
+#: afterwards), with the store's downloads held back meanwhile.
+COLD_START_STEPS = 2
+#: How often a reader looks whether the files it maps were evicted by another process.
+SWEEP_S = 2.0
 
 
 class ShardStore(Protocol):
@@ -120,6 +128,15 @@ class DatasetReader:
         self.cold_ranges = cold_ranges
         ready = getattr(store, "ready", None)
         self._ready: Callable[[int], bool] | None = ready if callable(ready) else None
+        # The cold start: the first steps are read by range, whatever their density, while
+        # the store's downloads are held back (hold/release: a Prefetcher), then released.
+        self.cold_start_steps = COLD_START_STEPS
+        self._cold_steps_left = COLD_START_STEPS if cold_ranges and self._ready else 0
+        hold = getattr(store, "hold", None)
+        self._release: Callable[[], None] | None = None
+        if self._cold_steps_left and callable(hold):
+            hold()
+            self._release = getattr(store, "release", None)
         self._fetch_options = fetch
         self._storage_options = storage_options
         self._ranges: RangeReader | None = None
@@ -132,6 +149,16 @@ class DatasetReader:
         self._readers: collections.OrderedDict[int, ShardReader] = collections.OrderedDict()
         self._max_open = max(1, max_open_shards)
         self._lock = threading.Lock()
+        # Evicted shards are dropped from the open ones (their mapping then goes once no
+        # batch refers to it, which frees their disk space): this process's evictions as
+        # they happen, other processes' by a look at the open files every few seconds.
+        self._evicted: set[int] = set()
+        self._inodes: dict[int, tuple[int, int]] = {}  # (st_dev, st_ino) of mapped files
+        self._next_sweep = time.monotonic() + SWEEP_S
+        cache = getattr(store, "cache", store)
+        listen = getattr(cache, "add_eviction_listener", None)
+        if callable(listen):
+            listen(self._on_evicted)
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -149,17 +176,64 @@ class DatasetReader:
         shards = np.searchsorted(self._starts, ids, side="right") - 1
         return shards, ids - self._starts[shards]
 
+    def _on_evicted(self, shard: int, nbytes: int) -> None:
+        """Eviction listener (called by the evicting thread with the cache-wide lock held:
+        it only notes the shard)."""
+        self._evicted.add(shard)
+
+    def _drop_evicted(self) -> None:
+        """Forget the open readers of evicted shards (cheap when there are none)."""
+        now = time.monotonic()
+        if not self._evicted and now < self._next_sweep:
+            return
+        gone = set()
+        while self._evicted:
+            gone.add(self._evicted.pop())
+        if now >= self._next_sweep:
+            self._next_sweep = now + SWEEP_S
+            with self._lock:
+                mapped = dict(self._inodes)
+            gone.update(shard for shard, inode in mapped.items() if not self._current(shard, inode))
+        if gone:
+            with self._lock:
+                for shard in gone:
+                    self._readers.pop(shard, None)
+                    self._inodes.pop(shard, None)
+
+    def _current(self, shard: int, inode: tuple[int, int]) -> bool:
+        """Whether the file mapped for ``shard`` is still the one at its path (another process
+        evicts by unlinking it)."""
+        with self._lock:
+            reader = self._readers.get(shard)
+        if reader is None:
+            return False
+        try:
+            st = os.stat(reader.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == inode
+
     def shard_reader(self, shard: int) -> ShardReader:
+        self._drop_evicted()
         with self._lock:
             reader = self._readers.get(shard)
             if reader is not None:
                 self._readers.move_to_end(shard)
                 return reader
         reader = self._open(shard)
+        try:
+            st = os.stat(reader.path)
+            inode: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        except OSError:
+            inode = None  # (evicted already: the mapping is used for this batch only)
         with self._lock:
+            if inode is None:
+                return reader
             reader = self._readers.setdefault(shard, reader)
+            self._inodes.setdefault(shard, inode)
             while len(self._readers) > self._max_open:
-                self._readers.popitem(last=False)
+                dropped, _ = self._readers.popitem(last=False)
+                self._inodes.pop(dropped, None)
         return reader
 
     def _open(self, shard: int) -> ShardReader:
@@ -207,14 +281,38 @@ class DatasetReader:
         of the batch is ``rows[i]`` of ``unique[which[i]]``): local copies as they are, the
         rows of shards read by range (``by_range``, the cold-start rule) renumbered into the
         in-memory reader of just those rows."""
-        chosen = self._ranged(unique)
-        if chosen is None:
-            return [self.shard_reader(int(s)) for s in unique], rows
-        ranged, cold = chosen
+        self._drop_evicted()
+        starting = self._cold_steps_left > 0
+        chosen = None
+        try:
+            chosen = self._ranged(unique, starting)
+            if chosen is None:
+                return [self.shard_reader(int(s)) for s in unique], rows
+            return self._read_ranged(unique, which, rows, *chosen, starting)
+        finally:
+            if starting:
+                self._cold_step_done(chosen is not None)
+
+    def _cold_step_done(self, ranged: bool) -> None:
+        """One of the first steps was read: after the last one (or a step with no cold shard:
+        the cache is warm), release the store's downloads."""
+        with self._lock:
+            self._cold_steps_left = self._cold_steps_left - 1 if ranged else 0
+            release = self._release if self._cold_steps_left <= 0 else None
+            if release is not None:
+                self._release = None
+        if release is not None:
+            release()
+
+    def _read_ranged(self, unique: np.ndarray, which: np.ndarray, rows: np.ndarray,
+                     ranged: np.ndarray, cold: np.ndarray, starting: bool,
+                     ) -> tuple[list[ShardReader], np.ndarray]:
+        """:meth:`batch_readers` when some shards are read by range."""
         rows = np.array(rows, dtype=np.int64)
         ranges = self.range_reader()
         pending: dict[int, Future[tuple[ShardReader, np.ndarray] | None]] = {
-            k: ranges.submit(int(unique[k]), rows[which == k], cold=bool(cold[k]))
+            k: ranges.submit(int(unique[k]), rows[which == k], cold=bool(cold[k]),
+                             dense=starting)
             for k in np.flatnonzero(ranged).tolist()}
         # (the shards that are not range-read are opened, or awaited, meanwhile)
         found: list[ShardReader | None] = [None if ranged[k] else self.shard_reader(int(s))
@@ -222,19 +320,26 @@ class DatasetReader:
         for k, future in pending.items():
             try:
                 result = future.result()
-            except (FileNotFoundError, FetchError) as error:
-                if not _is_gone(error):
+            except (FileNotFoundError, FetchError, StreamcacheError) as error:
+                if cold[k]:
+                    # a cold read is a shortcut: whatever failed it (a server that gets
+                    # ranges wrong, a chunk that fails its digest), the install fetches the
+                    # whole object and verifies it, and raises its own error if it must
+                    result = None
+                elif not _is_gone(error):
                     raise
-                raise self._gone(int(unique[k])) from error
+                else:
+                    raise self._gone(int(unique[k])) from error
             if result is None:  # too dense in its shard for a cold read: await the install
                 found[k] = self.shard_reader(int(unique[k]))
             else:
                 found[k], rows[which == k] = result
         return [r for r in found if r is not None], rows
 
-    def _ranged(self, unique: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    def _ranged(self, unique: np.ndarray, starting: bool = False,
+                ) -> tuple[np.ndarray, np.ndarray] | None:
         """Which of a batch's shards to read by range, and which of those by the cold-start
-        rule (None: none of them)."""
+        rule (None: none of them); ``starting``: one of the first steps (no cold budget)."""
         if self.by_range is None:  # the warm path, every step: decide in a few microseconds
             if not self.cold_ranges or self._ready is None:
                 return None
@@ -256,7 +361,7 @@ class DatasetReader:
             ranges = self.range_reader()
             cold = ~picked & np.array(
                 [s not in open_now and not ready(s) and ranges.addressable(s)
-                 and ranges.cold_budget_left(s) for s in unique.tolist()], bool)
+                 and (starting or ranges.cold_budget_left(s)) for s in unique.tolist()], bool)
         ranged = picked | cold
         return (ranged, cold) if ranged.any() else None
 
@@ -287,8 +392,12 @@ class DatasetReader:
         return {f.name: first_row(f, batch[f.name]) for f in self.schema}
 
     def close(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
         with self._lock:
             readers, self._readers = self._readers, collections.OrderedDict()
+            self._inodes.clear()
         for reader in readers.values():
             with contextlib.suppress(Exception):
                 reader.close()

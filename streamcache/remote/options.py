@@ -7,6 +7,7 @@ Free of fsspec and the HTTP stacks, so that importing the options costs nothing.
 from __future__ import annotations
 
 import dataclasses
+import numbers as numbers_module
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +39,13 @@ class FetchOptions:
         block_size: bytes of a body handed on per step (to memory or to the file).
         storage_options: keyword arguments of the filesystem of the URLs' protocol
             (credentials, endpoint); one Fetcher serves one storage configuration.
+        allow_unverified_ranges: read rows of shards that carry no per-range digests
+            (Parquet files, Arrow files not written by ShardWriter) by range requests, and
+            serve them before anything verified them (the file's own structure and Parquet
+            page CRCs only: a rewritten object of the same size can serve wrong rows). Off by
+            default: such shards are read whole and verified (size and the index's checksum)
+            before any of their rows is served. ShardWriter's chunked shards are always
+            verified chunk by chunk and need no switch (docs/cache.md, "Range reads").
 
     Raises:
         ConfigError: a value out of its range (the message names the field and the range).
@@ -51,9 +59,16 @@ class FetchOptions:
     jitter: float = 0.5
     block_size: int = _DEFAULT_BLOCK_SIZE
     storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    allow_unverified_ranges: bool = False
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = type_problems(self, integers=("max_concurrency", "retries", "block_size"),
+                                 numbers=("timeout_s", "backoff_initial_s", "backoff_max_s",
+                                          "jitter"), flags=("allow_unverified_ranges",))
+        if not isinstance(self.storage_options, Mapping):
+            problems.append(f"storage_options must be a mapping, got {self.storage_options!r}")
+        if problems:  # (the ranges below compare numbers: only once the types are right)
+            raise ConfigError(f"invalid FetchOptions: {'; '.join(problems)}")
         if self.max_concurrency < 1:
             problems.append(f"max_concurrency must be >= 1, got {self.max_concurrency!r}")
         if self.timeout_s <= 0:
@@ -69,3 +84,26 @@ class FetchOptions:
         if problems:
             raise ConfigError(f"invalid FetchOptions: {'; '.join(problems)}")
 
+
+def type_problems(options: object, *, integers: tuple[str, ...] = (),
+                  numbers: tuple[str, ...] = (), flags: tuple[str, ...] = (),
+                  optional: tuple[str, ...] = ()) -> list[str]:
+    """What is of the wrong type among the fields of an options dataclass: ``integers`` must
+    be ints (not bools), ``numbers`` ints or floats (not bools), ``flags`` bools; a field in
+    ``optional`` may also be None."""
+    problems = []
+    for name in (*integers, *numbers, *flags):
+        value = getattr(options, name)
+        if value is None and name in optional:
+            continue
+        if name in flags:
+            ok, kind = isinstance(value, bool), "True or False"
+        elif name in integers:
+            ok = isinstance(value, numbers_module.Integral) and not isinstance(value, bool)
+            kind = "an integer"
+        else:
+            ok = isinstance(value, numbers_module.Real) and not isinstance(value, bool)
+            kind = "a number"
+        if not ok:
+            problems.append(f"{name} must be {kind}, got {value!r}")
+    return problems

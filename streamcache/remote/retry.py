@@ -56,6 +56,17 @@ class _SizeRefusedError(Exception):
     local file has the wrong size. Neither is a glitch of the wire."""
 
 
+class RangesIgnoredError(_SizeRefusedError):
+    """A range request came back longer than asked: the server ignores ``Range`` (it answers
+    200 with the whole object). Not retried; a range reader falls back to whole objects."""
+
+
+def ranges_ignored(error: BaseException) -> bool:
+    """Whether ``error`` (a :class:`FetchError` or its cause) says the server ignores ranges."""
+    cause = error.cause if isinstance(error, FetchError) else error
+    return isinstance(cause, RangesIgnoredError)
+
+
 class _RequestTimeoutError(Exception):
     """No response, or no data, within ``timeout_s``.
 

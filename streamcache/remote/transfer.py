@@ -23,7 +23,12 @@ from typing import Any
 from ..errors import StreamcacheError
 from . import storage
 from .options import FetchOptions
-from .retry import _RequestTimeoutError, _SizeMismatchError, _SizeRefusedError
+from .retry import (
+    RangesIgnoredError,
+    _RequestTimeoutError,
+    _SizeMismatchError,
+    _SizeRefusedError,
+)
 
 _STOP_POLL_S = 0.1  # how often a thread waiting for a request looks whether to stop
 
@@ -94,7 +99,7 @@ class Transfers:
         local = storage.is_local(fs) or "memory" in _protocols(fs)
         for (start, end), block in zip(ranges, blocks, strict=True):
             if len(block) > end - start:
-                raise _SizeRefusedError(f"asked {url} for bytes [{start}, {end}) and received "
+                raise RangesIgnoredError(f"asked {url} for bytes [{start}, {end}) and received "
                                         f"{len(block)} bytes: the server ignores ranges")
             if len(block) < end - start:
                 message = (f"bytes [{start}, {end}) of {url}: received {len(block)} (a short "
