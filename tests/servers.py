@@ -369,8 +369,8 @@ class _ThreadingServer(http.server.ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
 
-#: Bytes a bandwidth-limited answer sends at a time.
-_PACE_SLICE = 64 << 10
+#: Bytes an answer sends at a time (and counts, and paces when its bandwidth is limited).
+_PACE_SLICE = 256 << 10
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -466,21 +466,22 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             extra -= len(piece)
 
     def _write(self, data: bytes) -> None:
+        """Send ``data`` in slices (each counted once sent, so that a client that goes away
+        mid-body is charged what it received), at one connection's rate when limited."""
         owner = self.server.owner
         bandwidth = owner.store.bandwidth
-        if bandwidth is None:
-            self.wfile.write(data)
-        else:  # one connection's rate: slices, each sent once the clock allows it
-            view = memoryview(data)
-            for at in range(0, len(view), _PACE_SLICE):
-                started, sent = self._paced
+        path = urllib.parse.urlsplit(self.path).path
+        view = memoryview(data)
+        for at in range(0, len(view), _PACE_SLICE):
+            started, sent = self._paced
+            if bandwidth is not None:
                 due = started + sent / bandwidth - time.monotonic()
                 if due > 0 and owner.stopping.wait(due):
                     return
-                piece = view[at:at + _PACE_SLICE]
-                self.wfile.write(piece)
-                self._paced = (started, sent + len(piece))
-        owner.requests.sent(len(data), urllib.parse.urlsplit(self.path).path)
+            piece = view[at:at + _PACE_SLICE]
+            self.wfile.write(piece)
+            self._paced = (started, sent + len(piece))
+            owner.requests.sent(len(piece), path)
 
 
 def _serve_file(root: str, method: str, target: str, headers: Mapping[str, str], *,
