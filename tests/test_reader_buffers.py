@@ -103,3 +103,31 @@ def test_a_child_forked_while_the_pool_is_locked_can_take_buffers() -> None:
             os._exit(0 if not np.shares_memory(fresh, kept) else 3)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_gather_into_takes_the_outputs_from_the_pool_given(tmp_path: Path) -> None:
+    """What the loader's pin_memory path uses (a pool of page-locked buffers on CUDA): the
+    gathered arrays are views of that pool's buffers, not copies."""
+    from streamcache.format.reader import gather_into
+
+    made: list[np.ndarray] = []
+
+    def allocate(nbytes: int) -> np.ndarray:
+        made.append(np.empty(nbytes, dtype=np.uint8))
+        return made[-1]
+
+    pool = BufferPool(min_bytes=0, allocate=allocate)
+    with ShardReader(write_shard(tmp_path / "a.arrow", range(0, 9)), SCHEMA) as shard:
+        rows = np.array([4, 1, 7], dtype=np.int64)
+        with gather_into(pool):
+            inside = gather([shard], np.zeros(3, np.int32), rows, list(SCHEMA))
+        outside = gather([shard], np.zeros(3, np.int32), rows, list(SCHEMA))
+    fixed = [name for name, value in inside.items() if isinstance(value, np.ndarray)]
+    assert fixed and all(inside[name].base is not None and
+                         any(np.shares_memory(inside[name], b) for b in made) for name in fixed)
+    assert not any(np.shares_memory(outside[name], b) for name in fixed for b in made)
+    for name in inside:
+        assert np.array_equal(np.asarray(inside[name] if name in fixed else
+                                         inside[name].values),
+                              np.asarray(outside[name] if name in fixed else
+                                         outside[name].values))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -41,10 +42,14 @@ class BufferPool:
     """
 
     def __init__(self, *, min_bytes: int = 64 << 10, max_buffers: int = 12,
-                 max_bytes: int = 512 << 20) -> None:
+                 max_bytes: int = 512 << 20,
+                 allocate: Callable[[int], np.ndarray] | None = None) -> None:
         self.min_bytes = min_bytes
         self.max_buffers = max_buffers
         self.max_bytes = max_bytes
+        # makes a buffer of n bytes (a uint8 array that owns its memory, or whose base is
+        # not an array: views of it must refer to it); e.g. page-locked memory
+        self._allocate = allocate or _plain
         self._buffers: list[np.ndarray] = []
         self._lock = threading.Lock()
         self.reused = 0  # requests served by a buffer that was handed out before
@@ -63,7 +68,7 @@ class BufferPool:
     def take(self, nbytes: int) -> np.ndarray:
         """A writable, C-contiguous uint8 array of ``nbytes`` bytes (uninitialized)."""
         if nbytes < self.min_bytes:
-            return np.empty(nbytes, dtype=np.uint8)
+            return self._allocate(nbytes)
         settle_allocator()
         with self._lock:
             buffers = self._buffers
@@ -79,7 +84,7 @@ class BufferPool:
             capacity = -(-(nbytes + nbytes // 4) // _ALIGN) * _ALIGN
             self._make_room(capacity)
             buffers = self._buffers
-            buffer = np.empty(capacity, dtype=np.uint8)
+            buffer = self._allocate(capacity)
             if len(buffers) < self.max_buffers and self._held() + capacity <= self.max_bytes:
                 buffers.append(buffer)
             return buffer[:nbytes]
@@ -100,6 +105,10 @@ class BufferPool:
         """Forget every buffer (those in use stay alive with their batches)."""
         with self._lock:
             self._buffers = []
+
+
+def _plain(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, dtype=np.uint8)
 
 
 _settled = False

@@ -20,7 +20,7 @@ import pyarrow.ipc as ipc
 
 from .. import _native
 from ..errors import SchemaError, ShardCorruptError
-from .buffers import POOL, settle_allocator
+from .buffers import POOL, BufferPool, settle_allocator
 from .columns import ColumnBuffers, column_buffers
 from .schema import Field, Schema
 
@@ -217,6 +217,20 @@ def first_row(field: Field, value: Any) -> Any:
 
 _BYTES_AS_ROWS: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "streamcache_bytes_as_rows", default=False)
+_OUTPUTS: contextvars.ContextVar[BufferPool] = contextvars.ContextVar(
+    "streamcache_gather_outputs", default=POOL)
+
+
+@contextlib.contextmanager
+def gather_into(pool: BufferPool) -> Iterator[None]:
+    """Inside the block, :func:`gather` (on this thread) takes its output buffers from
+    ``pool`` (e.g. one of page-locked memory, so that the batch's tensors are pinned as they
+    are gathered, with no copy after)."""
+    token = _OUTPUTS.set(pool)
+    try:
+        yield
+    finally:
+        _OUTPUTS.reset(token)
 
 
 @contextlib.contextmanager
@@ -249,12 +263,13 @@ def gather(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray,
     """
     which = np.ascontiguousarray(which, dtype=np.int32)
     rows = np.ascontiguousarray(rows, dtype=np.int64)
+    pool = _OUTPUTS.get()
     out: dict[str, np.ndarray | Ragged] = {}
     for field in fields:
         views = [shard.buffers(field.name) for shard in shards]
         if field.fixed_width:
             # a pooled buffer: no page faults on fresh memory (see buffers.py)
-            array = POOL.take(len(rows) * field.row_bytes).view(field.numpy_dtype).reshape(
+            array = pool.take(len(rows) * field.row_bytes).view(field.numpy_dtype).reshape(
                 (len(rows), *field.shape))
             _native.gather_fixed([v.data for v in views], field.row_bytes, which, rows, array)
             out[field.name] = array
@@ -267,7 +282,7 @@ def gather(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray,
             continue
         values, offsets = _native.gather_var(
             [v.data for v in views], [v.offsets for v in views],  # type: ignore[misc]
-            field.elem_size, which, rows, POOL.take,
+            field.elem_size, which, rows, pool.take,
         )
         dtype = field.numpy_dtype
         if field.kind == "sequence" and field.elem_size != dtype.itemsize:

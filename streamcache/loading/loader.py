@@ -31,6 +31,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..errors import ConfigError
+from ..format.buffers import BufferPool
+from ..format.reader import gather_into
 from ..plan import Cursor, CursorMismatchError, RankBatch
 from ..plan._util import check_state
 from ..plan.bijection import derive_key
@@ -151,7 +153,11 @@ class _NativeBatches:
     def work(self, ref: StepRef, part: RankBatch) -> Any:
         """One step's arrays (with a transform: finished on the loop's thread) or batch."""
         started = time.perf_counter()
-        arrays = self.dataset.read_step(ref, part)
+        if self._pin:  # gathered straight into page-locked buffers: pinned with no copy
+            with gather_into(pinned_pool()):
+                arrays = self.dataset.read_step(ref, part)
+        else:
+            arrays = self.dataset.read_step(ref, part)
         if self.dataset.transformed:
             self._counters.read(time.perf_counter() - started)
             return _Arrays(ref, arrays)
@@ -226,7 +232,24 @@ class _WorkerBatches:
         self._slots.forget()
 
 
+_pinned_pool: BufferPool | None = None
+
+
+def pinned_pool() -> BufferPool:
+    """The gather's pool of page-locked (pinned) buffers (needs CUDA), made on first use."""
+    global _pinned_pool
+    if _pinned_pool is None:
+        _pinned_pool = BufferPool(min_bytes=0, allocate=_page_locked)
+    return _pinned_pool
+
+
+def _page_locked(nbytes: int) -> Any:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+
 def _pinned(batch: Any) -> Any:
+    """``batch`` with every tensor in page-locked memory (``pin_memory()`` returns a tensor
+    that already is, such as one gathered into :func:`pinned_pool`, as it is)."""
     if isinstance(batch, torch.Tensor):
         return batch.pin_memory()
     if isinstance(batch, dict):
