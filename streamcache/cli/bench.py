@@ -65,7 +65,7 @@ class BenchResult:
     store: dict[str, Any] = field(default_factory=dict)
     cache_dir: str | None = None
     error: str | None = None
-    loader_stats: LoaderStats | None = field(default=None, repr=False)
+    loader_stats: LoaderStats | None = field(default=None, repr=False)  # after the 1st batch
     settings: dict[str, int] = field(default_factory=dict, repr=False)
 
     first_batch_samples: int = 0
@@ -100,7 +100,7 @@ class BenchResult:
         """Where this run's time went and what would help (streamcache runs only)."""
         if self.loader_stats is None or self.error is not None:
             return None
-        return diagnose(self.loader_stats, self.seconds, **self.settings)
+        return diagnose(self.loader_stats, self.steady_s, **self.settings)
 
 
 def _nbytes(batch: Any) -> int:
@@ -242,6 +242,15 @@ def make_demo_dataset(folder: str, samples: int = 100_000) -> str:
     return url
 
 
+def _noting_first(loader: StreamLoader, into: list[LoaderStats]) -> Iterator[Any]:
+    """``loader``'s batches; its statistics are noted in ``into`` once the first batch is
+    received (when the loop asks for the second)."""
+    for number, batch in enumerate(loader):
+        yield batch
+        if number == 0:
+            into.append(loader.stats())
+
+
 def _cache_counters(dataset: StreamDataset) -> CacheCounters | None:
     stats = getattr(dataset.reader.store, "stats", None)
     if stats is None or not hasattr(stats, "hits"):
@@ -276,10 +285,12 @@ def run_bench(url: str, *, batch_size: int = 256, num_workers: int = 0,
     dataset = StreamDataset(url, **options)
     results = []
     with StreamLoader(dataset, num_workers=num_workers, prefetch=4) as loader:
-        result = measure("streamcache", loader, max_steps=steps, compute_s=compute_ms / 1e3,
-                         progress=progress, total_steps=len(loader),
-                         cache_counters=_cache_counters(dataset))
-        result.loader_stats = loader.stats()
+        after_first: list[LoaderStats] = []
+        result = measure("streamcache", _noting_first(loader, after_first), max_steps=steps,
+                         compute_s=compute_ms / 1e3, progress=progress,
+                         total_steps=len(loader), cache_counters=_cache_counters(dataset))
+        # steady state, as the rates: from the first batch on (start-up is first_batch_s)
+        result.loader_stats = loader.stats().since(after_first[0]) if after_first else None
         result.settings = {"num_workers": loader.num_workers, "threads": loader.threads}
         result.store = _store_counters(dataset)
         result.cache_dir = getattr(getattr(dataset.reader.store, "cache", None), "cache_dir",

@@ -67,10 +67,15 @@ def hit_ratio_curve(result: BenchResult) -> tuple[list[int], list[float]]:
 
 def plot_bench(results: Sequence[BenchResult], path: str) -> None:
     """Throughput, time waited per step, and the cache hit ratio against the step, one panel
-    each, for every run of ``streamcache bench`` that finished; written to ``path``."""
+    each, for every run of ``streamcache bench`` that finished, and where the streamcache
+    run's time went (:func:`time_split`); written to ``path``."""
     plt = require_matplotlib()
     finished = [r for r in results if r.error is None and r.timeline]
-    figure, (rate_ax, wait_ax, hit_ax) = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
+    figure, axes = plt.subplots(4, 1, figsize=(9, 12.5),
+                                gridspec_kw={"height_ratios": [3, 3, 3, 1.2]})
+    rate_ax, wait_ax, hit_ax, time_ax = axes
+    wait_ax.sharex(rate_ax)
+    hit_ax.sharex(rate_ax)
     for result in finished:
         rate_ax.plot(*rate_curve(result), label=f"{result.name}: "
                      f"{result.samples_per_s:,.0f} samples/s")
@@ -86,6 +91,7 @@ def plot_bench(results: Sequence[BenchResult], path: str) -> None:
             ax.legend(loc="best")
         ax.grid(alpha=0.3, which="both")
     hit_ax.set_xlabel("step")
+    _draw_time_split(time_ax, finished[0] if finished else None)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -103,6 +109,40 @@ def _draw_hits(ax: Any, result: BenchResult | None) -> None:
                   " lookups")
     ax.set_ylim(0, 105)
     ax.legend(loc="lower right")
+
+
+def time_split(result: BenchResult) -> list[tuple[str, float]]:
+    """(part, seconds) of a run's steady time (from its first batch on): the loop's own work,
+    then its wait for batches split
+    into readers blocked on downloads (spread over the reader threads), the transform on the
+    loop's thread, and the rest of the wait (reading from the cache); empty without the
+    loader's statistics."""
+    stats = result.loader_stats
+    if stats is None:
+        return []
+    threads = max(1, int(result.settings.get("threads", 1)))
+    downloads = min(stats.wait_s, stats.shard_wait_s / threads)
+    transform = min(stats.wait_s - downloads, stats.transform_s)
+    return [("loop's work", max(0.0, result.steady_s - stats.wait_s)),
+            ("waiting: downloads", downloads), ("waiting: transform", transform),
+            ("waiting: reads", max(0.0, stats.wait_s - downloads - transform))]
+
+
+def _draw_time_split(ax: Any, result: BenchResult | None) -> None:
+    parts = time_split(result) if result is not None else []
+    ax.set(title="Where the time went after the first batch (streamcache; --explain says "
+                 "what would help)",
+           xlabel="seconds", yticks=[])
+    if not parts:
+        ax.text(0.5, 0.5, "no loader statistics", ha="center", va="center",
+                transform=ax.transAxes)
+        return
+    left = 0.0
+    colors = ("tab:green", "tab:red", "tab:orange", "tab:purple")
+    for (name, seconds), color in zip(parts, colors, strict=True):
+        ax.barh(0, seconds, left=left, color=color, label=f"{name}: {seconds:.2f} s")
+        left += seconds
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=2, fontsize="small")
 
 
 def plot_goodput(report: GoodputReport, save_cost: float, restart_cost: float,
@@ -138,4 +178,5 @@ def plot_goodput(report: GoodputReport, save_cost: float, restart_cost: float,
     plt.close(figure)
 
 
-__all__ = ["hit_ratio_curve", "plot_bench", "plot_goodput", "rate_curve", "require_matplotlib"]
+__all__ = ["hit_ratio_curve", "plot_bench", "plot_goodput", "rate_curve", "require_matplotlib",
+           "time_split"]
