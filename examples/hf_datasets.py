@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import sys
@@ -35,14 +36,20 @@ def build_dataset(rows: int) -> datasets.Dataset:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--workdir", default=None, help="keep the files here (default: a "
+                                                        "temporary folder, removed at the end)")
     parser.add_argument("--rows", type=int, default=3000)
     args = parser.parse_args(argv)
     datasets.disable_progress_bars()
-    workdir = args.workdir or tempfile.mkdtemp(prefix="streamcache-hf-")
+    with (contextlib.nullcontext(args.workdir) if args.workdir else
+          tempfile.TemporaryDirectory(prefix="streamcache-hf-")) as workdir:
+        return run(workdir, args.rows)
+
+
+def run(workdir: str, rows: int) -> int:
     folder = os.path.join(workdir, "hf-saved")
 
-    original = build_dataset(args.rows)
+    original = build_dataset(rows)
     original.save_to_disk(folder, num_shards=3)
     print("save_to_disk wrote", sorted(os.listdir(folder)))
 
@@ -66,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             values = batch["input_ids"].tolist()
             assert [values[a:b] for a, b in itertools.pairwise(offsets)] == expected["input_ids"]
             seen.extend(ids)
-    assert sorted(seen) == list(range(args.rows)), "every row exactly once"
+    assert sorted(seen) == list(range(rows)), "every row exactly once"
     print(f"streamed {len(seen)} rows exactly once, identical to datasets' own rows")
     return 0
 

@@ -34,7 +34,12 @@ run 2 run --step-sleep 0.1 > "$work/run-1.out" 2>&1 &
 torchrun_pid=$!
 kill_at=$((20 + RANDOM % 20))
 until [ -f "$work/run.log" ] && [ "$(wc -l < "$work/run.log")" -ge $kill_at ]; do sleep 0.1; done
-victim=$(pgrep -f "train_ddp.py.*run.ckpt" | grep -v "^$torchrun_pid$" | tail -n 1)
+# this job's processes only: the descendants of the backgrounded run (torchrun, then its
+# workers), never another user's train_ddp.py that a pattern over all processes would match
+descendants() { local child; for child in $(pgrep -P "$1"); do echo "$child"; descendants "$child"; done; }
+victim=$(for pid in $(descendants "$torchrun_pid"); do
+           if tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -q "train_ddp.py"; then echo "$pid"; fi
+         done | tail -n 1)
 echo "   killing rank process $victim at step $(wc -l < "$work/run.log" | tr -d ' ')"
 kill -9 "$victim"
 wait "$torchrun_pid" || true

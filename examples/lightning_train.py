@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -86,9 +87,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-every", type=int, default=4)
     args = parser.parse_args(argv)
     # Lightning's launcher runs this script again for each other process, with the same
-    # arguments: every process must agree on the folder.
-    args.workdir = args.workdir or os.environ.setdefault(
-        "LIGHTNING_EXAMPLE_WORKDIR", tempfile.mkdtemp(prefix="streamcache-lightning-"))
+    # arguments: every process must agree on the folder. The process that made a temporary
+    # one (the first) removes it at the end.
+    temporary = args.workdir is None and "LIGHTNING_EXAMPLE_WORKDIR" not in os.environ
+    if temporary:  # (not setdefault: its default would make a folder in every process)
+        os.environ["LIGHTNING_EXAMPLE_WORKDIR"] = tempfile.mkdtemp(prefix="streamcache-lightning-")
+    args.workdir = args.workdir or os.environ["LIGHTNING_EXAMPLE_WORKDIR"]
+    try:
+        return run(args)
+    finally:
+        if temporary:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+            print(f"removed the temporary folder {args.workdir}")
+
+
+def run(args: argparse.Namespace) -> int:
     data, cache = (os.path.join(args.workdir, d) for d in ("data", "cache"))
     if not os.path.exists(os.path.join(data, "index.json")) and "LOCAL_RANK" not in os.environ:
         x = np.linspace(-1, 1, SAMPLES, dtype=np.float32)

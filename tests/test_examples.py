@@ -15,13 +15,23 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
     ("demo.py", ["--samples", "20000"]),
     ("parquet_stream.py", []),
     ("image_classification.py", ["--steps", "3"]),
+    ("hf_datasets.py", ["--rows", "600"]),
     ("lightning_train.py", []),  # DDP on 2 CPU processes, stopped and resumed mid-epoch
 ])
-def test_example_runs(tmp_path, script: str, args: list[str]) -> None:
-    result = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), "--workdir",
-                             str(tmp_path), *args], capture_output=True, text=True, timeout=240)
+def test_example_runs_and_leaves_no_files(tmp_path, script: str, args: list[str]) -> None:
+    """Each example works in a temporary folder of its own and removes it (hf_datasets and
+    lightning_train left theirs)."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    result = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args],
+                            capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "TMPDIR": str(temp)})
     assert result.returncode == 0, result.stdout + result.stderr
     assert "exactly once" in result.stdout or "identically" in result.stdout
+    # (torch's compile cache, made when Lightning imports torch._dynamo, is torch's own)
+    leftovers = [str(p) for p in temp.iterdir()
+                 if not p.name.startswith(("pymp-", "torchinductor_"))]
+    assert leftovers == [], leftovers
 
 
 def test_train_ddp_without_a_dataset_says_to_prepare_one(tmp_path) -> None:
