@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import numpy as np
@@ -59,9 +60,7 @@ class MixtureFeed(FeedBase):
         self.shuffle = shuffle
         storage = [s.storage_options if s.storage_options is not None
                    else options.storage_options for s in sources]
-        indexes = [s.url if isinstance(s.url, DatasetIndex) else load_index(
-            s.url, storage, allow_external_paths=options.allow_external_paths,
-            fetch=options.fetch) for s, storage in zip(sources, storage, strict=True)]
+        indexes = _load_indexes(sources, storage, options)
         schemas = _agreeing_schemas(sources, indexes, options.fields)
         self.schema = schemas[0]
         keys = tuple(SourceKey(i.fingerprint, i.num_samples, s.epoch_samples(i.num_samples),
@@ -223,6 +222,28 @@ class MixtureFeed(FeedBase):
                                cache_limit=opts.cache_limit, working_set_bytes=working_set,
                                storage_options=self.storage, fetch_options=opts.fetch)
         return self._prefetcher(cast(NodeCache, MixtureCache(caches)), cursor)
+
+#: Indexes read at once when a mixture is made (remote ones are a request each).
+INDEX_THREADS = 16
+
+
+def _load_indexes(sources: Sequence[Source], storage: Sequence[Mapping[str, Any] | None],
+                  options: StreamOptions) -> list[DatasetIndex]:
+    """Every source's index, read by up to :data:`INDEX_THREADS` threads (the first error,
+    in list order, is raised)."""
+    def load(source: Source, storage_options: Mapping[str, Any] | None) -> DatasetIndex:
+        if isinstance(source.url, DatasetIndex):
+            return source.url
+        return load_index(source.url, storage_options,
+                          allow_external_paths=options.allow_external_paths,
+                          fetch=options.fetch)
+
+    if len(sources) == 1:
+        return [load(sources[0], storage[0])]
+    with ThreadPoolExecutor(min(INDEX_THREADS, len(sources)),
+                            thread_name_prefix="streamcache-mixture-index") as pool:
+        return list(pool.map(load, sources, storage))
+
 
 def _shares(sources: Sequence[Source]) -> tuple[int, ...]:
     """The sources' weights as shares (plan.mixture.shares_of).

@@ -25,9 +25,10 @@ import math
 import numbers
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
@@ -46,37 +47,134 @@ def shares_of(weights: Sequence[float | int | Fraction | numbers.Real]) -> tuple
     """Integer shares with the weights' ratios (reduced), their sum at most :data:`MAX_PERIOD`.
 
     A float is read as the simplest fraction within 1e-9 of it (0.7 is 7/10), so common
-    weights are exact; otherwise shares of ``MAX_PERIOD`` by largest remainder.
+    weights are exact; otherwise shares of ``MAX_PERIOD`` by largest remainder. The cost grows
+    with the number of weights, not with their product: exact integers where the weights
+    have a small common denominator, else float ratios, computed exactly only for the few
+    shares that a float could decide wrongly (the result is the exact one either way).
 
     Raises:
-        PlanError: no weights, or a weight that is not a finite number > 0.
+        PlanError: no weights, a weight that is not a finite number > 0, or a weight below
+            ``1 / MAX_PERIOD`` of the total (no share can represent it).
     """
     if not weights:
         raise PlanError("a mixture needs at least one source")
-    exact = []
-    for weight in weights:
-        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or \
-                not math.isfinite(float(weight)) or weight <= 0:
-            raise PlanError(f"a weight must be a finite number > 0, got {weight!r}")
-        exact.append(Fraction(int(weight)) if isinstance(weight, numbers.Integral) else
-                     weight if isinstance(weight, Fraction) else
-                     Fraction(float(weight)).limit_denominator(10**9))
-    total = sum(exact)
-    ratios = [w / total for w in exact]
-    period = math.lcm(*(r.denominator for r in ratios))
-    if period <= MAX_PERIOD:
-        return tuple(int(r * period) for r in ratios)
-    raw = [r * MAX_PERIOD for r in ratios]
-    shares = [max(1, int(x)) for x in raw]
-    by_remainder = sorted(range(len(raw)), key=lambda s: (-(raw[s] - int(raw[s])), s))
-    for s in by_remainder[:MAX_PERIOD - sum(shares)]:
+    fractions = [_fraction(weight) for weight in weights]
+    ratios = _float_ratios(fractions)
+    exact = _Exact(fractions)
+    for s, (weight, ratio) in enumerate(zip(weights, ratios, strict=True)):
+        if ratio * MAX_PERIOD < 1 + _CLOSE and exact.numerators[s] * MAX_PERIOD < exact.total:
+            least = float(sum(fractions)) / (MAX_PERIOD - 1)
+            raise PlanError(
+                f"source {s}'s weight {weight!r} is {ratio:.3g} of the total weight; a mixture "
+                f"represents shares down to 1/{MAX_PERIOD} of it (one sample in "
+                f"{MAX_PERIOD:,}): give that source a weight of at least {least:.3g}, or "
+                "leave it out")
+    return _small_period_shares(ratios, exact) or _rounded_shares(ratios, exact)
+
+
+_CLOSE = 1e-9  # floats within this of a boundary are decided exactly (their error is < 1e-10)
+
+
+def _fraction(weight: Any) -> Fraction:
+    """A weight as an exact fraction (a float as the simplest fraction within 1e-9 of it)."""
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or \
+            not math.isfinite(float(weight)) or weight <= 0:
+        raise PlanError(f"a weight must be a finite number > 0, got {weight!r}")
+    if isinstance(weight, numbers.Integral):
+        return Fraction(int(weight))
+    if isinstance(weight, Fraction):
+        return weight
+    exact = Fraction(float(weight))
+    simple = exact.limit_denominator(10**9)
+    # a weight far below 1 has no simple fraction that close: keep it as it is
+    return simple if simple and abs(simple - exact) <= exact / 10**9 else exact
+
+
+class _Exact:
+    """The weights over their least common denominator (numerators, and their sum), made
+    when first asked for: with many weights of unrelated denominators these are integers of
+    thousands of digits, needed only where a float cannot decide."""
+
+    def __init__(self, fractions: list[Fraction]) -> None:
+        self.fractions = fractions
+
+    @functools.cached_property
+    def numerators(self) -> list[int]:
+        common = 1
+        for fraction in self.fractions:  # big % small and big * small: linear in the digits
+            common = common // math.gcd(common, fraction.denominator) * fraction.denominator
+        return [f.numerator * (common // f.denominator) for f in self.fractions]
+
+    @functools.cached_property
+    def total(self) -> int:
+        return sum(self.numerators)
+
+
+def _float_ratios(fractions: list[Fraction]) -> list[float]:
+    values = [float(f) for f in fractions]
+    total = math.fsum(values)
+    return [v / total for v in values]
+
+
+def _small_period_shares(ratios: list[float], exact: _Exact) -> tuple[int, ...] | None:
+    """The exact shares when the ratios repeat within :data:`MAX_PERIOD` positions, else
+    None: candidate shares from the float ratios, checked in exact integers."""
+    period = 1
+    candidates = []
+    for ratio in ratios:
+        candidates.append(Fraction(ratio).limit_denominator(MAX_PERIOD))
+        period = period // math.gcd(period, candidates[-1].denominator) * \
+            candidates[-1].denominator
+        if period > MAX_PERIOD:
+            return None
+    shares = [int(c * period) for c in candidates]
+    if sum(shares) != period or any(
+            a * period != share * exact.total
+            for a, share in zip(exact.numerators, shares, strict=True)):
+        return None
+    divisor = math.gcd(*shares)
+    return tuple(share // divisor for share in shares)
+
+
+def _rounded_shares(ratios: list[float], exact: _Exact) -> tuple[int, ...]:
+    """Shares of :data:`MAX_PERIOD` by largest remainder (ties to the lower index), reduced:
+    floors and remainders from the floats, made exact where a float is within
+    :data:`_CLOSE` of a boundary (an integer, or the remainder where the cut falls)."""
+    floors: list[int] = []
+    remainders: list[float | Fraction] = []
+    for ratio in ratios:
+        scaled = ratio * MAX_PERIOD
+        floors.append(math.floor(scaled))
+        remainders.append(scaled - floors[-1])
+
+    def make_exact(s: int) -> None:
+        floor, rest = divmod(exact.numerators[s] * MAX_PERIOD, exact.total)
+        floors[s], remainders[s] = floor, Fraction(rest, exact.total)
+
+    for s, rest in enumerate(remainders):
+        if rest < _CLOSE or rest > 1 - _CLOSE:
+            make_exact(s)
+    by_remainder = sorted(range(len(ratios)), key=lambda s: (-remainders[s], s))
+    extra = MAX_PERIOD - sum(floors)
+    if 0 < extra < len(ratios):
+        cut = float(remainders[by_remainder[extra]])
+        near = [s for s in range(len(ratios)) if abs(float(remainders[s]) - cut) < _CLOSE]
+        if len({exact.fractions[s] for s in near}) > 1:  # equal weights tie exactly already
+            for s in near:
+                make_exact(s)
+            by_remainder = sorted(range(len(ratios)), key=lambda s: (-remainders[s], s))
+    shares = floors
+    for s in by_remainder[:extra]:
         shares[s] += 1
     divisor = math.gcd(*shares)
-    return tuple(s // divisor for s in shares)
+    return tuple(share // divisor for share in shares)
 
 
 class Quota:
     """The quota sequence of one set of shares: who owns each position of a phase.
+
+    Its tables are O(period), whatever the number of sources (a count per source and
+    position would be O(sources x period): 1.5 GB for 3,000 sources).
 
     Thread safety: immutable after construction (use :func:`quota`, which caches).
     """
@@ -85,14 +183,13 @@ class Quota:
         self.shares = np.asarray(shares, dtype=np.int64)
         self.period = int(self.shares.sum())
         self.owner = _earliest_deadline_first(shares)
-        # rank[r]: how many samples of owner[r] come before r within a period
-        self.rank = np.zeros(self.period, dtype=np.int64)
-        self.prefix = np.zeros((len(shares), self.period + 1), dtype=np.int64)
-        for s in range(len(shares)):
-            mine = self.owner == s
-            self.rank[mine] = np.arange(int(mine.sum()))
-            np.cumsum(mine, out=self.prefix[s, 1:])
-        self.slots = [np.flatnonzero(self.owner == s) for s in range(len(shares))]
+        # by_owner: the positions of a period, source by source (each source's in order);
+        # first[s]: where source s's begin there; rank[r]: samples of owner[r] before r
+        self.by_owner = np.argsort(self.owner, kind="stable").astype(np.int64)
+        self.first = np.zeros(len(shares) + 1, dtype=np.int64)
+        np.cumsum(self.shares, out=self.first[1:])
+        self.rank = np.empty(self.period, dtype=np.int64)
+        self.rank[self.by_owner] = np.arange(self.period) - self.first[self.owner[self.by_owner]]
 
     def at(self, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, samples of that source before ``j`` in the phase) of phase positions."""
@@ -103,14 +200,14 @@ class Quota:
     def counts(self, n: int) -> np.ndarray:
         """``T_s(n)`` for every source: samples of each among the first ``n`` positions."""
         periods, r = divmod(n, self.period)
-        return periods * self.shares + self.prefix[:, r]
+        return periods * self.shares + np.bincount(self.owner[:r], minlength=len(self.shares))
 
     def positions_for(self, source: int, samples: int) -> int:
         """The fewest positions holding ``samples`` samples of ``source``."""
         if samples <= 0:
             return 0
         periods, r = divmod(samples - 1, int(self.shares[source]))
-        return periods * self.period + int(self.slots[source][r]) + 1
+        return periods * self.period + int(self.by_owner[self.first[source] + r]) + 1
 
 
 @functools.lru_cache(maxsize=32)
@@ -123,23 +220,29 @@ def _earliest_deadline_first(shares: tuple[int, ...]) -> np.ndarray:
     """Owner of each position of one period. Sample ``j`` of source ``s`` may sit at positions
     ``[floor(j D / a), ceil((j+1) D / a))``: after it, the count is at most ``ceil(a n / D)``;
     by the end, at least ``floor(a n / D)``. The windows admit a schedule (every interval holds
-    at most as many whole windows as positions), and earliest deadline first finds one."""
+    at most as many whole windows as positions), and earliest deadline first finds one: at
+    each position, of the samples released by then, the one whose window closes first (ties
+    to the lower source). O(D log D) whatever the number of sources."""
     period = sum(shares)
-    owner = np.empty(period, dtype=np.int16 if len(shares) < 1 << 15 else np.int64)
-    taken = [0] * len(shares)
-    waiting = [(0, s) for s in range(len(shares))]  # (release, source), sorted
+    counts = np.asarray(shares, dtype=np.int64)
+    source = np.repeat(np.arange(len(shares), dtype=np.int64), counts)
+    j = np.arange(period, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    release = j * period // counts[source]
+    deadline = -(-(j + 1) * period // counts[source])
+    by_release = np.lexsort((source, release))
+    releases = release[by_release].tolist()
+    samples = list(zip(deadline[by_release].tolist(), source[by_release].tolist(), strict=True))
+    owners: list[int] = []
     ready: list[tuple[int, int]] = []  # (deadline, source)
+    released, push, pop = 0, heapq.heappush, heapq.heappop
     for position in range(period):
-        while waiting and waiting[0][0] <= position:
-            _, s = heapq.heappop(waiting)
-            heapq.heappush(ready, (-(-(taken[s] + 1) * period // shares[s]), s))
-        deadline, s = heapq.heappop(ready)
-        assert deadline > position, "the quota windows admit no schedule"
-        owner[position] = s
-        taken[s] += 1
-        if taken[s] < shares[s]:
-            heapq.heappush(waiting, (taken[s] * period // shares[s], s))
-    return owner
+        while released < period and releases[released] <= position:
+            push(ready, samples[released])
+            released += 1
+        due, taken = pop(ready)
+        assert due > position, "the quota windows admit no schedule"
+        owners.append(taken)
+    return np.asarray(owners, dtype=np.int16 if len(shares) < 1 << 15 else np.int64)
 
 
 def source_seed(seed: int, source: int) -> int:
@@ -219,11 +322,23 @@ class SourceOrders:
         epoch, within = np.divmod(k, self.shape.epoch_samples)
         number = epoch * self.passes + within // self.size
         position = within % self.size
+        if k.size and number[0] == number[-1] and (number == number[0]).all():
+            return self.order(int(number[0])).samples_at(position)  # one pass (the usual)
         out = np.empty((3, k.size), dtype=np.int64)
-        for n in np.unique(number).tolist():
-            here = number == n
-            out[:, here] = self.order(int(n)).samples_at(position[here])
+        for n, here in groups(number):
+            out[:, here] = self.order(n).samples_at(position[here])
         return out[0], out[1], out[2]
+
+
+def groups(keys: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """``(key, the indices holding it)`` for each distinct key, in key order: one sort, so
+    O(n log n) for n keys however many are distinct (a mask per key would be O(n x keys))."""
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]]) if keys.size else \
+        np.zeros(0, dtype=np.int64)
+    for start, stop in zip(starts.tolist(), [*starts[1:].tolist(), keys.size], strict=True):
+        yield int(ordered[start]), order[start:stop]
 
 
 class MixtureOrder:
@@ -257,9 +372,8 @@ class MixtureOrder:
         phase_of = np.searchsorted(self._starts, g, side="right") - 1
         source = np.empty(g.size, dtype=np.int64)
         k = np.empty(g.size, dtype=np.int64)
-        for i in np.unique(phase_of).tolist():
+        for i, here in groups(phase_of):
             phase = self.plan.phases[i]
-            here = phase_of == i
             source[here], taken = quota(phase.shares).at(g[here] - phase.start)
             k[here] = np.asarray(phase.counts, dtype=np.int64)[source[here]] + taken
         return source, k
@@ -271,8 +385,7 @@ class MixtureOrder:
         flat = pos.ravel()
         source, k = self.source_samples(flat)
         out = np.empty((3, flat.size), dtype=np.int64)
-        for s in np.unique(source).tolist():
-            here = source == s
+        for s, here in groups(source):
             ids, shards, rows = self.sources[s].samples_at(k[here])
             out[0, here] = ids + self.id_base[s]
             out[1, here] = shards + self.shard_base[s]

@@ -1,0 +1,147 @@
+"""A mixture of many sources: time to the first batch and peak memory, by number of sources.
+
+Run:  flock /work/team/bench.lock python benchmarks/bench_mixture.py
+          [--sources 10,500,3000] [--repeats 3] [--before SRC]
+
+Data (written once under benchmarks/out/mixture): N sources, each a dataset of 64 samples of
+int32[64] tokens written by ShardWriter at the defaults (zstd, default chunk and shard sizes,
+one shard a source), weights drawn from a seeded RNG in [0.5, 1.5) (ratios that need the
+longest quota period, the general case). The mixture is read at the library's defaults
+(shuffle on, tail "drop", no cache limit, num_workers 0) with a global batch of 256, one
+fresh process per measurement:
+
+  open      StreamDataset([...Source...]) and StreamLoader (every source's index loaded)
+  first     from the start of ``open`` to the first batch in hand
+  next      20 more steps after the first (ms a step)
+  RSS       the process's peak resident memory (ru_maxrss), and its peak after importing
+            streamcache and torch alone (the floor every row includes)
+
+``--before SRC`` measures an exported commit too (``git archive <commit> streamcache | tar -x
+-C SRC`` plus the built ``_core`` extension copied into ``SRC/streamcache``), interleaved with
+the working tree: each repeat runs both, alternating which goes first. Medians are printed;
+benchmarks/out/bench_mixture.json has every run.
+
+Last result: see docs/mixtures.md ("Many sources").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "out")
+ROOT = os.path.join(OUT, "mixture")
+SAMPLES, ROW, BATCH, STEPS, SEED = 64, 64, 256, 20, 7
+
+
+def source_url(n: int) -> str:
+    return os.path.join(ROOT, "sources", f"s{n:05d}")
+
+
+def write_sources(count: int) -> None:
+    """Sources 0..count-1, each written once (kept between runs)."""
+    import numpy as np
+
+    from streamcache import ShardWriter
+
+    for n in range(count):
+        url = source_url(n)
+        if os.path.exists(os.path.join(url, "index.json")):
+            continue
+        with ShardWriter(url) as writer:
+            for i in range(SAMPLES):
+                writer.write({"tokens": np.full(ROW, n * SAMPLES + i, dtype=np.int32)})
+
+
+def weights(count: int) -> list[float]:
+    import numpy as np
+
+    return np.random.default_rng(SEED).uniform(0.5, 1.5, count).tolist()
+
+
+def child(count: int, src: str | None) -> dict[str, float]:
+    """One measurement in this (fresh) process."""
+    if src:
+        sys.meta_path[:] = [f for f in sys.meta_path
+                            if not type(f).__module__.startswith("_editable_skbc_streamcache")]
+        sys.path.insert(0, src)
+    import torch  # noqa: F401  (the floor: what every run imports)
+
+    import streamcache
+    from streamcache import Source, StreamDataset, StreamLoader
+
+    floor = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    cache = os.path.join(ROOT, "cache")
+    start = time.perf_counter()
+    sources = [Source(source_url(n), weight=w) for n, w in enumerate(weights(count))]
+    loader = StreamLoader(StreamDataset(sources, global_batch_size=BATCH, seed=SEED,
+                                        cache_dir=cache, infinite=True))
+    opened = time.perf_counter()
+    batches = iter(loader)
+    next(batches)
+    first = time.perf_counter()
+    for _ in range(STEPS):
+        next(batches)
+    done = time.perf_counter()
+    loader.close()
+    return {"open_s": opened - start, "first_s": first - start,
+            "step_ms": (done - first) / STEPS * 1000,
+            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "floor_mb": floor, "module": os.path.dirname(streamcache.__file__)}
+
+
+def measure(count: int, src: str | None) -> dict[str, float]:
+    command = [sys.executable, os.path.abspath(__file__), "--child", str(count)]
+    if src:
+        command += ["--src", src]
+    out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=1800)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sources", default="10,500,3000")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--before", default=None, help="an exported commit to compare with")
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--src", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        print(json.dumps(child(args.child, args.src)))
+        return
+    counts = [int(c) for c in args.sources.split(",")]
+    write_sources(max(counts))
+    installs = [("after", None)] + ([("before", args.before)] if args.before else [])
+    runs: list[dict[str, object]] = []
+    for repeat in range(args.repeats):
+        for count in counts:
+            for name, src in (installs if repeat % 2 == 0 else installs[::-1]):
+                result = measure(count, src)
+                runs.append({"install": name, "sources": count, "repeat": repeat, **result})
+                print(f"  {name:6} {count:5} sources  first {result['first_s']:7.2f} s  "
+                      f"peak RSS {result['rss_mb']:7.0f} MB", flush=True)
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, "bench_mixture.json"), "w") as f:
+        json.dump(runs, f, indent=1)
+    print(f"\n{'install':8}{'sources':>8}{'open s':>9}{'first s':>9}{'step ms':>9}"
+          f"{'peak RSS MB':>13}{'floor MB':>10}")
+    for count in counts:
+        for name, _ in installs:
+            mine = [r for r in runs if r["install"] == name and r["sources"] == count]
+
+            def median(key: str, rows: list[dict[str, object]] = mine) -> float:
+                return statistics.median(float(r[key]) for r in rows)  # type: ignore[arg-type]
+
+            print(f"{name:8}{count:8}{median('open_s'):9.2f}{median('first_s'):9.2f}"
+                  f"{median('step_ms'):9.1f}{median('rss_mb'):13.0f}{median('floor_mb'):10.0f}")
+
+
+if __name__ == "__main__":
+    main()
