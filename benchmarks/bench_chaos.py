@@ -60,7 +60,8 @@ from typing import Any
 ROWS = ("dataloader_dcp", "streamcache_torchrun", "streamcache_nvrx", "streamcache_nvrx_warm")
 # modules a restarted process of the _warm row finds imported (forked from torch elastic's
 # forkserver, which imported them once)
-WARM_MODULES = ["__main__", "torch", "torch.distributed.checkpoint", "streamcache.loading.loader",
+WARM_MODULES = ["__main__", "torch", "torch._dynamo", "torch.optim", "torch.nn.parallel",
+                "torch.distributed.checkpoint", "streamcache.loading.loader",
                 "streamcache.checkpoint", "nvidia_resiliency_ext.inprocess"]
 BATCH = 64  # per rank
 FEATURES = 784
@@ -132,6 +133,13 @@ class StepLog:
                 self.fault_flag.unlink()
             self.event("raise", s=step)
             raise RuntimeError(f"injected fault at step {step} on rank {self.rank}")
+
+
+def phase(cfg: Config, name: str) -> None:
+    """When a process reached ``name`` (where a restart's time goes)."""
+    rank = os.environ.get("RANK", "?")
+    with open(Path(cfg.run_dir) / f"phases-rank{rank}.jsonl", "a") as out:
+        out.write(json.dumps({"t": time.time(), "pid": os.getpid(), "phase": name}) + "\n")
 
 
 def _train_step(ddp: Any, optimizer: Any, x: Any, y: Any, log: StepLog, step: int) -> None:
@@ -209,6 +217,7 @@ def run_streamcache(cfg: Config, model: Any, optimizer: Any, log: StepLog, loade
     snap_costs: list[float] = []
     with Checkpointer(Path(cfg.run_dir) / "ckpt", keep_last=2, memory=memory,
                       job_id="bench-chaos") as ckpt:
+        phase(cfg, "checkpointer made")
         step = ckpt.load(state) or 0
         log.event("resumed", s=step)
         for batch in loader:
@@ -232,6 +241,7 @@ def worker(cfg: Config) -> None:
     # (a Python-level handler would run only when the collective times out)
     log_handler = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    phase(cfg, "process")
     import torch
 
     torch.set_num_threads(1)
@@ -253,6 +263,7 @@ def worker(cfg: Config) -> None:
         run_streamcache(cfg, model, optimizer, StepLog(cfg, rank, f"{os.getpid()}"), loader,
                         memory=False)
         return
+    phase(cfg, "loader made")
     nvrx_worker(cfg, rank, model, optimizer, loader)
 
 
@@ -294,11 +305,13 @@ def nvrx_worker(cfg: Config, rank: int, model: Any, optimizer: Any, loader: Any)
     def train(call_wrapper: Any = None) -> None:
         assert call_wrapper is not None
         iteration = call_wrapper.iteration
+        phase(cfg, f"train {iteration}")
         log = StepLog(cfg, rank, f"{os.getpid()}:{iteration}")
         dist.init_process_group("gloo", store=dist.PrefixStore(str(iteration), store),
                                 rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]),
                                 timeout=datetime.timedelta(seconds=30))
+        phase(cfg, "group made")
         run_streamcache(cfg, model, optimizer, log, loader, memory=True)
 
     class AbortGloo(inprocess.abort.Abort):
