@@ -9,6 +9,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from helpers.eager_order import BoundaryWindows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +25,7 @@ from streamcache.plan import (
 from streamcache.plan import order as order_module
 from streamcache.plan.bijection import permute
 from streamcache.plan.blocks import BLOCK
-from streamcache.plan.windows import BoundaryWindows, RegularWindows
+from streamcache.plan.windows import RegularWindows
 
 shard_rows_st = st.lists(st.integers(0, 300), min_size=1, max_size=12).filter(any)
 options_st = st.builds(

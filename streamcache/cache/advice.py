@@ -1,73 +1,171 @@
 """Prefetch and eviction advice from the plan: which shards are needed next, and when.
 
 The prefetcher wants the next few shards in first-use order from the cursor, and the cache
-wants, for eviction, when each resident shard is read next. Both follow from where each
-shard is first and last read in the epoch. Scanning every position of a billion-sample epoch
-costs about a minute, so :class:`ShardAdvice` samples the order with a stride well below the
-smallest shard's row count: a shard's rows are spread over its shuffle window, so every
-shard is still seen, and its first and last use are known to within a stride. Shards sorted
-by first use then answer "what comes next from position p" in O(log shards).
+wants, for eviction, when each of them is read next (shards not among them have no known
+next use, so eviction takes them first). Both follow from where each shard is first and last
+read near the cursor. :class:`ShardAdvice` scans a stretch of the order ahead of the cursor
+(the "horizon": a few working sets of positions, every ``stride``-th position, with a stride
+well below the smallest shard's row count: a shard's rows are spread over its shuffle window,
+so every shard is still seen) and answers "what comes next from position p" from it until
+the cursor has used it up; then it scans the next stretch. Memory and work are O(window),
+never O(shards) or O(epoch): a million shards cost what a thousand do.
+
+How many shards are in use at once (the prefetcher's default lookahead) is a bound the plan
+guarantees (:func:`working_set_bound`), found from the distribution of row counts.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from ..plan import EpochOrder, ShuffleOptions
+from ..plan.shards import ShardCounts, fill_smallest
 from .prefetch import ShardUsage
 
 _CHUNK = 1 << 20  # positions evaluated per pass
+_HORIZON_CHUNK = 1 << 15  # sampled positions per pass of a horizon scan
+_HORIZON_SHARDS = 2  # a horizon holds this many times the shards asked for
 
 
 class ShardAdvice:
-    """First/last read position of every shard of one epoch, and the upcoming shards.
+    """The shards read from any position of one epoch on, in order of next use.
 
     Args:
-        order: the epoch's order.
+        order: the epoch's order (an :class:`EpochOrder`, or any order with
+            ``num_samples``, ``samples_at`` and ``shard_rows``).
         stride: positions between samples of the order (default: 1/64 of the smallest
             non-empty shard's rows, at least 1). Shards with fewer rows than the stride may
             be missed: a missed shard is fetched on demand, never read wrongly.
 
-    Thread safety: read-only after construction.
+    Thread safety: every method may be called from several threads at once.
     """
 
-    def __init__(self, order: EpochOrder, *, stride: int | None = None) -> None:
-        rows = order.shard_rows[order.shard_rows > 0]
-        self.stride = stride or max(1, int(rows.min()) // 64)
+    def __init__(self, order: EpochOrder | Any, *, stride: int | None = None) -> None:
+        self.order = order
+        counts = getattr(order, "counts", None)
+        self._counts: ShardCounts | None = counts if isinstance(counts, ShardCounts) else None
+        if self._counts is not None:
+            smallest = self._counts.min_nonzero_rows()
+        else:
+            rows = np.asarray(order.shard_rows)
+            smallest = int(rows[rows > 0].min())
+        self.stride = stride or max(1, smallest // 64)
         self.num_samples = order.num_samples
-        self.usage = shard_usage(order, self.stride)
-        first = self.usage.first
-        read = np.flatnonzero(first >= 0)
-        self._by_first = read[np.argsort(first[read], kind="stable")]
-        self._firsts = first[self._by_first]
+        self._lock = threading.Lock()
+        self._horizon: _Horizon | None = None
+        self._usage: ShardUsage | None = None
         self._working_set_shards: int | None = None
 
     def upcoming(self, position: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Up to ``count`` shards read at ``position`` or later, in order of next use, with
         that next use (shards already in use come first, with next use ``position``)."""
-        usage = self.usage
-        start = int(np.searchsorted(self._firsts, position, side="left"))
-        # shards begun before `position` and not finished are in use now
-        back = self._by_first[max(0, start - 4 * count):start]
-        in_use = back[usage.last[back] >= position - self.stride]
-        ahead = self._by_first[start:start + count]
-        shards = np.concatenate([in_use, ahead])[:count]
-        next_use = np.concatenate([np.full(len(in_use), position, dtype=np.int64),
-                                   self._firsts[start:start + count]])[:count]
-        return shards, next_use
-
-    def working_set_bytes(self, shard_bytes: np.ndarray) -> int:
-        """The most bytes of shards in use at once over the epoch."""
-        return self.usage.working_set_bytes(shard_bytes)
+        with self._lock:
+            horizon = self._horizon
+        if horizon is not None:
+            answer = horizon.upcoming(position, count, self.stride)
+            if answer is not None:
+                return answer
+        horizon = _Horizon.scan(self.order, position, count * _HORIZON_SHARDS, self.stride)
+        with self._lock:
+            self._horizon = horizon
+        answer = horizon.upcoming(position, count, self.stride)
+        assert answer is not None  # a horizon scanned from `position` answers for it
+        return answer
 
     def working_set_shards(self) -> int:
-        """The most shards in use at once over the epoch."""
+        """The most shards in use at once in any epoch: :func:`working_set_bound` with one
+        unit per shard (for an order without its shard counts and shuffle options, the
+        most in use over this epoch, from a scan of it)."""
         if self._working_set_shards is None:
-            ones = np.ones(len(self.usage.first), dtype=np.int64)
-            self._working_set_shards = self.usage.working_set_bytes(ones)
+            shuffle = getattr(self.order, "shuffle", None)
+            if self._counts is not None and isinstance(shuffle, ShuffleOptions):
+                self._working_set_shards = working_set_shards_bound(self._counts, shuffle)
+            else:
+                ones = np.ones(len(self.usage.first), dtype=np.int64)
+                self._working_set_shards = self.usage.working_set_bytes(ones)
         return self._working_set_shards
+
+    @property
+    def usage(self) -> ShardUsage:
+        """First and last read of every shard over the whole epoch: a scan of the epoch,
+        O(shards) memory (for diagnostics and tests; the prefetcher never needs it)."""
+        if self._usage is None:
+            self._usage = shard_usage(self.order, self.stride)
+        return self._usage
+
+    def working_set_bytes(self, shard_bytes: np.ndarray) -> int:
+        """The most bytes of shards in use at once over the epoch (a scan; see
+        :attr:`usage`)."""
+        return self.usage.working_set_bytes(shard_bytes)
+
+
+class _Horizon:
+    """First and last sampled read of each shard read in positions ``[start, stop)``,
+    sorted by first read (a stretch of the epoch, scanned once)."""
+
+    def __init__(self, start: int, stop: int, shards: np.ndarray, first: np.ndarray,
+                 last: np.ndarray, complete: bool) -> None:
+        by_first = np.argsort(first, kind="stable")
+        self.start, self.stop, self.complete = start, stop, complete
+        self.shards, self.first, self.last = shards[by_first], first[by_first], last[by_first]
+
+    @classmethod
+    def scan(cls, order: Any, position: int, wanted: int, stride: int) -> _Horizon:
+        """Scan from ``position`` (rounded down to a multiple of ``stride``) until
+        ``wanted`` distinct shards are seen or the epoch ends."""
+        start = position - position % stride
+        stop = start
+        shards = first = last = np.zeros(0, dtype=np.int64)
+        total = order.num_samples
+        while stop < total and shards.size < wanted:
+            end = min(total, stop + _HORIZON_CHUNK * stride)
+            positions = np.arange(stop, end, stride, dtype=np.int64)
+            seen = np.asarray(order.samples_at(positions)[1], dtype=np.int64)
+            unique, at = np.unique(seen, return_index=True)
+            _, at_end = np.unique(seen[::-1], return_index=True)
+            shards, first, last = _merge(shards, first, last, unique, positions[at],
+                                         positions[len(positions) - 1 - at_end])
+            stop = end
+        return cls(start, stop, shards, first, last, complete=stop >= total)
+
+    def upcoming(self, position: int, count: int, stride: int,
+                 ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The answer of :meth:`ShardAdvice.upcoming`, or None when this horizon cannot
+        give it (``position`` before it, or too few of its shards left)."""
+        if position < self.start:
+            return None
+        begin = int(np.searchsorted(self.first, position, side="left"))
+        back = np.arange(begin)
+        in_use = back[self.last[:begin] >= position - stride]
+        ahead = np.arange(begin, min(begin + count, self.first.size))
+        chosen = np.concatenate([in_use, ahead])[:count]
+        if chosen.size < count and not self.complete:
+            return None  # shards beyond the horizon could come next
+        next_use = np.concatenate([np.full(in_use.size, position, dtype=np.int64),
+                                   self.first[ahead]])[:count]
+        return self.shards[chosen], next_use
+
+
+def _merge(shards: np.ndarray, first: np.ndarray, last: np.ndarray, more: np.ndarray,
+           more_first: np.ndarray, more_last: np.ndarray,
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-shard (first, last) of two scans, the second one later in the epoch (both sorted
+    by shard)."""
+    if not shards.size:
+        return more, more_first, more_last
+    merged = np.union1d(shards, more)
+    out_first = np.full(merged.size, np.iinfo(np.int64).max, dtype=np.int64)
+    out_last = np.full(merged.size, -1, dtype=np.int64)
+    at = np.searchsorted(merged, shards)
+    out_first[at], out_last[at] = first, last
+    at = np.searchsorted(merged, more)
+    out_first[at] = np.minimum(out_first[at], more_first)
+    out_last[at] = more_last
+    return merged, out_first, out_last
 
 
 def shard_usage(order: EpochOrder, stride: int = 1) -> ShardUsage:
@@ -86,6 +184,26 @@ def shard_usage(order: EpochOrder, stride: int = 1) -> ShardUsage:
         tail, at_end = np.unique(shards[::-1], return_index=True)
         last[tail] = positions[len(positions) - 1 - at_end]
     return ShardUsage(first, last)
+
+
+def working_set_shards_bound(counts: ShardCounts, shuffle: ShuffleOptions) -> int:
+    """:func:`working_set_bound` with one unit per shard (how many shards are in use at
+    once), from the distribution of row counts: no sort of every shard."""
+    values, numbers = counts.histogram()
+    read = int(numbers[values > 0].sum())
+    if read == 0:
+        return 0
+    if not shuffle.enabled:
+        return 1
+    window = shuffle.window
+    span = window + window // 2 + (window if shuffle.stagger else 0)
+    if shuffle.window_unit == "shards":
+        return min(read, span)
+    taken, filled, following = fill_smallest((values, numbers), span)
+    inside = float(taken)
+    if following:  # the next one, in part
+        inside += (span - filled) * (1.0 / following)
+    return min(read, min(read, 2) + int(np.ceil(inside)))
 
 
 def working_set_bound(shard_rows: Sequence[int] | np.ndarray,

@@ -266,6 +266,8 @@ class NodeCache(Installer, CopyLookup):
     # ------------------------------------------------------------------ construction
 
     def _check_budget(self, working_set_bytes: int | None) -> int:
+        if working_set_bytes is None and self.cache_limit is None:
+            return 0  # nothing to check (and no pass over every shard of a large index)
         if working_set_bytes is None:
             working_set_bytes = max(
                 (self.estimated_bytes(k) for k in range(len(self.index.shards))), default=0)

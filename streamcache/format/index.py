@@ -43,12 +43,14 @@ from .index_format import (
     SHARD_TABLE_PREFIX,
     TABLE_FORMAT_VERSION,
     ReadCapped,
+    check_fingerprint,
     compute_fingerprint,
     decode_document,
     decode_header,
-    decode_shard_table,
+    decode_inline_table,
     fingerprint_inline,
     fingerprint_table,
+    open_side_table,
     uses_side_table,
 )
 from .schema import Schema
@@ -57,6 +59,7 @@ from .shard_table import SHARD_FORMATS, ShardInfo, ShardTable
 
 INDEX_NAME = "index.json"
 MAX_INDEX_BYTES = 256 << 20  # index.json; a larger shard table belongs in a side file
+SIDE_ROW_GROUP = 1 << 16  # shards per row group of a side file (decoded a group at a time)
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,8 @@ def index_url(url: str) -> str:
 
 
 def parse_index(raw: bytes, url: str, *, allow_external_paths: bool = False,
-                read: ReadCapped | None = None) -> DatasetIndex:
+                read: ReadCapped | None = None, table_cache: str | None = None,
+                ) -> DatasetIndex:
     """Parse and validate index bytes; every problem names ``url`` and what to do.
 
     Args:
@@ -151,6 +155,9 @@ def parse_index(raw: bytes, url: str, *, allow_external_paths: bool = False,
             or URLs of the index's own protocol); never a path of another protocol.
         read: ``read(url, limit)`` returns an object's bytes (more than ``limit`` when it is
             larger); used for a shard-table side file (default: fsspec).
+        table_cache: a node cache folder: a side-file shard table is opened from the node's
+            copy there (made from the side file once per node and dataset version:
+            format/node_table.py) instead of being decoded in this process.
 
     Raises:
         IndexFormatError: malformed, oversized or too deeply nested JSON, a field of the wrong
@@ -159,15 +166,14 @@ def parse_index(raw: bytes, url: str, *, allow_external_paths: bool = False,
     """
     obj = decode_document(raw, url, MAX_INDEX_BYTES)
     version, schema, recorded, created = decode_header(obj, url)
-    shards = decode_shard_table(obj, url, version, read)
+    if version == FORMAT_VERSION:
+        shards = decode_inline_table(obj, url)
+        actual = fingerprint_inline(schema, shards)
+    else:  # (the table's digest is recorded with a node copy: no pass over the columns)
+        shards = open_side_table(obj, url, schema, recorded, read, table_cache)
+        actual = fingerprint_table(schema, shards)
     index = DatasetIndex(schema, shards, fingerprint=recorded, url=url, created=created)
-    actual = (fingerprint_inline(schema, shards) if version == FORMAT_VERSION
-              else fingerprint_table(schema, shards))
-    if actual != recorded:
-        raise IndexFormatError(
-            f"{url}: the recorded fingerprint {recorded} does not match its content "
-            f"({actual}); the index was edited or damaged: rebuild it"
-        )
+    check_fingerprint(url, recorded, actual)
     stated = obj.get("num_samples", index.num_samples)
     if stated != index.num_samples or type(stated) is not int:
         raise IndexFormatError(f"{url} says num_samples={stated!r}, its shards hold "
@@ -180,13 +186,15 @@ def parse_index(raw: bytes, url: str, *, allow_external_paths: bool = False,
 
 def load_index(url: str, storage_options: Mapping[str, Any] | None = None, *,
                allow_external_paths: bool = False, fetch: FetchOptions | None = None,
-               ) -> DatasetIndex:
+               table_cache: str | None = None) -> DatasetIndex:
     """Load a dataset's index from a folder URL or an index.json URL.
 
     ``allow_external_paths``: see
     :func:`~streamcache.format.shard_paths.check_shard_paths`. ``fetch``: the stall timeout
     and retries of the reads (see :class:`~streamcache.remote.options.FetchOptions`); a read that
     fails raises :class:`~streamcache.remote.retry.FetchError` naming the URL.
+    ``table_cache``: see :func:`parse_index` (a :class:`~streamcache.StreamDataset` passes
+    its ``cache_dir``).
     """
     target = index_url(url)
     fs, path = storage.filesystem(target, storage_options)
@@ -208,7 +216,7 @@ def load_index(url: str, storage_options: Mapping[str, Any] | None = None, *,
                                    "rebuild the index") from None
 
     return parse_index(raw, storage.unstrip(fs, path), allow_external_paths=allow_external_paths,
-                       read=read)
+                       read=read, table_cache=table_cache)
 
 
 def save_index(index: DatasetIndex, url: str, storage_options: Mapping[str, Any] | None = None,
@@ -225,7 +233,8 @@ def save_index(index: DatasetIndex, url: str, storage_options: Mapping[str, Any]
     side: dict[str, Any] | None = None
     if index.has_side_table:
         sink = pa.BufferOutputStream()
-        pq.write_table(index.shard_table.to_arrow(), sink, compression="zstd")
+        pq.write_table(index.shard_table.to_arrow(), sink, compression="zstd",
+                       row_group_size=SIDE_ROW_GROUP)
         data = sink.getvalue().to_pybytes()
         checksum = checksum_bytes(data)
         name = f"{SHARD_TABLE_PREFIX}{checksum.partition(':')[2]}.parquet"

@@ -14,24 +14,27 @@ import json
 import math
 import posixpath
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ..errors import ChecksumMismatchError, IndexFormatError
 from ..remote import storage
 from .checksum import checksum_bytes, verify_bytes
+from .node_table import TableKey, open_node_table
 from .schema import Schema
-from .shard_table import MAX_SHARDS, ShardInfo, ShardTable, shard_entry_hook
+from .shard_table import ShardInfo, ShardTable, shard_entry_hook
+from .side_table import decode_side_table
+from .table_layout import LayoutWriter, memory_writer, open_memory
 
 FORMAT_NAME = "streamcache-index"
 FORMAT_VERSION = 1  # shards listed in index.json
 TABLE_FORMAT_VERSION = 2  # shards in a Parquet side file (large indexes)
 READ_VERSIONS = (FORMAT_VERSION, TABLE_FORMAT_VERSION)
 MAX_SHARD_TABLE_BYTES = 4 << 30  # the side file as stored
-MAX_SHARD_TABLE_DECODED = 16 << 30  # and decoded (checked from its metadata, before decoding)
+MAX_SHARD_TABLE_DECODED = 16 << 30  # and decoded, at most (see side_table.decoded_cap)
 MAX_JSON_DEPTH = 32  # an index nests 4 deep; deeper is hostile or damaged
 SHARD_TABLE_MIN_SHARDS = 10_000  # from this many shards on, the table is a Parquet side file
 SHARD_TABLE_PREFIX = "_streamcache-shards-"  # '_': data tools (Spark, pyarrow) skip it
@@ -55,9 +58,11 @@ def compute_fingerprint(schema: Schema, shards: Sequence[ShardInfo]) -> str:
     return fingerprint_table(schema, table)
 
 
-def fingerprint_table(schema: Schema, shards: ShardTable) -> str:
+def fingerprint_table(schema: Schema, shards: ShardTable | str) -> str:
+    """The fingerprint of a version-2 index: its schema and its table's digest (given, or
+    of ``shards``)."""
     content = {"version": TABLE_FORMAT_VERSION, "schema": schema.to_json(),
-               "shards": shards.digest()}
+               "shards": shards if isinstance(shards, str) else shards.digest()}
     return checksum_bytes(json.dumps(content, sort_keys=True).encode())
 
 
@@ -146,15 +151,27 @@ _BRACKET_STEPS[[ord("["), ord("{")]] = 1
 _BRACKET_STEPS[[ord("]"), ord("}")]] = -1
 
 
-def decode_shard_table(obj: dict[str, Any], url: str, version: int, read: ReadCapped | None,
-                       ) -> ShardTable:
-    """The shards of a decoded index document: listed inline (version 1), or in the Parquet
-    side file it names (version 2), read with ``read(url, limit)`` (default: fsspec)."""
-    key = "shards" if version == FORMAT_VERSION else "shard_table"
-    if key not in obj:
-        raise IndexFormatError(f"{url} is missing or has a malformed key: {key!r}")
-    if version == FORMAT_VERSION:
-        return ShardTable.from_json(obj.pop("shards"))  # (the entries are freed once read)
+def decode_inline_table(obj: dict[str, Any], url: str) -> ShardTable:
+    """The shards listed in a version-1 index document."""
+    if "shards" not in obj:
+        raise IndexFormatError(f"{url} is missing or has a malformed key: 'shards'")
+    return ShardTable.from_json(obj.pop("shards"))  # (the entries are freed once read)
+
+
+@dataclass(frozen=True)
+class SideEntry:
+    """The ``shard_table`` entry of a version-2 index: its side file and what it holds."""
+
+    name: str
+    bytes: int
+    checksum: str
+    shards: Any  # the stated shard count (checked against the table; None: not stated)
+
+
+def side_entry(obj: dict[str, Any], url: str) -> SideEntry:
+    """The validated ``shard_table`` entry of a version-2 index document."""
+    if "shard_table" not in obj:
+        raise IndexFormatError(f"{url} is missing or has a malformed key: 'shard_table'")
     side = obj["shard_table"]
     if not isinstance(side, dict):
         raise IndexFormatError(f"{url}: 'shard_table' is a {type(side).__name__}, not an object")
@@ -166,32 +183,64 @@ def decode_shard_table(obj: dict[str, Any], url: str, version: int, read: ReadCa
             f"{url}: 'shard_table' must name a '{SHARD_TABLE_PREFIX}*' file beside it with its "
             f"bytes (at most {MAX_SHARD_TABLE_BYTES}) and checksum; got {side!r}"
         )
-    where = storage.join(posixpath.dirname(url), name)
-    data = (read or _fsspec_read)(where, size)
-    if len(data) != size:
-        raise IndexFormatError(f"{where} is {len(data)} bytes, {url} says {size}; the shard "
-                               "table was rewritten or damaged: rebuild the index")
+    return SideEntry(name, size, checksum, side.get("shards"))
+
+
+def open_side_table(obj: dict[str, Any], url: str, schema: Schema, recorded: str,
+                    read: ReadCapped | None, table_cache: str | None) -> ShardTable:
+    """The shard table of a version-2 index document: the node copy in ``table_cache``
+    (built from the side file, once per node and version, if there is none: see
+    format/node_table.py), else the side file decoded in memory. Either way the table is
+    the side file's, verified (checksum, values, fingerprint) before it is used."""
+    entry = side_entry(obj, url)
+    where = storage.join(posixpath.dirname(url), entry.name)
+
+    def build(writer: LayoutWriter) -> dict[str, Any]:
+        data = read_side_file(where, entry, url, read)
+        facts = decode_side_table(data, where, writer, MAX_SHARD_TABLE_DECODED)
+        del data
+        if entry.shards is not None and entry.shards != facts.shards:
+            raise IndexFormatError(f"{url} says its shard table holds {entry.shards!r} "
+                                   f"shards, {where} holds {facts.shards}: rebuild the index")
+        check_fingerprint(url, recorded, fingerprint_table(schema, facts.digest))
+        return {"shards": facts.shards, "digest": facts.digest,
+                "paths_outside": facts.paths_outside}
+
+    if table_cache is not None:
+        key = TableKey(recorded, entry.checksum, entry.bytes)
+        table = open_node_table(table_cache, key, build)
+        pa.default_memory_pool().release_unused()  # a build's pages, back to the OS
+        if table is not None:
+            return table
+    buffer, writer = memory_writer()
+    metadata = build(writer)
+    writer.finish(metadata["shards"], metadata)
+    table = open_memory(buffer, where)
+    pa.default_memory_pool().release_unused()  # the decoding's pages, back to the OS
+    return table
+
+
+def check_fingerprint(url: str, recorded: str, actual: str) -> None:
+    """Refuse an index whose recorded fingerprint is not its content's."""
+    if actual != recorded:
+        raise IndexFormatError(
+            f"{url}: the recorded fingerprint {recorded} does not match its content "
+            f"({actual}); the index was edited or damaged: rebuild it"
+        )
+
+
+def read_side_file(where: str, entry: SideEntry, url: str, read: ReadCapped | None) -> bytes:
+    """The side file's bytes, of the size and checksum the index records."""
+    data = (read or _fsspec_read)(where, entry.bytes)
+    if len(data) != entry.bytes:
+        raise IndexFormatError(f"{where} is {len(data)} bytes, {url} says {entry.bytes}; the "
+                               "shard table was rewritten or damaged: rebuild the index")
     try:
-        verify_bytes(data, checksum, what=where)
-        meta = pq.read_metadata(pa.BufferReader(data))
-        decoded = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
-        if meta.num_rows > MAX_SHARDS or decoded > MAX_SHARD_TABLE_DECODED:
-            raise IndexFormatError(
-                f"{where} holds {meta.num_rows} shards in {decoded} bytes decoded, over the cap "
-                f"of {MAX_SHARDS} shards or {MAX_SHARD_TABLE_DECODED} bytes: rebuild the index"
-            )
-        table = pq.ParquetFile(pa.BufferReader(data)).read()  # read_table imports pandas
-    except (ChecksumMismatchError, pa.ArrowInvalid, OSError) as exc:
+        verify_bytes(data, entry.checksum, what=where)
+    except ChecksumMismatchError as exc:
         raise IndexFormatError(f"{where} is not a readable shard table ({exc}): rebuild the "
                                "index") from exc
-    del data
-    shards = ShardTable.from_arrow(table, where)
-    del table
-    if side.get("shards", len(shards)) != len(shards):
-        raise IndexFormatError(f"{url} says its shard table holds {side.get('shards')!r} "
-                               f"shards, {where} holds {len(shards)}: rebuild the index")
-    pa.default_memory_pool().release_unused()  # the decoded file's pages, back to the OS
-    return shards
+    return data
 
 
 def _fsspec_read(url: str, limit: int) -> bytes:

@@ -13,11 +13,11 @@ import posixpath
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import pyarrow.compute as pc
+import numpy as np
 
 from ..errors import IndexFormatError, SourceError
 from ..remote import storage
-from .shard_table import numpy_values
+from .shard_table import contains, numpy_values, string_buffers
 
 if TYPE_CHECKING:
     from .index import DatasetIndex
@@ -33,11 +33,12 @@ def check_shard_paths(index: DatasetIndex, *, allow_external_paths: bool = False
     Raises:
         IndexFormatError: naming the first offending path and the option.
     """
-    paths = index.shard_table.paths()
-    suspicious = pc.or_(pc.or_(pc.starts_with(paths, "/"), pc.match_substring(paths, "://")),
-                        pc.match_substring_regex(paths, r"(^|/)\.\.(/|$)"))
+    table = index.shard_table
+    if table.paths_outside == 0:  # counted when the table was verified: all plain names
+        return
+    paths = table.paths()
     root_protocol, root_path = _split_url(index.root)
-    for k in numpy_values(pc.indices_nonzero(suspicious)):
+    for k in _named_outside(paths):
         path = paths[int(k)].as_py()
         if not storage.is_absolute_url(path):
             if posixpath.normpath(path).split("/")[0] == "..":
@@ -62,6 +63,28 @@ def check_shard_paths(index: DatasetIndex, *, allow_external_paths: bool = False
                 f"{root_protocol}://; an index may name external shards on its own filesystem "
                 "only, even with allow_external_paths=True: copy the shards beside the index"
             )
+
+
+def count_outside(paths: Any) -> int:
+    """How many of ``paths`` (an Arrow string array) are absolute, URLs or climb with '..'
+    (the paths that :func:`check_shard_paths` must look at; a table with none is confined
+    wherever its index lives)."""
+    return int(_named_outside(paths).size)
+
+
+def _named_outside(paths: Any) -> np.ndarray:
+    """The indices of the paths that are absolute, URLs or climb with '..'."""
+    import pyarrow.compute as pc
+    if not paths.null_count:  # the usual case, on the bytes: no '://' or '..' anywhere
+        offsets, data = string_buffers(paths)
+        if not (contains(data, b"://") or contains(data, b"..")):
+            nonempty = offsets[:-1] < offsets[1:]
+            first = np.zeros(len(paths), np.uint8)
+            first[nonempty] = data[offsets[:-1][nonempty]]
+            return np.flatnonzero(first == ord("/")).astype(np.int64)
+    suspicious = pc.or_(pc.or_(pc.starts_with(paths, "/"), pc.match_substring(paths, "://")),
+                        pc.match_substring_regex(paths, r"(^|/)\.\.(/|$)"))
+    return numpy_values(pc.indices_nonzero(suspicious))
 
 
 def _split_url(url: str) -> tuple[str, str]:

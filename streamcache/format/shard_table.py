@@ -4,8 +4,8 @@ A dataset can have millions of shards. :class:`ShardTable` keeps them as a handf
 Arrow arrays (no Python object per shard) and builds a :class:`ShardInfo` only for the shard
 asked for, so a large index costs tens of bytes per shard in every process that loads it.
 
-Everything read from an index is untrusted: :meth:`ShardTable.from_json` and
-:meth:`ShardTable.from_arrow` check the type and range of every field (rows and bytes are
+Everything read from an index is untrusted: :meth:`ShardTable.from_json` (and, for a
+side file, format/side_table.py) check the type and range of every field (rows and bytes are
 integers in ``[0, 2**63)``, checksums ``xxh64:`` plus 16 hex digits, formats known, at most
 :data:`MAX_SHARDS` shards) and raise :class:`IndexFormatError` naming the shard and the rule.
 
@@ -17,22 +17,31 @@ to its chunk without reading any batch header and reads the footer in one verifi
 others), present together or not at all, and not part of the fingerprint: they describe how
 the bytes are laid out, which the checksum already covers, and an older streamcache reads such
 an index as before.
+
+A table built from an index is validated and held in this process's memory; a table opened
+from a node copy (:mod:`~streamcache.format.table_layout`, format/node_table.py) is a set of
+zero-copy views of a memory-mapped file that was validated when it was written, so opening
+one costs nothing per shard and its pages are shared by the node's processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast, overload
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from ..errors import IndexFormatError
 from .checksum import checksum_bytes
+
+if TYPE_CHECKING:
+    from ..plan.shards import ShardCounts
 
 SHARD_FORMATS = ("arrow", "parquet", "arrow_stream")
 MAX_COUNT = 2**63  # rows and bytes are below this (they must fit an int64)
@@ -40,11 +49,11 @@ MAX_SHARDS = 2**31 - 1  # the native gather addresses shards with int32
 MAX_PATH_CHARS = 4096
 MAX_NAME_CHARS = 64  # compression names
 _CHECKSUM = re.compile(r"xxh64:[0-9a-f]{16}")
-_CHECKSUM_PATTERN = r"^xxh64:[0-9a-f]{16}$"
 _UNKNOWN = -1  # raw_bytes (or a chunk layout) not recorded
 #: The smallest tail an Arrow IPC file can have: footer length (4 bytes) and magic (6 bytes).
 MIN_TAIL_BYTES = 10
 _CHUNK = 65536  # shards turned into Python objects at a time when iterating
+_POINTS_KEPT = 1 << 14  # entries of a node copy's shards kept once read
 
 ARROW_SCHEMA = pa.schema([
     pa.field("path", pa.large_string(), nullable=False),
@@ -55,6 +64,9 @@ ARROW_SCHEMA = pa.schema([
     pa.field("compression", pa.string()),
     pa.field("raw_bytes", pa.int64()),
 ])
+#: The columns of a :class:`ShardTable`, in the order its constructor takes them.
+TABLE_COLUMNS = ("paths", "formats", "rows", "bytes", "checksums", "compressions", "raw_bytes",
+                 "chunk_rows", "tail_bytes", "tail_checksums")
 #: Columns of a side file that only indexes of chunked shards have.
 CHUNK_FIELDS = (
     pa.field("chunk_rows", pa.int64()),
@@ -179,38 +191,60 @@ def _count(value: Any, path: str, key: str, *, optional: bool = False) -> Any:
 class ShardTable(Sequence[ShardInfo]):
     """An immutable, columnar sequence of :class:`ShardInfo` (index order).
 
-    Build it with :meth:`from_infos`, :meth:`from_json` or :meth:`from_arrow`; all three
-    validate. ``table[k]`` builds one :class:`ShardInfo`; :attr:`rows` and :attr:`nbytes` are
-    whole int64 columns (read-only).
+    Build it with :meth:`from_infos` or :meth:`from_json` (both validate), or open a
+    validated layout (:meth:`opened`). ``table[k]`` builds one :class:`ShardInfo`;
+    :attr:`rows` and :attr:`nbytes` are whole int64 columns (read-only).
 
     Thread safety: immutable; any thread may read.
     """
 
-    __slots__ = ("_checksums", "_chunk_rows", "_compressions", "_digest", "_formats", "_paths",
-                 "_raw_bytes", "_strings", "_tail_bytes", "_tail_checksums",
-                 "nbytes", "rows", "total_rows")
+    __slots__ = ("_checksums", "_chunk_rows", "_compressions", "_counts", "_digest",
+                 "_formats", "_histogram", "_keepalive", "_offsets", "_paths", "_point",
+                 "_points", "_raw_bytes", "_reopen", "_strings", "_tail_bytes",
+                 "_tail_checksums",
+                 "nbytes", "paths_outside", "rows", "total_rows")
 
     def __init__(self, paths: pa.Array, formats: np.ndarray, rows: np.ndarray,
                  nbytes: np.ndarray, checksums: pa.Array, compressions: pa.Array,
                  raw_bytes: np.ndarray, chunk_rows: np.ndarray | None = None,
                  tail_bytes: np.ndarray | None = None,
                  tail_checksums: pa.Array | None = None) -> None:
-        self._paths = paths.cast(pa.large_string())
-        self._formats = np.ascontiguousarray(formats, dtype=np.uint8)
-        self.rows = _frozen(rows)
-        self.nbytes = _frozen(nbytes)
-        self._checksums = checksums.cast(pa.string())
-        self._compressions = compressions.cast(pa.string())
-        self._raw_bytes = _frozen(raw_bytes)
-        count = len(self._paths)
+        count = len(paths)
         unknown = np.full(count, _UNKNOWN, np.int64)
-        self._chunk_rows = _frozen(unknown if chunk_rows is None else chunk_rows)
-        self._tail_bytes = _frozen(unknown if tail_bytes is None else tail_bytes)
-        self._tail_checksums = (pa.nulls(count, pa.string()) if tail_checksums is None
-                                else tail_checksums.cast(pa.string()))
+        self._set(paths.cast(pa.large_string()), np.ascontiguousarray(formats, dtype=np.uint8),
+                  _frozen(rows), _frozen(nbytes), checksums.cast(pa.string()),
+                  compressions.cast(pa.string()), _frozen(raw_bytes),
+                  _frozen(unknown if chunk_rows is None else chunk_rows),
+                  _frozen(unknown if tail_bytes is None else tail_bytes),
+                  pa.nulls(count, pa.string()) if tail_checksums is None
+                  else tail_checksums.cast(pa.string()))
+        self.total_rows = _exact_sum(self.rows)
+        if self.total_rows >= MAX_COUNT:
+            raise IndexFormatError(
+                f"the shards hold {self.total_rows} rows in all; at most 2**63 - 1 are supported"
+            )
+
+    def _set(self, paths: pa.Array, formats: np.ndarray, rows: np.ndarray, nbytes: np.ndarray,
+             checksums: pa.Array, compressions: pa.Array, raw_bytes: np.ndarray,
+             chunk_rows: np.ndarray, tail_bytes: np.ndarray, tail_checksums: pa.Array) -> None:
+        """Take the columns as they are (typed, read-only) and check their lengths."""
+        self._paths, self._formats, self.rows, self.nbytes = paths, formats, rows, nbytes
+        self._checksums, self._compressions, self._raw_bytes = checksums, compressions, raw_bytes
+        self._chunk_rows, self._tail_bytes = chunk_rows, tail_bytes
+        self._tail_checksums = tail_checksums
         self._digest: str | None = None
+        self._offsets: np.ndarray | None = None
+        self._histogram: tuple[np.ndarray, np.ndarray] | None = None
+        self._counts: ShardCounts | None = None
+        self._keepalive: Any = None
+        self._reopen: tuple[Any, ...] | None = None
+        self._point: Any = None  # reads one shard's entry without mapping it (node copies)
+        self._points: OrderedDict[int, ShardInfo] = OrderedDict()
+        #: How many paths are absolute, URLs or climb with '..' (None: not counted yet).
+        self.paths_outside: int | None = None
         self._strings = tuple(_StringColumn(c) for c in (
             self._paths, self._checksums, self._compressions, self._tail_checksums))
+        count = len(self._paths)
         if count > MAX_SHARDS:
             raise IndexFormatError(f"the index lists {count} shards; at most {MAX_SHARDS} are "
                                    "supported: write larger shards")
@@ -219,11 +253,39 @@ class ShardTable(Sequence[ShardInfo]):
                                              self._raw_bytes, self._chunk_rows,
                                              self._tail_bytes, self._tail_checksums)):
             raise IndexFormatError("the shard table's columns have different lengths")
-        self.total_rows = _exact_sum(self.rows)
-        if self.total_rows >= MAX_COUNT:
-            raise IndexFormatError(
-                f"the shards hold {self.total_rows} rows in all; at most 2**63 - 1 are supported"
-            )
+
+    @classmethod
+    def opened(cls, columns: Mapping[str, Any], offsets: np.ndarray,
+               histogram: tuple[np.ndarray, np.ndarray], *, keepalive: Any = None,
+               reopen: tuple[Any, ...] | None = None, digest: str | None = None,
+               paths_outside: int | None = None, point: Any = None) -> ShardTable:
+        """A table of columns that were validated when they were written (a node copy's
+        zero-copy views; see format/table_layout.py): nothing is copied or scanned.
+
+        Args:
+            columns: the columns by name (:data:`TABLE_COLUMNS`), typed as this class keeps
+                them (numpy int64 / uint8 arrays, Arrow string arrays).
+            offsets: ``n + 1`` int64: each shard's first sample id, then the total.
+            histogram: the distinct row counts, ascending, and how many shards have each.
+            keepalive: what the views borrow (the mapping), kept as long as the table.
+            reopen: ``(callable, args)`` that opens the same table in another process
+                (pickling), instead of copying its columns.
+            digest, paths_outside: :meth:`digest` and :attr:`paths_outside`, as computed
+                when the columns were validated (None: computed when asked).
+            point: reads one shard's entry (``point.shard(k)``) for ``table[k]`` instead
+                of the views (see :class:`~streamcache.format.table_layout.PointReader`);
+                the last :data:`_POINTS_KEPT` entries read are kept.
+        """
+        table = object.__new__(cls)
+        table._set(*(columns[name] for name in TABLE_COLUMNS))
+        table._offsets, table._histogram = offsets, histogram
+        table._keepalive, table._reopen = keepalive, reopen
+        table._digest, table.paths_outside = digest, paths_outside
+        table._point = point
+        table.total_rows = int(offsets[-1])
+        if offsets.size != len(table) + 1:
+            raise IndexFormatError("the shard table's offsets do not match its shards")
+        return table
 
     # ------------------------------------------------------------ construction
 
@@ -257,57 +319,13 @@ class ShardTable(Sequence[ShardInfo]):
             _string_array(tail_checksums, pa.string()),
         )
 
-    @classmethod
-    def from_arrow(cls, table: pa.Table, where: str) -> ShardTable:
-        """A table from a side file's Arrow table (columns of :data:`ARROW_SCHEMA`)."""
-        chunked = "chunk_rows" in table.schema.names
-        schema = pa.schema([*ARROW_SCHEMA, *CHUNK_FIELDS]) if chunked else ARROW_SCHEMA
-        try:
-            table = table.select(schema.names).cast(schema)
-        except (KeyError, pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
-            raise IndexFormatError(
-                f"{where} is not a shard table with the columns {ARROW_SCHEMA.names}: {exc}"
-            ) from exc
-        columns = {name: table.column(name).combine_chunks() for name in schema.names}
-        _check_arrow_columns(columns, where)
-        formats = pc.index_in(columns["format"], _string_array(SHARD_FORMATS, pa.string()))
-        shards = cls(
-            columns["path"], numpy_values(formats).astype(np.uint8),
-            numpy_values(columns["rows"]), numpy_values(columns["bytes"]),
-            columns["checksum"], columns["compression"],
-            numpy_values(columns["raw_bytes"], fill=_UNKNOWN),
-            *((numpy_values(columns["chunk_rows"], fill=_UNKNOWN),
-               numpy_values(columns["tail_bytes"], fill=_UNKNOWN), columns["tail_checksum"])
-              if chunked else ()),
-        )
-        if chunked:
-            shards._check_chunk_layouts(where)
-        return shards
-
-    def _check_chunk_layouts(self, where: str) -> None:
-        """The chunk layouts of a side file obey the rules of a JSON entry (vectorized for
-        the usual case; the first offending shard is named by the entry's own check)."""
-        known = self._chunk_rows != _UNKNOWN
-        if not known.any():
-            return
-        recorded = [known, self._tail_bytes != _UNKNOWN,
-                    ~_null_mask(self._tail_checksums) if self._tail_checksums.null_count
-                    else np.ones(len(self), bool)]
-        fine = (recorded[0] == recorded[1]).all() and (recorded[0] == recorded[2]).all() and (
-            (self._chunk_rows[known] >= 1).all()
-            and (self._tail_bytes[known] >= MIN_TAIL_BYTES).all()
-            and (self._tail_bytes[known] <= self.nbytes[known]).all()
-            and (self._formats[known] == SHARD_FORMATS.index("arrow")).all())
-        checksums = self._tail_checksums.drop_null()
-        if fine and (not len(checksums) or pc.all(pc.match_substring_regex(
-                checksums, _CHECKSUM_PATTERN)).as_py()):
-            return
-        for k in np.flatnonzero(known | recorded[1] | recorded[2]).tolist():
-            try:
-                validated_row(self[k].to_json())
-            except IndexFormatError as exc:
-                raise IndexFormatError(f"{where}: {exc}") from None
-        raise IndexFormatError(f"{where}: a chunk layout is malformed")  # (not reached)
+    def check_chunk_layouts(self, where: str) -> None:
+        """The chunk layouts obey the rules of a JSON entry (see :func:`check_chunk_columns`;
+        the first offending shard is named by the entry's own check)."""
+        valid = None if not self._tail_checksums.null_count else ~null_mask(
+            self._tail_checksums)
+        check_chunk_columns(self._formats, self.nbytes, self._chunk_rows, self._tail_bytes,
+                            valid, where, entry=lambda k: self[k])
 
     # ------------------------------------------------------------ output
 
@@ -322,6 +340,43 @@ class ShardTable(Sequence[ShardInfo]):
                     pa.array(self._tail_bytes, pa.int64(), mask=self._tail_bytes == _UNKNOWN),
                     self._tail_checksums]
         return pa.table(columns, schema=pa.schema([*ARROW_SCHEMA, *CHUNK_FIELDS]))
+
+    def columns(self) -> dict[str, Any]:
+        """Every column by name (:data:`TABLE_COLUMNS`), as this table keeps it (read-only)."""
+        return dict(zip(TABLE_COLUMNS, (
+            self._paths, self._formats, self.rows, self.nbytes, self._checksums,
+            self._compressions, self._raw_bytes, self._chunk_rows, self._tail_bytes,
+            self._tail_checksums), strict=True))
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """``n + 1`` int64 values: the first sample id of each shard, then the total
+        (read-only)."""
+        if self._offsets is None:
+            offsets = np.zeros(len(self) + 1, dtype=np.int64)
+            np.cumsum(self.rows, out=offsets[1:])
+            offsets.setflags(write=False)
+            self._offsets = offsets
+        return self._offsets
+
+    def row_histogram(self) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct row counts, ascending, and how many shards have each."""
+        if self._histogram is None:
+            from ..plan.shards import row_histogram
+            self._histogram = row_histogram(self.rows)
+        return self._histogram
+
+    def counts(self) -> ShardCounts:
+        """What the plan reads of the shards (rows, offsets, their distribution), shared by
+        every order of this table (nothing copied)."""
+        if self._counts is None:
+            from ..plan.shards import ShardCounts
+            self._counts = ShardCounts(self.rows, self.offsets, self.row_histogram())
+        return self._counts
+
+    def raw_or_stored_bytes(self) -> np.ndarray:
+        """Each shard's uncompressed size where the index records it, else its stored size."""
+        return np.where(self._raw_bytes != _UNKNOWN, self._raw_bytes, self.nbytes)
 
     @property
     def all_checksummed(self) -> bool:
@@ -340,11 +395,11 @@ class ShardTable(Sequence[ShardInfo]):
         """A checksum of every column's content (what the fingerprint covers), chunk layouts
         excepted (see the module docstring)."""
         if self._digest is None:
-            parts = [checksum_bytes(column.tobytes()) for column in
+            parts = [fixed_digest(column) for column in
                      (self._formats, self.rows, self.nbytes, self._raw_bytes)]
-            parts += [_strings_digest(column) for column in
+            parts += [strings_digest(column) for column in
                       (self._paths, self._checksums, self._compressions)]
-            self._digest = checksum_bytes(json.dumps([len(self), *parts]).encode())
+            self._digest = table_digest(len(self), parts)
         return self._digest
 
     # ------------------------------------------------------------ sequence protocol
@@ -362,12 +417,27 @@ class ShardTable(Sequence[ShardInfo]):
         if isinstance(index, slice):
             return tuple(self[k] for k in range(*index.indices(len(self))))
         k = range(len(self))[index]  # IndexError for a shard that does not exist
+        if self._point is not None:
+            return self._point_entry(k)
         return ShardInfo(
             cast(str, self._strings[0][k]), SHARD_FORMATS[self._formats[k]], int(self.rows[k]),
             int(self.nbytes[k]), self._strings[1][k], self._strings[2][k],
             _optional(self._raw_bytes[k]), _optional(self._chunk_rows[k]),
             _optional(self._tail_bytes[k]), self._strings[3][k],
         )
+
+    def _point_entry(self, k: int) -> ShardInfo:
+        """Shard ``k``'s entry from the point reader (the recent ones kept)."""
+        points = self._points
+        try:
+            info = points[k]
+        except KeyError:
+            info = self._point.shard(k)
+            points[k] = info
+            if len(points) > _POINTS_KEPT:
+                with contextlib.suppress(KeyError):
+                    points.popitem(last=False)
+        return info
 
     def __iter__(self) -> Iterator[ShardInfo]:
         for start in range(0, len(self), _CHUNK):
@@ -412,6 +482,8 @@ class ShardTable(Sequence[ShardInfo]):
         return f"ShardTable({len(self)} shards, {self.total_rows} rows)"
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if self._reopen is not None:  # a node copy: the other process opens it too
+            return self._reopen
         return (ShardTable, (self._paths, self._formats, self.rows, self.nbytes,
                              self._checksums, self._compressions, self._raw_bytes,
                              self._chunk_rows, self._tail_bytes, self._tail_checksums))
@@ -419,23 +491,28 @@ class ShardTable(Sequence[ShardInfo]):
 
 class _StringColumn:
     """Fast access to one string of an Arrow string column (numpy views of its buffers; a
-    pyarrow scalar per access would cost several microseconds)."""
+    pyarrow scalar per access would cost several microseconds). Nothing is copied or
+    scanned: a string's offsets and validity bit are read when it is asked for."""
 
-    __slots__ = ("_data", "_nulls", "_offsets")
+    __slots__ = ("_data", "_offsets", "_start", "_valid")
 
     def __init__(self, column: pa.Array) -> None:
-        column = column.cast(pa.large_string())
         buffers = column.buffers()
-        self._offsets = np.frombuffer(buffers[1], dtype=np.int64)[
+        width = np.int64 if pa.types.is_large_string(column.type) else np.int32
+        self._offsets = np.frombuffer(buffers[1], dtype=width)[
             column.offset:column.offset + len(column) + 1] if buffers[1] is not None else \
             np.zeros(1, np.int64)
         self._data = memoryview(buffers[2]) if buffers[2] is not None else memoryview(b"")
-        self._nulls = _null_mask(column) if column.null_count else None
+        self._valid = np.frombuffer(buffers[0], np.uint8) \
+            if buffers[0] is not None and column.null_count else None
+        self._start = column.offset
 
     def __getitem__(self, k: int) -> str | None:
-        if self._nulls is not None and self._nulls[k]:
-            return None
-        return str(self._data[self._offsets[k]:self._offsets[k + 1]], "utf-8")
+        if self._valid is not None:
+            bit = self._start + k
+            if not (int(self._valid[bit >> 3]) >> (bit & 7)) & 1:
+                return None
+        return str(self._data[int(self._offsets[k]):int(self._offsets[k + 1])], "utf-8")
 
 
 def numpy_values(array: pa.Array, *, fill: int | None = None) -> np.ndarray:
@@ -445,7 +522,7 @@ def numpy_values(array: pa.Array, *, fill: int | None = None) -> np.ndarray:
     installed, to ask whether its input is a pandas object: 0.4 s of a fresh process's first
     batch (``fill_null`` too: its ``pa.scalar`` does the same). Everything on the way from
     ``index.json`` to a batch reads Arrow through this, the string builder below and
-    :func:`_null_mask` instead. Nulls become ``fill`` (a copy); without ``fill`` they are
+    :func:`null_mask` instead. Nulls become ``fill`` (a copy); without ``fill`` they are
     refused.
     """
     dtype = np.dtype(str(array.type))
@@ -456,10 +533,34 @@ def numpy_values(array: pa.Array, *, fill: int | None = None) -> np.ndarray:
         return values
     if fill is None:
         raise ValueError(f"{array.null_count} nulls in an array read as plain values")
-    return np.where(_null_mask(array), dtype.type(fill), values)
+    return np.where(null_mask(array), dtype.type(fill), values)
 
 
-def _null_mask(column: pa.Array) -> np.ndarray:
+def string_buffers(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets rebased to 0, UTF-8 bytes) of a string array: numpy views, no copy of the
+    characters (``offsets[k]:offsets[k + 1]`` of the bytes is value ``k``; a null's is
+    empty)."""
+    width = np.int64 if pa.types.is_large_string(column.type) else np.int32
+    buffers = column.buffers()
+    if buffers[1] is None:
+        return np.zeros(len(column) + 1, np.int64), np.zeros(0, np.uint8)
+    offsets = np.frombuffer(buffers[1], width)[column.offset:column.offset + len(column) + 1]
+    first, last = int(offsets[0]), int(offsets[-1])
+    data = np.frombuffer(buffers[2], np.uint8)[first:last] if buffers[2] is not None and \
+        last > first else np.zeros(0, np.uint8)
+    return offsets.astype(np.int64) - first, data
+
+
+def contains(data: np.ndarray, pattern: bytes) -> bool:
+    """Whether the bytes ``data`` contain ``pattern`` anywhere (a megabyte at a time)."""
+    step = 1 << 20
+    for start in range(0, data.size, step):
+        if bytes(data[start:start + step + len(pattern) - 1]).find(pattern) >= 0:
+            return True
+    return False
+
+
+def null_mask(column: pa.Array) -> np.ndarray:
     """True where ``column`` is null, read from its validity bitmap (see
     :func:`numpy_values`)."""
     bits = np.unpackbits(np.frombuffer(column.buffers()[0], np.uint8), bitorder="little")
@@ -501,45 +602,74 @@ def _string_array(values: Sequence[str | None], type_: pa.DataType) -> pa.Array:
                                  null_count=nulls)
 
 
-def _strings_digest(column: pa.Array) -> str:
+def fixed_digest(column: np.ndarray) -> str:
+    """A checksum of a fixed-width column's bytes (a part of :meth:`ShardTable.digest`)."""
+    return checksum_bytes(np.ascontiguousarray(column).tobytes())
+
+
+def table_digest(count: int, parts: Sequence[str]) -> str:
+    """:meth:`ShardTable.digest` from its parts: the formats, rows, bytes and raw bytes
+    columns (:func:`fixed_digest`), then the paths, checksums and compressions
+    (:func:`strings_digest`)."""
+    return checksum_bytes(json.dumps([count, *parts]).encode())
+
+
+def check_chunk_columns(formats: np.ndarray, nbytes: np.ndarray, chunk_rows: np.ndarray,
+                        tail_bytes: np.ndarray, tail_valid: np.ndarray | None, where: str,
+                        entry: Any = None) -> None:
+    """Chunk layouts (chunk rows, tail bytes, whether a tail checksum is recorded, -1 or
+    False for none) are all three or none, an 'arrow' shard's, in range (the tail
+    checksums' form is checked with their values). ``entry(k)``, when given, names the
+    first offending shard.
+
+    Raises:
+        IndexFormatError: naming the shard (or its number) and the rule.
+    """
+    known = chunk_rows != _UNKNOWN
+    tails = tail_bytes != _UNKNOWN
+    checksums = np.ones(known.size, bool) if tail_valid is None else tail_valid
+    if not (known.any() or tails.any() or (tail_valid is not None and tail_valid.any())):
+        return
+    if (known == tails).all() and (known == checksums).all() and (
+            (chunk_rows[known] >= 1).all() and (tail_bytes[known] >= MIN_TAIL_BYTES).all()
+            and (tail_bytes[known] <= nbytes[known]).all()
+            and (formats[known] == SHARD_FORMATS.index("arrow")).all()):
+        return
+    for k in np.flatnonzero(known | tails | checksums).tolist():
+        if entry is not None:
+            try:
+                validated_row(entry(k).to_json())
+            except IndexFormatError as exc:
+                raise IndexFormatError(f"{where}: {exc}") from None
+        elif not (known[k] and tails[k] and checksums[k] and chunk_rows[k] >= 1
+                  and MIN_TAIL_BYTES <= tail_bytes[k] <= nbytes[k]
+                  and formats[k] == SHARD_FORMATS.index("arrow")):
+            raise IndexFormatError(
+                f"{where}: shard {k} has a malformed chunk layout (chunk_rows="
+                f"{int(chunk_rows[k])}, tail_bytes={int(tail_bytes[k])}, a tail checksum: "
+                f"{bool(checksums[k])}); it must be an 'arrow' shard with chunk_rows >= 1, "
+                f"{MIN_TAIL_BYTES} <= tail_bytes <= bytes and an 'xxh64:' checksum, all "
+                "three or none: rebuild the index")
+    raise IndexFormatError(f"{where}: a chunk layout is malformed")  # (not reached)
+
+
+def strings_digest(column: pa.Array) -> str:
     """A checksum of a string column: lengths (-1 for null) and the concatenated characters
     (digested in place, without a copy)."""
-    lengths = numpy_values(pc.binary_length(column).cast(pa.int64()), fill=-1)
-    filled = column.filter(pc.is_valid(column)).cast(pa.large_string())  # nulls add no bytes
-    offsets = np.frombuffer(filled.buffers()[1], dtype=np.int64)[
-        filled.offset:filled.offset + len(filled) + 1]
-    values = filled.buffers()[2]
-    data = b"" if values is None or not len(filled) else memoryview(values)[
-        int(offsets[0]):int(offsets[-1])]
+    offsets, data = string_buffers(column)
+    return strings_digest_of(offsets, ~null_mask(column) if column.null_count else None, data)
+
+
+def strings_digest_of(offsets: np.ndarray, valid: np.ndarray | None, data: Any) -> str:
+    """:func:`strings_digest` of a column given as its offsets (from 0), validity (None: no
+    nulls) and bytes."""
+    lengths = np.diff(offsets).astype(np.int64)
+    if valid is not None:
+        if (lengths[~valid] != 0).any():  # a null that spans bytes adds none of them
+            data = b"".join(bytes(data[int(offsets[k]):int(offsets[k + 1])])
+                            for k in np.flatnonzero(valid).tolist())
+        lengths[~valid] = -1
     return checksum_bytes((checksum_bytes(lengths) + checksum_bytes(data)).encode())
-
-
-def _check_arrow_columns(columns: Mapping[str, pa.Array], where: str) -> None:
-    """The side file's columns obey the same rules as a JSON shard entry."""
-    for name in ("path", "format", "rows", "bytes"):
-        if columns[name].null_count:
-            raise IndexFormatError(f"{where}: column {name!r} has nulls")
-    paths = columns["path"]
-    if len(paths) and (pc.min(pc.utf8_length(paths)).as_py() == 0
-                       or pc.max(pc.utf8_length(paths)).as_py() > MAX_PATH_CHARS
-                       or pc.any(pc.match_substring(paths, "\0")).as_py()):
-        raise IndexFormatError(f"{where}: a shard path is empty, over {MAX_PATH_CHARS} "
-                               "characters, or holds a NUL")
-    unknown = pc.invert(pc.is_in(columns["format"], _string_array(SHARD_FORMATS, pa.string())))
-    if pc.any(unknown).as_py():
-        raise IndexFormatError(f"{where}: unknown shard format(s) "
-                               f"{pc.unique(columns['format'].filter(unknown)).to_pylist()}")
-    for name in ("rows", "bytes", "raw_bytes"):
-        if len(columns[name]) and (pc.min(columns[name]).as_py() or 0) < 0:
-            raise IndexFormatError(f"{where}: column {name!r} has a negative value; it must "
-                                   "be an integer in [0, 2**63)")
-    checksums = columns["checksum"].drop_null()
-    if len(checksums) and not pc.all(pc.match_substring_regex(checksums,
-                                                              _CHECKSUM_PATTERN)).as_py():
-        raise IndexFormatError(f"{where}: a checksum is not 'xxh64:' and 16 hex digits")
-    compressions = columns["compression"].drop_null()
-    if len(compressions) and pc.max(pc.utf8_length(compressions)).as_py() > MAX_NAME_CHARS:
-        raise IndexFormatError(f"{where}: a compression name is malformed")
 
 
 __all__ = ["MAX_SHARDS", "SHARD_FORMATS", "ShardInfo", "ShardRow", "ShardTable", "shard_entry_hook",

@@ -43,7 +43,7 @@ from .batching import (
     to_torch,
 )
 from .dataset_reader import DatasetReader
-from .feed import ShardFeed
+from .feed import ShardFeed, default_cache_dir
 from .mixture import MixtureFeed
 from .mixture_store import MixtureReader
 from .nodes import NodeLocality
@@ -184,7 +184,7 @@ class StreamDataset(IterableDataset):
         if isinstance(url, (str, DatasetIndex)):
             self.index = url if isinstance(url, DatasetIndex) else load_index(
                 url, opts.storage_options, allow_external_paths=opts.allow_external_paths,
-                fetch=opts.fetch,
+                fetch=opts.fetch, table_cache=default_cache_dir(opts.cache_dir),
             )
             self.schema = self.index.schema.select(opts.fields)
             self._feed = ShardFeed(self.index, self.schema.names, opts, self.shuffle)

@@ -141,9 +141,7 @@ class DatasetReader:
         self._storage_options = storage_options
         self._ranges: RangeReader | None = None
         self._own_fetcher: Fetcher | None = None
-        rows = self.index.shard_rows
-        self._starts = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(rows, out=self._starts[1:])
+        self._starts = self.index.shard_table.offsets  # (shared, read-only)
         # Open shards, least recently used first. Dropping one does not unmap it while a
         # gather still holds its buffers; it lets an evicted shard's disk space be freed.
         self._readers: collections.OrderedDict[int, ShardReader] = collections.OrderedDict()

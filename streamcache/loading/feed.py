@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..cache.advice import ShardAdvice, working_set_bound
-from ..cache.node import NodeCache, local_bytes_estimate
+from ..cache.node import LAYOUT_OVERHEAD, NodeCache
 from ..cache.prefetch import Prefetcher, PrefetchOptions
 from ..errors import CacheBudgetError
 from ..format.index import DatasetIndex
@@ -163,8 +163,9 @@ class ShardFeed(FeedBase):
         with self._lock:
             order = self._orders.get(epoch)
             if order is None:
-                order = cursor.order(self.index.shard_rows) if epoch == cursor.epoch \
-                    else EpochOrder(self.index.shard_rows, cursor.seed, epoch, self.shuffle)
+                counts = self.index.shard_table.counts()
+                order = cursor.order(counts) if epoch == cursor.epoch \
+                    else EpochOrder(counts, cursor.seed, epoch, self.shuffle)
                 self._orders = {epoch: order, **{e: o for e, o in self._orders.items()
                                                  if e == epoch - 1}}
         return order
@@ -184,7 +185,7 @@ class ShardFeed(FeedBase):
         """Local bytes of shards that no epoch keeps in use at once: a bound the plan
         guarantees (:func:`~streamcache.cache.advice.working_set_bound`), the same for every
         epoch, rank and worker, so a budget accepted once holds for the whole run."""
-        sizes = [local_bytes_estimate(info) for info in self.index.shards]
+        sizes = self.index.shard_table.raw_or_stored_bytes() + LAYOUT_OVERHEAD
         return working_set_bound(self.index.shard_rows, sizes, self.shuffle)
 
     def check_budget(self, cache_limit: int) -> None:

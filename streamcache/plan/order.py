@@ -24,8 +24,9 @@ from ..errors import EmptyDatasetError
 from ._util import PlanError, check_int, check_positions, check_seed, check_span
 from .bijection import MAX_DOMAIN, TAG_STAGGER, TAG_WINDOW, derive_key
 from .blocks import BLOCK, PositionBlocks
+from .shards import ShardCounts
 from .stream import ShardStream
-from .windows import BoundaryWindows, RegularWindows, ShuffleLayer, Windows
+from .windows import RegularWindows, ShardWindows, ShuffleLayer, Windows
 
 DEFAULT_WINDOW = 1 << 18
 WINDOW_UNITS = ("samples", "shards")
@@ -84,7 +85,8 @@ class EpochOrder:
 
     Args:
         shard_rows: row count of every shard, in index order (empty shards are allowed and
-            simply hold no positions).
+            simply hold no positions), or their :class:`~streamcache.plan.shards.ShardCounts`
+            (a dataset's, shared by its orders: nothing of the shards is copied).
         seed: 0 <= seed < 2**64.
         epoch: >= 0.
         shuffle: :class:`ShuffleOptions` (default: shuffled, 2**18-sample staggered windows).
@@ -95,13 +97,15 @@ class EpochOrder:
         EmptyDatasetError: no shards, or every shard is empty.
         PlanError: a negative row count, a bad seed, epoch or option.
 
-    Memory is O(shards) plus the cache. Thread safety: every method may be called from several
-    threads at once (the cache takes a lock).
+    Memory is O(window): the shard permutation is evaluated per slot, and the stream's and
+    the windows' bounds are found near the positions asked for (see stream.py), plus the
+    cache. Thread safety: every method may be called from several threads at once (the
+    caches take locks).
     """
 
     def __init__(
         self,
-        shard_rows: Sequence[int] | np.ndarray,
+        shard_rows: Sequence[int] | np.ndarray | ShardCounts,
         seed: int,
         epoch: int,
         shuffle: ShuffleOptions = ShuffleOptions(),  # frozen, so sharing the default is safe
@@ -113,14 +117,15 @@ class EpochOrder:
         if not isinstance(shuffle, ShuffleOptions):
             raise PlanError(f"shuffle must be a ShuffleOptions, got {shuffle!r}")
         self.shuffle = shuffle
-        rows = _check_rows(shard_rows)
-        if rows.size > MAX_DOMAIN:
-            raise PlanError(f"too many shards ({rows.size}); at most {MAX_DOMAIN}")
-        self._stream = ShardStream(rows, self.seed, self.epoch, shuffle.enabled)
-        self.shard_rows = rows
-        self.shard_offsets = self._stream.shard_offsets
-        self.num_shards = int(rows.size)
-        self.num_samples = self._stream.total
+        counts = ShardCounts.of(shard_rows)
+        if counts.num_shards > MAX_DOMAIN:
+            raise PlanError(f"too many shards ({counts.num_shards}); at most {MAX_DOMAIN}")
+        self.counts = counts
+        self._stream = ShardStream(counts, self.seed, self.epoch, shuffle.enabled)
+        self.shard_rows = counts.rows
+        self.shard_offsets = counts.offsets
+        self.num_shards = counts.num_shards
+        self.num_samples = counts.total
         if self.num_samples == 0:
             raise EmptyDatasetError("the dataset holds no samples (every shard is empty); "
                                     "check the index or the dataset URL")
@@ -131,7 +136,7 @@ class EpochOrder:
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled as its arguments (for worker processes started with spawn): the order is
         # rebuilt, not copied, and the cache and its lock stay behind.
-        return (_rebuild, (self.shard_rows, self.seed, self.epoch, self.shuffle,
+        return (_rebuild, (self.counts, self.seed, self.epoch, self.shuffle,
                            self._cache_bytes))
 
     def _build_layers(self) -> list[ShuffleLayer]:
@@ -141,7 +146,7 @@ class EpochOrder:
         if self.shuffle.window_unit == "samples":
             windows = RegularWindows(min(self.shuffle.window, total), 0, total)
         else:
-            windows = BoundaryWindows.of_shards(self._stream.starts, self.shuffle.window)
+            windows = ShardWindows(self._stream, self.shuffle.window)
         if windows.largest > MAX_DOMAIN:
             raise PlanError(f"a shuffle window of {windows.largest} samples is too large: "
                             f"windows hold at most {MAX_DOMAIN} samples; choose a smaller "
@@ -183,7 +188,7 @@ class EpochOrder:
         int64, through the block cache. Raises like :meth:`sample_ids`."""
         check_span(start, stop, self.num_samples)
         resolved = self._blocks.lookup(start, stop)
-        shards = self._stream.slot_shard[resolved[1]]
+        shards = resolved[1].copy()
         return resolved[0].copy(), shards, resolved[0] - self.shard_offsets[shards]
 
     def samples_at(self, positions: np.ndarray | Sequence[int]
@@ -193,7 +198,7 @@ class EpochOrder:
         :meth:`sample_ids_at`."""
         pos = check_positions(positions, self.num_samples)
         resolved = self._resolve(pos.ravel())
-        shards = self._stream.slot_shard[resolved[1]]
+        shards = resolved[1]
         rows = resolved[0] - self.shard_offsets[shards]
         return (resolved[0].reshape(pos.shape), shards.reshape(pos.shape),
                 rows.reshape(pos.shape))
@@ -227,7 +232,7 @@ class EpochOrder:
     # ---------------------------------------------------------------- internals
 
     def _resolve(self, positions: np.ndarray) -> np.ndarray:
-        """A (2, n) int64 array: the sample id and the slot of each position."""
+        """A (2, n) int64 array: the sample id and the shard of each position."""
         out = np.empty((2, positions.size), dtype=np.int64)
         # Pieces of one block keep every temporary array in the CPU caches (3x faster on
         # long arrays than one pass).
@@ -235,9 +240,8 @@ class EpochOrder:
             stream = positions[first:first + BLOCK]
             for layer in self._layers:
                 stream = layer.apply(stream)
-            slots = self._stream.slots(stream)
-            np.add(stream, self._stream.delta[slots], out=out[0, first:first + BLOCK])
-            out[1, first:first + BLOCK] = slots
+            out[0, first:first + BLOCK], out[1, first:first + BLOCK] = \
+                self._stream.resolve(stream)
         return out
 
     def __repr__(self) -> str:
@@ -245,37 +249,27 @@ class EpochOrder:
                 f"seed={self.seed}, epoch={self.epoch}, shuffle={self.shuffle})")
 
 
-def _rebuild(shard_rows: np.ndarray, seed: int, epoch: int, shuffle: ShuffleOptions,
+def _rebuild(counts: ShardCounts, seed: int, epoch: int, shuffle: ShuffleOptions,
              cache_bytes: int) -> EpochOrder:
-    return EpochOrder(shard_rows, seed, epoch, shuffle, cache_bytes=cache_bytes)
-
-
-def _check_rows(shard_rows: Sequence[int] | np.ndarray) -> np.ndarray:
-    rows = np.asarray(shard_rows)
-    if rows.ndim != 1:
-        raise PlanError(f"shard_rows must be a 1-d sequence of row counts, got shape {rows.shape}")
-    if rows.size == 0:
-        raise EmptyDatasetError("the dataset has no shards; check the index or the dataset URL")
-    if rows.dtype.kind not in "iu":
-        raise PlanError(f"shard row counts must be integers, got dtype {rows.dtype}")
-    if rows.min() < 0:
-        raise PlanError(f"shard row counts must be >= 0, got {int(rows.min())} "
-                        f"(shard {int(np.argmin(rows))})")
-    if rows.max() >= 1 << 62 or int(rows.astype(np.float64).sum()) >= 1 << 62:
-        raise PlanError("the dataset is too large: more than 2**62 samples")
-    return rows.astype(np.int64)
+    return EpochOrder(counts, seed, epoch, shuffle, cache_bytes=cache_bytes)
 
 
 def first_uses(locate: Callable[[int, int], tuple[np.ndarray, np.ndarray]], num_shards: int,
                start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
     """Each shard read in positions ``[start, stop)`` (by ``locate(lo, hi) -> (shards,
-    rows)``), with its first position, sorted by position; shared by every order."""
-    never = np.iinfo(np.int64).max
-    first_use = np.full(num_shards, never, dtype=np.int64)
+    rows)``), with its first position, sorted by position; shared by every order. Memory:
+    the shards the range reads, not ``num_shards``."""
+    del num_shards  # (the shards read are found, not looked up in a table of all of them)
+    shards_seen, firsts = [], []
     for chunk in range(start, stop, _CHUNK):
-        chunk_stop = min(stop, chunk + _CHUNK)
-        shards, _ = locate(chunk, chunk_stop)
-        np.minimum.at(first_use, shards, np.arange(chunk, chunk_stop, dtype=np.int64))
-    used = np.flatnonzero(first_use != never)
-    by_position = np.argsort(first_use[used], kind="stable")
-    return used[by_position], first_use[used][by_position]
+        shards, _ = locate(chunk, min(stop, chunk + _CHUNK))
+        unique, at = np.unique(shards, return_index=True)
+        shards_seen.append(unique)
+        firsts.append(at.astype(np.int64) + chunk)
+    if not shards_seen:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    shards, positions = np.concatenate(shards_seen), np.concatenate(firsts)
+    by_shard = np.lexsort((positions, shards))  # a shard's earliest chunk first
+    keep = by_shard[np.concatenate(([True], np.diff(shards[by_shard]) != 0))]
+    by_position = keep[np.argsort(positions[keep], kind="stable")]
+    return shards[by_position].astype(np.int64), positions[by_position]
