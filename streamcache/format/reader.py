@@ -246,6 +246,13 @@ def bytes_as_rows() -> Iterator[None]:
         _BYTES_AS_ROWS.reset(token)
 
 
+def batch_shards(shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct shards of a batch in increasing order, and each row's index among them
+    (int32, what :func:`gather` takes as ``which``): ``numpy.unique`` with the inverse, in
+    a microsecond or two instead of 30 (native)."""
+    return _native.group_shards(np.ascontiguousarray(shards, dtype=np.int64))
+
+
 def gather(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray,
            fields: Sequence[Field]) -> dict[str, np.ndarray | Ragged]:
     """Rows ``rows[i]`` of ``shards[which[i]]`` for each field, as contiguous batch arrays.
