@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch._dynamo  # its cache folder is made at import: at collection, not inside a test
 from seeds import schedule_seed
 
 from streamcache.checkpoint import Checkpointer, CheckpointError, ModelState
