@@ -229,6 +229,10 @@ class ShardFeed(FeedBase):
         return self._prefetcher(cache, cursor)
 
 
+# made once: PrefetchOptions() checks its fields (microseconds), and advise_store runs each step
+_DEFAULT_PREFETCH = PrefetchOptions()
+
+
 def advise_store(store: Prefetcher, advice: ShardAdvice, prefetch: PrefetchOptions | None,
                  locality: NodeLocality | None, where: tuple[int, int, int],
                  advised: tuple[int, int] | None, *, by_set: bool = False,
@@ -239,7 +243,7 @@ def advise_store(store: Prefetcher, advice: ShardAdvice, prefetch: PrefetchOptio
     upcoming shards, and every so often: with ``by_set`` every as many positions as there
     are upcoming shards, so that a step costs what it reads, not what the lookahead holds)."""
     epoch, position, global_batch = where
-    count = (prefetch or PrefetchOptions()).lookahead(advice.working_set_shards())
+    count = (prefetch or _DEFAULT_PREFETCH).lookahead(advice.working_set_shards())
     shards, next_use = upcoming_on_node(locality, advice, position, count)
     refresh = max(1, advice.stride * 16)
     if by_set:
