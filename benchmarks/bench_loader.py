@@ -107,11 +107,14 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "out", "loader-data")
+CACHE = os.path.join(HERE, "out", "loader-cache")  # the node cache of the streamcache cases
+FORMAT = 2  # of the built data: the library's defaults (zstd, 64 MB shards, 64 KB chunks)
+JPEG_COUNT = 1024
 SHAPES = {"tokens": ((256,), np.int32, 256), "blobs": ((100_000,), np.uint8, 32)}
 # images: a bytes field of 80-120 KB per sample (as encoded images are), batch 32
 IMAGE_SIZES = (80_000, 120_000)
 IMAGE_BATCH = 32
-BATCH = {"tokens": 256, "blobs": 32, "images": IMAGE_BATCH}
+BATCH = {"tokens": 256, "blobs": 32, "images": IMAGE_BATCH, "jpegs": 32}
 
 
 def build(mb: int) -> None:
@@ -122,10 +125,8 @@ def build(mb: int) -> None:
         row_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         n = mb * 1_000_000 // row_bytes
         marker = os.path.join(DATA, f"{name}.done")
-        if os.path.exists(marker):
-            with open(marker) as f:
-                if json.load(f)["n"] == n:
-                    continue
+        if _built(marker, {"n": n, "format": FORMAT}):
+            continue
         rng = np.random.default_rng(0)
         array = np.lib.format.open_memmap(os.path.join(DATA, f"{name}.npy"), mode="w+",
                                           dtype=dtype, shape=(n, *shape))
@@ -134,8 +135,7 @@ def build(mb: int) -> None:
             array[start:stop] = rng.integers(0, 255, (stop - start, *shape), dtype=dtype)
         array.flush()
         schema = Schema([Field.tensor("data", dtype, shape)])
-        with ShardWriter(os.path.join(DATA, name), schema=schema, compression=None,
-                         shard_size=64 << 20, overwrite=True) as writer:
+        with ShardWriter(os.path.join(DATA, name), schema=schema, overwrite=True) as writer:
             for start in range(0, n, 4096):
                 import pyarrow as pa
 
@@ -144,8 +144,17 @@ def build(mb: int) -> None:
                 column = build_column(schema.fields[0], np.asarray(array[start:start + 4096]))
                 writer.write_batch(pa.table({"data": column}))
         with open(marker, "w") as f:
-            json.dump({"n": n}, f)
+            json.dump({"n": n, "format": FORMAT}, f)
     build_images(mb)
+    build_jpegs(JPEG_COUNT)
+
+
+def _built(marker: str, want: dict[str, Any]) -> bool:
+    """Whether ``marker`` says the data was built as ``want`` says."""
+    if not os.path.exists(marker):
+        return False
+    with open(marker) as f:
+        return bool(json.load(f) == want)
 
 
 def build_images(mb: int) -> None:
@@ -154,10 +163,8 @@ def build_images(mb: int) -> None:
     from streamcache import Field, Schema, ShardWriter
 
     marker = os.path.join(DATA, "images.done")
-    if os.path.exists(marker):
-        with open(marker) as f:
-            if json.load(f)["mb"] == mb:
-                return
+    if _built(marker, {"mb": mb, "format": FORMAT}):
+        return
     rng = np.random.default_rng(1)
     sizes: list[int] = []
     while sum(sizes) < mb * 1_000_000:
@@ -167,8 +174,7 @@ def build_images(mb: int) -> None:
     values = np.lib.format.open_memmap(os.path.join(DATA, "images-values.npy"), mode="w+",
                                        dtype=np.uint8, shape=(int(offsets[-1]),))
     schema = Schema([Field("data", "bytes")])
-    with ShardWriter(os.path.join(DATA, "images"), schema=schema, compression=None,
-                     shard_size=64 << 20, overwrite=True) as writer:
+    with ShardWriter(os.path.join(DATA, "images"), schema=schema, overwrite=True) as writer:
         for start in range(0, len(sizes), 256):
             import pyarrow as pa
 
@@ -181,7 +187,98 @@ def build_images(mb: int) -> None:
     values.flush()
     np.save(os.path.join(DATA, "images-offsets.npy"), offsets)
     with open(marker, "w") as f:
-        json.dump({"mb": mb}, f)
+        json.dump({"mb": mb, "format": FORMAT}, f)
+
+
+def build_jpegs(count: int) -> None:
+    """``count`` JPEG photos-alike (Pillow, quality 90, 400-640 x 300-480 pixels, 60-110 KB:
+    a smooth random picture with noise) with a label: shards, and values.npy + offsets.npy
+    + labels.npy for the DataLoader."""
+    import io
+
+    import pyarrow as pa
+    from PIL import Image
+
+    from streamcache import Field, Schema, ShardWriter
+
+    marker = os.path.join(DATA, "jpegs.done")
+    if _built(marker, {"count": count, "format": FORMAT}):
+        return
+    rng = np.random.default_rng(2)
+    encoded: list[bytes] = []
+    for _ in range(count):
+        width, height = int(rng.integers(400, 640)), int(rng.integers(300, 480))
+        coarse = rng.integers(0, 255, (height // 16, width // 16, 3), dtype=np.uint8)
+        smooth = np.asarray(Image.fromarray(coarse).resize((width, height), Image.BICUBIC))
+        noisy = smooth.astype(np.int16) + rng.normal(0, 12, smooth.shape).astype(np.int16)
+        out = io.BytesIO()
+        Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8)).save(out, "JPEG", quality=90)
+        encoded.append(out.getvalue())
+    labels = rng.integers(0, 1000, count).astype(np.int64)
+    offsets = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    np.save(os.path.join(DATA, "jpegs-values.npy"), np.frombuffer(b"".join(encoded), np.uint8))
+    np.save(os.path.join(DATA, "jpegs-offsets.npy"), offsets)
+    np.save(os.path.join(DATA, "jpegs-labels.npy"), labels)
+    schema = Schema([Field("jpeg", "bytes"), Field.tensor("label", np.int64)])
+    with ShardWriter(os.path.join(DATA, "jpegs"), schema=schema, overwrite=True) as writer:
+        for start in range(0, count, 256):
+            stop = min(count, start + 256)
+            writer.write_batch(pa.table({
+                "jpeg": pa.array(encoded[start:stop], type=pa.large_binary()),
+                "label": pa.array(labels[start:stop])}))
+    with open(marker, "w") as f:
+        json.dump({"count": count, "format": FORMAT}, f)
+
+
+def image_transform(sample: dict[str, Any]) -> dict[str, Any]:
+    """The image pipeline of the img-* cases: decode the JPEG (Pillow), a random resized crop
+    to 224 x 224 (area 8-100%, aspect 3/4-4/3, as torchvision's RandomResizedCrop) and a
+    random horizontal flip, drawing from torch's global generator as torchvision's
+    transforms do; a uint8 CHW tensor. (torchvision from PyPI does not import beside this
+    torch, so the same steps are written here with Pillow and numpy.)"""
+    import io
+    import math
+
+    import torch
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(sample["jpeg"])).convert("RGB")
+    width, height = image.size
+    box = (0, 0, width, height)
+    for _ in range(10):
+        area = width * height * float(torch.empty(1).uniform_(0.08, 1.0))
+        ratio = math.exp(float(torch.empty(1).uniform_(math.log(3 / 4), math.log(4 / 3))))
+        crop_w, crop_h = round(math.sqrt(area * ratio)), round(math.sqrt(area / ratio))
+        if 0 < crop_w <= width and 0 < crop_h <= height:
+            top = int(torch.randint(0, height - crop_h + 1, (1,)))
+            left = int(torch.randint(0, width - crop_w + 1, (1,)))
+            box = (left, top, left + crop_w, top + crop_h)
+            break
+    image = image.resize((224, 224), Image.BILINEAR, box=box)
+    if float(torch.rand(1)) < 0.5:
+        image = image.transpose(Image.FLIP_LEFT_RIGHT)
+    pixels = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1)
+    return {"image": pixels, "label": int(sample["label"])}
+
+
+class JpegDataset:
+    """The baseline for the image pipeline: sample i is its JPEG bytes (from a numpy memmap)
+    and label, through :func:`image_transform`."""
+
+    def __init__(self) -> None:
+        self.offsets = np.load(os.path.join(DATA, "jpegs-offsets.npy"))
+        self.labels = np.load(os.path.join(DATA, "jpegs-labels.npy"))
+        self.values: Any = None
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if self.values is None:
+            self.values = np.load(os.path.join(DATA, "jpegs-values.npy"), mmap_mode="r")
+        jpeg = bytes(self.values[self.offsets[i]:self.offsets[i + 1]])
+        return image_transform({"jpeg": jpeg, "label": int(self.labels[i])})
 
 
 def light_transform(sample: dict[str, Any]) -> dict[str, Any]:
@@ -243,27 +340,28 @@ def run_case(case: str, data: str) -> dict[str, Any]:
     samples = 0
     first_batch = None
     extra: dict[str, Any] = {}
-    transform = light_transform if case.startswith("tf-") else None
+    transform = image_transform if data == "jpegs" else \
+        light_transform if case.startswith("tf-") else None
     workers = int(case.rsplit("w", 1)[1]) if case[-2:-1] == "w" else 0
     if "dataloader" in case:
-        dataset: Any = ImagesDataset() if data == "images" else \
-            MemmapDataset(os.path.join(DATA, f"{data}.npy"), transform)
+        dataset: Any = ImagesDataset() if data == "images" else JpegDataset() \
+            if data == "jpegs" else MemmapDataset(os.path.join(DATA, f"{data}.npy"), transform)
         loader: Any = torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True,
                                                   num_workers=workers, drop_last=True)
         for out in loader:
             first_batch = first_batch or time.perf_counter() - started
-            samples += len(out["data"] if isinstance(out, dict) else out)
-    elif "streamcache" in case:
+            samples += _rows(out)
+    elif "streamcache" in case or case == "warm":
         from streamcache import StreamDataset, StreamLoader
 
         ragged = "offsets" if "-offsets" in case else "padded"
         dataset = StreamDataset(os.path.join(DATA, data), batch_size=batch, rank=0,
                                 world_size=1, seed=int(time.time()), transform=transform,
-                                ragged=ragged)  # type: ignore[arg-type]
+                                ragged=ragged, cache_dir=CACHE)  # type: ignore[arg-type]
         with StreamLoader(dataset, num_workers=workers, prefetch=4) as loader:
             for out in loader:
                 first_batch = first_batch or time.perf_counter() - started
-                samples += len(out["__id__"])
+                samples += _rows(out)
     elif case == "gather-limit":
         if data == "images":
             offsets = np.load(os.path.join(DATA, "images-offsets.npy"))
@@ -292,7 +390,7 @@ def run_case(case: str, data: str) -> dict[str, Any]:
         from streamcache import StreamDataset, StreamLoader
 
         dataset = StreamDataset(os.path.join(DATA, data), batch_size=batch, rank=0,
-                                world_size=1, seed=5)
+                                world_size=1, seed=5, cache_dir=CACHE)
         loader = StreamLoader(dataset)
         if case == "resume-90":
             state = loader.state_dict()
@@ -310,7 +408,7 @@ def run_case(case: str, data: str) -> dict[str, Any]:
 
         constructed = time.perf_counter()
         dataset = StreamDataset(os.path.join(DATA, data), batch_size=batch, rank=0,
-                                world_size=1, seed=int(time.time()))
+                                world_size=1, seed=int(time.time()), cache_dir=CACHE)
         loader = StreamLoader(dataset)
         iterated = time.perf_counter()
         out = next(iter(loader))
@@ -325,11 +423,16 @@ def run_case(case: str, data: str) -> dict[str, Any]:
     # steady state: from the first batch on (start-up is reported as first_batch_s)
     steady = elapsed - (first_batch or 0.0) if steady_case else elapsed
     counted = samples - batch if steady_case else samples
-    row_bytes = (sum(IMAGE_SIZES) // 2 if data == "images" else
+    row_bytes = (sum(IMAGE_SIZES) // 2 if data in ("images", "jpegs") else
                  int(np.prod(SHAPES[data][0])) * np.dtype(SHAPES[data][1]).itemsize)
     return {"case": case, "data": data, "seconds": elapsed, "samples": samples,
             "samples_per_s": counted / steady, "mb_per_s": counted * row_bytes / 1e6 / steady,
             "first_batch_s": first_batch, "peak_rss_mb": peak_rss_mb(), **extra}
+
+
+def _rows(batch: Any) -> int:
+    """Samples in a batch (a dict of columns, or a tensor)."""
+    return len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch)
 
 
 def peak_rss_mb() -> float:
@@ -348,6 +451,8 @@ PLAN: list[tuple[str, list[str]]] = [
     ("blobs", CASES),
     ("images", ["gather-limit", "dataloader-w0", "streamcache-w0", "streamcache-offsets-w0",
                 "dataloader-w2", "streamcache-w2"]),
+    # JPEG decode, random resized crop, flip: image_transform per sample
+    ("jpegs", ["dataloader-w0", "streamcache-w0", "dataloader-w2", "streamcache-w2"]),
 ]
 
 
@@ -355,7 +460,7 @@ def table(runs: list[dict[str, Any]]) -> str:
     """Medians per case; ratios to the plain DataLoader (w0, with the same transform) and to
     the page-cache gather of the same run."""
     lines = [f"{'data':<8}{'case':<24}{'samples/s':>12}{'MB/s':>9}{'vs DL-w0':>9}"
-             f"{'vs limit':>9}{'1st batch s':>12}{'peak RSS MB':>12}"]
+             f"{'vs DL-wN':>9}{'vs limit':>9}{'1st batch s':>12}{'peak RSS MB':>12}"]
     for data, cases in PLAN:
         def rate(case: str, data: str = data) -> float:
             rates = [r["samples_per_s"] for r in runs if r["data"] == data and r["case"] == case]
@@ -365,12 +470,15 @@ def table(runs: list[dict[str, Any]]) -> str:
             mine = [r for r in runs if r["data"] == data and r["case"] == case]
             if not mine:
                 continue
-            base = rate("tf-dataloader-w0" if case.startswith("tf-") else "dataloader-w0")
+            prefix = "tf-" if case.startswith("tf-") else ""
+            workers = case[-2:] if case[-2:-1] == "w" else "w0"
+            base = rate(f"{prefix}dataloader-w0")
+            same = rate(f"{prefix}dataloader-{workers}")  # the same worker count
             median = statistics.median
             lines.append(
                 f"{data:<8}{case:<24}{rate(case):>12,.0f}"
                 f"{median(r['mb_per_s'] for r in mine):>9,.0f}{rate(case) / base:>9.2f}"
-                f"{rate(case) / rate('gather-limit'):>9.2f}"
+                f"{rate(case) / same:>9.2f}{rate(case) / rate('gather-limit'):>9.2f}"
                 f"{median(r['first_batch_s'] for r in mine):>12.4f}"
                 f"{max(r['peak_rss_mb'] for r in mine):>12.0f}")
             if case == "open":
@@ -395,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     build(args.mb)
     wanted = set(args.data.split(",")) if args.data else {data for data, _ in PLAN}
+    for data in sorted(wanted):  # install the shards in the cache: every case reads warm
+        subprocess.run([args.python, __file__, "--case", "warm", "--data", data],
+                       capture_output=True, text=True, check=True)
     runs: list[dict[str, Any]] = []
     for _ in range(args.repeats):
         for data, cases in PLAN:
