@@ -215,6 +215,16 @@ class RankGroup:
             if check and not all(r.ok for r in self.results):
                 raise RankError(f"some ranks failed:\n{self.describe()}")
             return self.results
+        try:
+            return self._join(check)
+        except BaseException:  # interrupted (a test's timeout, Ctrl-C): leave nothing behind
+            self.kill()
+            for process in self.processes:
+                process.join(timeout=10)
+            shutil.rmtree(self._result_dir, ignore_errors=True)
+            raise
+
+    def _join(self, check: bool) -> list[RankResult]:
         deadline = self._started + self.timeout_s
         first_failure: float | None = None
         timed_out = False
