@@ -103,3 +103,8 @@ class UnknownProtocolError(StorageError, ValueError):
 class MissingDependencyError(StreamcacheError, ImportError):
     """An optional feature needs a package that is not installed; the message names the
     extra to install."""
+
+
+class LoaderStateError(StreamcacheError):
+    """A trainer checkpoint's loader state is missing, unreadable, or not where the trainer's
+    own step count puts the job (``streamcache.integrations.transformers``)."""

@@ -42,7 +42,7 @@ from torch.utils.data import IterableDataset
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..errors import ConfigError, StreamcacheError
+from ..errors import ConfigError, LoaderStateError
 from ..loading.loader import StreamLoader
 from ..remote.storage import write_atomic_local
 
@@ -51,11 +51,6 @@ LOADER_STATE_NAME = "streamcache_loader.json"
 _TRAINER_STATE_NAME = "trainer_state.json"
 _MAX_STATE_BYTES = 1 << 20
 _STATE_VERSION = 1
-
-
-class LoaderStateError(StreamcacheError):
-    """A Trainer checkpoint's loader state is missing, unreadable, or not where the
-    Trainer's own step count puts the job."""
 
 
 class TrainerLoader:
