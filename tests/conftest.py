@@ -24,6 +24,7 @@ Hygiene, for every test:
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -53,7 +54,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Remove the session's temp folder (``--basetemp DIR`` keeps ``tmp_path`` folders)."""
+    """Remove the session's temp folder (``--basetemp DIR`` keeps ``tmp_path`` folders).
+
+    multiprocessing removes its own ``pymp-*`` folder in there at exit, in a finalizer of
+    priority -100; the folder itself goes in one of -101, which runs after it (removing it
+    now made that finalizer print a FileNotFoundError traceback at exit)."""
     saved = config.stash.get(_TEMP_ROOT, None)
     if saved is None:
         return
@@ -63,7 +68,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = previous_env
-    shutil.rmtree(root, ignore_errors=True)
+    for name in os.listdir(root):
+        if not name.startswith("pymp-"):
+            path = os.path.join(root, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(root,),
+                                  kwargs={"ignore_errors": True}, exitpriority=-101)
 
 
 _TEMP_ROOT = pytest.StashKey[tuple[str, "str | None", "str | None"]]()
