@@ -19,6 +19,8 @@ import torch.distributed as dist
 from dist import run_ranks
 from helpers.mixture_model import MixtureModel
 from helpers.resume import check_resume
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from loader_helpers import make_dataset
 
 from streamcache import (
@@ -326,7 +328,49 @@ def test_transforms_keep_source_and_id(urls, tmp_path, kind):
         assert batch["y"].tolist() == [2 * i for _, i in step]
 
 
-# ---------------------------------------------------------------- what a state is bound to
+def _read_as_ranks(urls: list[str], cache: Any, batch: int, steps: int, world: int,
+                   state: dict[str, Any] | None, **options: Any,
+                   ) -> tuple[list[list[tuple[int, int]]], dict[str, Any]]:
+    """``steps`` global batches read by ``world`` ranks (each its own loader, from ``state``),
+    and the state after them; every batch is checked to keep its bookkeeping keys."""
+    loaders = [mixture(urls, cache, rank=r, world=world, batch=batch, **options)
+               for r in range(world)]
+    parts = []
+    for loader in loaders:
+        if state is not None:
+            loader.load_state_dict(state)
+        mine = []
+        for batch_ in loader:
+            if "y" in batch_:  # a transform's output: the mixture's keys kept through it
+                assert batch_["y"].tolist() == [2 * i for i in batch_["__id__"].tolist()]
+            mine.append(pairs(batch_))
+            if len(mine) == steps:
+                break
+        parts.append(mine)
+    assert all(loader.state_dict() == loaders[0].state_dict() for loader in loaders)
+    return [[p for rank in parts for p in rank[t]] for t in range(steps)], \
+        loaders[0].state_dict()
+
+
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(infinite=st.booleans(), world=st.sampled_from([1, 2]),
+       plan=st.lists(st.tuples(st.sampled_from([2, 4, 6, 8]), st.integers(1, 4)), min_size=2,
+                     max_size=3),
+       kind=st.sampled_from([None, "transform", "batch_transform"]))
+def test_resumes_with_other_batch_sizes_and_ranks_follow_the_model(urls, tmp_path, infinite,
+                                                                   world, plan, kind):
+    options: dict[str, Any] = {"infinite": infinite}
+    if kind is not None:
+        options[kind] = _double if kind == "transform" else _double_batch
+    state, read = None, []
+    for batch, steps in plan:
+        got, state = _read_as_ranks(urls, tmp_path, batch, steps, world, state, **options)
+        read += got
+    dataset = mixture(urls, tmp_path).dataset
+    model = MixtureModel([list(rows) for rows in SIZES], (5, 3, 2), dataset.options.seed,
+                         dataset.shuffle)
+    assert read == model.batches(infinite, plan)
 
 def _relabel(steps: list[list[tuple[int, int]]], label: dict[int, int]
              ) -> list[list[tuple[int, int]]]:

@@ -84,7 +84,13 @@ def _fraction(weight: Any) -> Fraction:
         return Fraction(int(weight))
     if isinstance(weight, Fraction):
         return weight
-    exact = Fraction(float(weight))
+    return _float_fraction(float(weight))
+
+
+@functools.lru_cache(maxsize=4096)
+def _float_fraction(weight: float) -> Fraction:
+    """(cached: a mixture of many sources repeats its weights)"""
+    exact = Fraction(weight)
     simple = exact.limit_denominator(10**9)
     # a weight far below 1 has no simple fraction that close: keep it as it is
     return simple if simple and abs(simple - exact) <= exact / 10**9 else exact
