@@ -104,15 +104,14 @@ class _Producer:
         with self._changed:
             ready = bool(self._ready)
             self._changed.wait_for(lambda: bool(self._ready))
-            item = self._ready.popleft()
+            item = self._ready[0]
+            if item is self._END:  # (left in place: the thread has ended, so do later takes)
+                raise StopIteration
+            if isinstance(item, _Failed):
+                raise item.error
+            self._ready.popleft()
             self._changed.notify_all()
-            behind = len(self._ready)
-        if item is self._END:
-            self._ready.appendleft(item)
-            raise StopIteration
-        if isinstance(item, _Failed):
-            raise item.error
-        return item, ready, behind
+            return item, ready, len(self._ready)
 
     def wake(self) -> None:
         with self._changed:
