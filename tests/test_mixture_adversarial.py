@@ -88,6 +88,8 @@ HOSTILE = {
     "source of 0 samples": (["sources", 1, "num_samples"], 0),
     "data of a wrong type": (["sources", 0, "data"], "s3://b/ds"),
     "data with a bad location": (["sources", 0, "data"], {"location": 5, "index_created": 1.0}),
+    "data with a huge location": (["sources", 0, "data"], {"location": "s3://" + "x" * 10**6,
+                                                           "index_created": 1.0}),
     "data with NaN created": (["sources", 0, "data"], {"location": "x",
                                                        "index_created": math.nan}),
     "data with a bool created": (["sources", 0, "data"], {"location": "x",

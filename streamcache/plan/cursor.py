@@ -38,6 +38,7 @@ _KEYS_V1 = frozenset({KEY_VERSION, KEY_FINGERPRINT, KEY_NUM_SAMPLES, KEY_SEED, K
                       KEY_EPOCH, KEY_SAMPLES_CONSUMED})
 _KEYS = {1: _KEYS_V1, CURSOR_VERSION: _KEYS_V1 | {KEY_DATA}}
 _DATA_KEYS = frozenset({KEY_LOCATION, KEY_INDEX_CREATED})
+MAX_LOCATION = 4096  # characters of a saved location (a URL; a longer one is no state of ours)
 
 #: How a saved state is matched with the data on load: ``"identity"`` (the default) the
 #: fingerprint and, for an index without checksums, the :class:`DataIdentity`; ``"fingerprint"``
@@ -78,8 +79,9 @@ class DataIdentity:
     index_created: float
 
     def __post_init__(self) -> None:
-        if not isinstance(self.location, str):
-            raise PlanError(f"location must be a string, got {self.location!r}")
+        if not isinstance(self.location, str) or len(self.location) > MAX_LOCATION:
+            raise PlanError(f"location must be a string of at most {MAX_LOCATION} "
+                            f"characters, got {self.location!r:.200}")
         created = self.index_created
         if isinstance(created, bool) or not isinstance(created, (int, float)) or \
                 not math.isfinite(created):

@@ -163,7 +163,10 @@ class MixtureCursor:
                              0, 0)
 
     def epoch_plan(self, epoch: int) -> EpochPlan:
-        """What fixes epoch ``epoch`` (this one or a later one)."""
+        """What fixes epoch ``epoch`` (this one or a later one). A later epoch is reached by
+        reading every position of the epochs between; where an infinite mixture's epoch
+        starts depends on the global batch (:meth:`at_epoch`), so a schedule takes it from its
+        own cursors instead."""
         if epoch < self.epoch:
             raise PlanError(f"a mixture's order is known from the cursor's epoch "
                             f"({self.epoch}) on, not for epoch {epoch}")
