@@ -48,7 +48,7 @@ from ..cache.node import NodeCache
 from ..cache.ranges import RangeReader, RangeStats
 from ..errors import RowOutOfRangeError, ShardNotFoundError, StreamcacheError
 from ..format.index import DatasetIndex, load_index
-from ..format.reader import Ragged, ShardReader, first_row, gather
+from ..format.reader import Ragged, ShardReader, batch_shards, first_row, gather
 from ..remote.fetch import Fetcher
 from ..remote.options import FetchOptions
 from ..remote.retry import FetchError
@@ -268,8 +268,7 @@ class DatasetReader:
     def read_located(self, shards: np.ndarray, rows: np.ndarray,
                      ) -> dict[str, np.ndarray | Ragged]:
         """Rows ``rows[i]`` of shards ``shards[i]`` (index order) as batch arrays."""
-        unique, which = np.unique(shards, return_inverse=True)
-        which = which.astype(np.int32)
+        unique, which = batch_shards(shards)
         readers, rows = self.batch_readers(unique, which, rows)
         return gather(readers, which, rows, list(self.schema))
 
