@@ -416,7 +416,19 @@ def run_row(cfg: Config, ranks: int, chaos: bool, mtbf: float, kinds: list[str],
             next_fault = fault.time + chooser.expovariate(1 / mtbf)
     finally:
         _stop(proc)
+        _remove_snapshots()
     return read_logs(run_dir, ranks), faults, start
+
+
+def _remove_snapshots() -> None:
+    """The stopped job's memory-tier folders (job id "bench-chaos"): a job stopped from
+    outside keeps them for a restart that will not come."""
+    from streamcache.checkpoint.memory import folder_name
+
+    base = Path("/dev/shm") / f"streamcache-mem-{os.geteuid()}"
+    suffix = "-" + folder_name("", "bench-chaos").split("-")[1]
+    for folder in base.glob(f"*{suffix}") if base.is_dir() else []:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _wait_first_step(run_dir: Path, ranks: int, proc: subprocess.Popen[bytes]) -> float:
