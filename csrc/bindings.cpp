@@ -328,8 +328,10 @@ class GlobalRngs {
     }
     numpy_ = reinterpret_cast<NumpyMtLayout*>(
         nb::cast<uintptr_t>(numpy_bit_generator_.attr("ctypes").attr("state_address")));
-    if (torch_state_.size() != kTorchStateBytes) {
-      throw nb::value_error("torch_state must hold the 5056 bytes of a CPU generator's state");
+    if (torch_state_.size() != kTorchStateBytes ||
+        reinterpret_cast<uintptr_t>(torch_state_.data()) % 8 != 0) {
+      throw nb::value_error(
+          "torch_state must hold the 5056 bytes of a CPU generator's state, 8-byte aligned");
     }
   }
 
@@ -345,7 +347,7 @@ class GlobalRngs {
     auto* random = reinterpret_cast<PyRandomLayout*>(python_.ptr());
     mt_state_words(seed, kStreamPython, random->state, kMtStateWords);
     random->index = static_cast<int>(kMtStateWords);
-    nb::setattr(python_, "gauss_next", nb::none());
+    nb::setattr(python_, gauss_next_, nb::none());
     mt_state_words(seed, kStreamNumpy, numpy_words_.data(), kMtStateWords);
     std::memcpy(numpy_->key, numpy_words_.data(), sizeof numpy_->key);
     numpy_->pos = static_cast<int>(kMtStateWords);
@@ -357,20 +359,21 @@ class GlobalRngs {
  private:
   void write_torch_state(uint64_t seed) {
     uint8_t* out = torch_state_.data();
-    std::array<uint32_t, kMtStateWords> words;
-    mt_state_words(seed, kStreamTorch, words.data(), kMtStateWords);
-    std::memset(out, 0, kTorchStateBytes);  // no cached normals
     const int32_t left = 1, seeded = 1;  // as after manual_seed: the next draw twists
+    const uint64_t next = 0;
     std::memcpy(out, &seed, 8);
     std::memcpy(out + 8, &left, 4);
     std::memcpy(out + 12, &seeded, 4);
-    for (size_t i = 0; i < kMtStateWords; ++i) {
-      const uint64_t word = words[i];
-      std::memcpy(out + kTorchStateWordsAt + 8 * i, &word, 8);
-    }
+    std::memcpy(out + 16, &next, 8);
+    // the buffer is a torch tensor's (64-byte aligned): the words' 64-bit slots are aligned
+    mt_state_words64(seed, kStreamTorch, reinterpret_cast<uint64_t*>(out + kTorchStateWordsAt),
+                     kMtStateWords);
+    const size_t words_end = kTorchStateWordsAt + 8 * kMtStateWords;
+    std::memset(out + words_end, 0, kTorchStateBytes - words_end);  // no cached normals
   }
 
   nb::object python_;
+  nb::str gauss_next_{"gauss_next"};  // made once: an attribute name made per call costs more
   nb::object numpy_bit_generator_;  // keeps the state that numpy_ points into alive
   NumpyMtLayout* numpy_ = nullptr;
   nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> torch_state_;

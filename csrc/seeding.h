@@ -31,4 +31,7 @@ inline uint64_t mix64(uint64_t z) {
 // of mix64(key + (k + 1) * 0x9E3779B97F4A7C15).
 void mt_state_words(uint64_t seed, uint64_t stream, uint32_t* out, size_t n);
 
+// The same words, each zero-extended to 64 bits (a layout that keeps 32-bit words in 64).
+void mt_state_words64(uint64_t seed, uint64_t stream, uint64_t* out, size_t n);
+
 }  // namespace streamcache

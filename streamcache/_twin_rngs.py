@@ -70,8 +70,10 @@ class GlobalRngs:
             raise TypeError("numpy_random_state must draw from an MT19937 bit generator")
         if not (isinstance(torch_state, np.ndarray) and torch_state.dtype == np.uint8
                 and torch_state.shape == (TORCH_STATE_BYTES,)
-                and torch_state.flags.c_contiguous and torch_state.flags.writeable):
-            raise ValueError("torch_state must hold the 5056 bytes of a CPU generator's state")
+                and torch_state.flags.c_contiguous and torch_state.flags.writeable
+                and torch_state.ctypes.data % 8 == 0):
+            raise ValueError("torch_state must hold the 5056 bytes of a CPU generator's state, "
+                             "8-byte aligned")
         self._python = python_random
         self._numpy = numpy_random_state
         self._torch_state = torch_state

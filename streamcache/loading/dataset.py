@@ -9,6 +9,7 @@ global sample ids in ``__id__``. Progress is a :class:`~streamcache.plan.Cursor`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -49,7 +50,7 @@ from .mixture_store import MixtureReader
 from .nodes import NodeLocality
 from .options import RaggedMode, StreamOptions, TailMode, WindowUnit
 from .schedule import Schedule, StepRef, later_epoch_samples
-from .seeding import preserved_global_rngs, seed_global_rngs, step_seed
+from .seeding import GlobalRngSeeder, preserved_global_rngs, step_seed
 from .source import Source
 from .topology import NodeTopology, resolve_topology
 
@@ -361,22 +362,25 @@ class StreamDataset(IterableDataset):
         opts = self.options
         if not self.transformed:
             return self._tensors(arrays)
-        with preserved_global_rngs():
-            seed_global_rngs(step_seed(opts.seed, ref.epoch, ref.segment.step_span(ref.step)[0]))
+        # In a worker process nothing else draws from its generators: nothing to put back.
+        with preserved_global_rngs() if get_worker_info() is None else contextlib.nullcontext():
+            seeder = GlobalRngSeeder()
+            seeder(step_seed(opts.seed, ref.epoch, ref.segment.step_span(ref.step)[0]))
             if opts.transform is not None:
                 if len(arrays[ID_KEY]) == 0:  # an empty part of a "split" tail
-                    return empty_like(self._transform_samples(self._first_of_step(ref)))
-                return self._transform_samples(arrays)
+                    return empty_like(self._transform_samples(self._first_of_step(ref),
+                                                              seeder))
+                return self._transform_samples(arrays, seeder)
             assert opts.batch_transform is not None
             return self._tensors(apply_batch_transform(arrays, opts.batch_transform))
 
-    def _transform_samples(self, arrays: dict[str, Any]) -> Any:
+    def _transform_samples(self, arrays: dict[str, Any], seeder: GlobalRngSeeder) -> Any:
         opts = self.options
         samples_arrays = dict(arrays)
         samples_arrays[SEED_KEY] = np.asarray(arrays[SEED_KEY], dtype=np.uint64).tolist()
         assert opts.transform is not None
         return apply_sample_transform(samples_arrays, self._fields, opts.transform,
-                                      opts.collate_fn)
+                                      opts.collate_fn, seeder)
 
     def _first_of_step(self, ref: StepRef) -> dict[str, Any]:
         """The raw arrays of the step's first sample: the template of an empty batch (a
