@@ -224,19 +224,45 @@ def run_streamcache(cfg: Config, model: Any, optimizer: Any, log: StepLog, loade
         phase(cfg, "checkpointer made")
         step = ckpt.load(state) or 0
         log.event("resumed", s=step)
-        for batch in loader:
-            _train_step(ddp, optimizer, batch["x"], batch["y"], log, step)
-            step += 1
-            log.step(step, batch["__id__"])
-            if step % cfg.save_every == 0:
-                ckpt.save(step, state)
-            elif memory and step % cfg.snapshot_every == 0:
-                started = time.perf_counter()
-                ckpt.snapshot(step, state)
-                snap_costs.append(time.perf_counter() - started)
-                if len(snap_costs) == 20:
-                    log.event("snapshot_cost", median_s=statistics.median(snap_costs))
-                    snap_costs.clear()
+        try:
+            step = _loop(cfg, ddp, optimizer, log, loader, ckpt, state, step, memory,
+                         snap_costs)
+        except BaseException:
+            if memory:  # under NVRx: the peers' blocked collectives fail now, not at timeout
+                abort_gloo_groups()
+            raise
+
+
+def abort_gloo_groups() -> None:
+    """Abort this process's gloo groups: a peer blocked in a collective with it gets a
+    closed connection at once. NVRx aborts NCCL communicators only; done by the rank that
+    failed, before it unwinds (a survivor that aborted its own group while blocked in it
+    waited for the group's timeout instead)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        c10d = dist.distributed_c10d
+        for group in list(c10d._world.pg_names):
+            with contextlib.suppress(Exception):  # the first abort may take the others along
+                c10d._abort_process_group(group)
+
+
+def _loop(cfg: Config, ddp: Any, optimizer: Any, log: StepLog, loader: Any, ckpt: Any,
+          state: dict[str, Any], step: int, memory: bool, snap_costs: list[float]) -> int:
+    for batch in loader:
+        _train_step(ddp, optimizer, batch["x"], batch["y"], log, step)
+        step += 1
+        log.step(step, batch["__id__"])
+        if step % cfg.save_every == 0:
+            ckpt.save(step, state)
+        elif memory and step % cfg.snapshot_every == 0:
+            started = time.perf_counter()
+            ckpt.snapshot(step, state)
+            snap_costs.append(time.perf_counter() - started)
+            if len(snap_costs) == 20:
+                log.event("snapshot_cost", median_s=statistics.median(snap_costs))
+                snap_costs.clear()
+    return step
 
 
 def worker(cfg: Config) -> None:
