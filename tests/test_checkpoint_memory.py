@@ -411,7 +411,8 @@ def _write_under_fsize_limit(directory: str) -> None:
     import resource
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     tier = MemoryTier(MemoryOptions(directory=directory), ROOT, 0, 1)
-    big = {"w": ("stateful", {"a": torch.zeros(1 << 20)})}
+    # numpy builds the tensor: no torch kernel runs in a forked child (OpenMP did not fork)
+    big = {"w": ("stateful", {"a": torch.from_numpy(np.zeros(1 << 20, dtype=np.float32))})}
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
     ok = tier.write(2, big, {}, timeline="", started=None, committed=None)
     os._exit(0 if ok is False else 3)
