@@ -40,11 +40,14 @@ class ShardAdvice:
         stride: positions between samples of the order (default: 1/64 of the smallest
             non-empty shard's rows, at least 1). Shards with fewer rows than the stride may
             be missed: a missed shard is fetched on demand, never read wrongly.
+        working_set_shards: a bound on the shards in use at once that the caller knows (a
+            mixture: the sum of its sources' bounds), instead of one computed here.
 
     Thread safety: every method may be called from several threads at once.
     """
 
-    def __init__(self, order: EpochOrder | Any, *, stride: int | None = None) -> None:
+    def __init__(self, order: EpochOrder | Any, *, stride: int | None = None,
+                 working_set_shards: int | None = None) -> None:
         self.order = order
         counts = getattr(order, "counts", None)
         self._counts: ShardCounts | None = counts if isinstance(counts, ShardCounts) else None
@@ -58,7 +61,7 @@ class ShardAdvice:
         self._lock = threading.Lock()
         self._horizon: _Horizon | None = None
         self._usage: ShardUsage | None = None
-        self._working_set_shards: int | None = None
+        self._working_set_shards: int | None = working_set_shards
 
     def upcoming(self, position: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Up to ``count`` shards read at ``position`` or later, in order of next use, with

@@ -18,14 +18,21 @@ from typing import Any, cast
 
 import numpy as np
 
-from ..cache.advice import ShardAdvice, working_set_bound
-from ..cache.node import NodeCache, local_bytes_estimate
+from ..cache.advice import ShardAdvice, working_set_bound, working_set_shards_bound
+from ..cache.node import LAYOUT_OVERHEAD, NodeCache
 from ..cache.prefetch import Prefetcher
 from ..errors import CacheBudgetError, ConfigError
 from ..format.index import DatasetIndex, load_index
 from ..format.schema import Schema
 from ..plan import EpochOrder, PlanError, ShuffleOptions, TailPolicy
-from ..plan.mixture import MixtureOrder, SourceOrders, SourceShape, shares_of, source_seed
+from ..plan.mixture import (
+    CombinedShards,
+    MixtureOrder,
+    SourceOrders,
+    SourceShape,
+    shares_of,
+    source_seed,
+)
 from ..plan.mixture_cursor import MixtureCursor, SourceKey
 from .batching import ID_KEY
 from .feed import FeedBase, default_cache_dir
@@ -101,11 +108,15 @@ class MixtureFeed(FeedBase):
         self._advised: tuple[int, int] | None = None
         self._reader: MixtureReader | None = None
         self._reader_pid = -1
-        self._id_base = np.cumsum([0] + [k.num_samples for k in self.keys])[:-1]
-        self._source_orders = [
-            SourceOrders(SourceShape(i.shard_rows, k.epoch_samples),
-                         source_seed(self.options.seed, n), self.shuffle)
-            for n, (i, k) in enumerate(zip(self.indexes, self.keys, strict=True))]
+        shapes = [SourceShape(i.shard_table.counts(), k.epoch_samples)
+                  for i, k in zip(self.indexes, self.keys, strict=True)]
+        self._source_orders = [SourceOrders(shape, source_seed(self.options.seed, n),
+                                            self.shuffle) for n, shape in enumerate(shapes)]
+        self._combined = CombinedShards(shapes)
+        self._id_base = self._combined.id_base
+        # the shards in use at once: the sources' bounds together (they are read side by side)
+        self._working_set_shards = sum(working_set_shards_bound(shape.counts, self.shuffle)
+                                       for shape in shapes)
 
     # ------------------------------------------------------------ cursor and batches
 
@@ -159,7 +170,7 @@ class MixtureFeed(FeedBase):
             plan = cursor.epoch_plan(epoch)
             order = self._orders.get(plan)
             if order is None:
-                order = MixtureOrder(self._source_orders, plan)
+                order = MixtureOrder(self._source_orders, plan, self._combined)
                 self._orders = {plan: order, **{p: o for p, o in self._orders.items()
                                                 if p.epoch == epoch - 1}}
         return cast(EpochOrder, order)
@@ -170,7 +181,7 @@ class MixtureFeed(FeedBase):
         with self._lock:
             advice = self._advice.get(plan)
         if advice is None:
-            advice = ShardAdvice(order)
+            advice = ShardAdvice(order, working_set_shards=self._working_set_shards)
             with self._lock:
                 self._advice = {plan: advice, **{p: a for p, a in self._advice.items()
                                                  if p.epoch == epoch - 1}}
@@ -179,7 +190,8 @@ class MixtureFeed(FeedBase):
     def working_set_bytes(self) -> int:
         """The sources' working sets together (each source's order keeps at most its own
         bound in use at once, and a mixture reads them side by side)."""
-        return sum(working_set_bound(i.shard_rows, [local_bytes_estimate(s) for s in i.shards],
+        return sum(working_set_bound(i.shard_rows,
+                                     i.shard_table.raw_or_stored_bytes() + LAYOUT_OVERHEAD,
                                      self.shuffle) for i in self.indexes)
 
     def check_budget(self, cache_limit: int) -> None:

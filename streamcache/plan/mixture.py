@@ -35,6 +35,7 @@ import numpy as np
 from ._util import PlanError, check_positions, check_span
 from .bijection import derive_key
 from .order import EpochOrder, ShuffleOptions, first_uses
+from .shards import ShardCounts
 
 #: The longest period of the quota sequence; weights whose exact ratio needs a longer one are
 #: rounded to shares of this period (an error below 1/MAX_PERIOD per source).
@@ -284,14 +285,31 @@ class EpochPlan:
 
 @dataclass(frozen=True)
 class SourceShape:
-    """What the plan needs of a source: its shards' row counts and its epoch size."""
+    """What the plan needs of a source: its shards' row counts (a :class:`ShardCounts`, as
+    the shard table shares it, or an array) and its epoch size."""
 
-    shard_rows: np.ndarray
+    shard_rows: np.ndarray | ShardCounts
     epoch_samples: int
+
+    @functools.cached_property
+    def counts(self) -> ShardCounts:
+        return ShardCounts.of(self.shard_rows)
 
     @property
     def num_samples(self) -> int:
-        return int(self.shard_rows.sum())
+        return self.counts.total
+
+
+class CombinedShards:
+    """The sources' shards as one table: source ``s``'s shard ``k`` is shard
+    ``shard_base[s] + k``, its sample ``i`` is sample ``id_base[s] + i``. Made once per
+    mixture (one concatenation of the sources' row counts), shared by its epochs' orders."""
+
+    def __init__(self, shapes: Sequence[SourceShape]) -> None:
+        counts = [shape.counts for shape in shapes]
+        self.counts = ShardCounts(np.concatenate([c.rows for c in counts]).astype(np.int64))
+        self.shard_base = np.cumsum([0] + [c.num_shards for c in counts])[:-1].astype(np.int64)
+        self.id_base = np.cumsum([0] + [c.total for c in counts])[:-1].astype(np.int64)
 
 
 class SourceOrders:
@@ -316,7 +334,7 @@ class SourceOrders:
             if order is not None:
                 self._orders.move_to_end(number)
                 return order
-        order = EpochOrder(self.shape.shard_rows, self.seed, number, self.shuffle)
+        order = EpochOrder(self.shape.counts, self.seed, number, self.shuffle)
         with self._lock:
             self._orders[number] = order
             while len(self._orders) > _ORDERS_PER_SOURCE:
@@ -358,18 +376,19 @@ class MixtureOrder:
     Thread safety: every method may be called from several threads.
     """
 
-    def __init__(self, sources: Sequence[SourceOrders], plan: EpochPlan) -> None:
+    def __init__(self, sources: Sequence[SourceOrders], plan: EpochPlan,
+                 combined: CombinedShards | None = None) -> None:
         self.sources = list(sources)
         self.plan = plan
         self.epoch = plan.epoch
         self.num_samples = plan.num_samples
-        rows = [s.shape.shard_rows for s in self.sources]
-        self.shard_rows = np.concatenate(rows).astype(np.int64)
-        self.num_shards = int(self.shard_rows.size)
-        self.shard_base = np.cumsum([0] + [r.size for r in rows])[:-1].astype(np.int64)
-        self.id_base = np.cumsum([0] + [s.size for s in self.sources])[:-1].astype(np.int64)
-        self.shard_offsets = np.zeros(self.num_shards, dtype=np.int64)
-        np.cumsum(self.shard_rows[:-1], out=self.shard_offsets[1:])
+        combined = combined or CombinedShards([s.shape for s in self.sources])
+        self.counts = combined.counts
+        self.shard_rows = combined.counts.rows
+        self.shard_offsets = combined.counts.offsets
+        self.num_shards = combined.counts.num_shards
+        self.shard_base = combined.shard_base
+        self.id_base = combined.id_base
         self._starts = np.asarray([p.start for p in plan.phases], dtype=np.int64)
 
     def source_samples(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -437,6 +456,7 @@ class MixtureOrder:
 
 __all__ = [
     "MAX_PERIOD",
+    "CombinedShards",
     "EpochPlan",
     "MixtureOrder",
     "Phase",
