@@ -458,3 +458,26 @@ def test_newest_attempt_of_a_step_wins(tmp_path: Path) -> None:
     assert newest is not None and newest.name == sorted(
         (p.name for p in tmp_path.iterdir()), key=lambda n: layout.parse_dir_name(n)[1])[-1]
     assert_same(loaded, model_b)
+
+
+def test_a_one_process_checkpointer_does_not_warn(tmp_path: Path) -> None:
+    import warnings
+
+    _, _, state = make_state(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # DCP's "torch.distributed is disabled" would raise
+        with Checkpointer(tmp_path, async_mode="thread") as ckpt:
+            ckpt.save(1, state)
+            ckpt.wait()
+            assert ckpt.load(fresh_state()[2]) == 1
+
+
+def test_a_root_or_local_dir_under_a_file_is_a_clear_error(tmp_path: Path) -> None:
+    from streamcache.errors import ConfigError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"root must be a folder, but .*a-file is a file"):
+        Checkpointer(blocker / "ckpt", async_mode="sync")
+    with pytest.raises(ConfigError, match=r"local_dir must be a folder, but .*a-file"):
+        Checkpointer(tmp_path / "root", local_dir=blocker, async_mode="sync")

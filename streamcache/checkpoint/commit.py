@@ -12,19 +12,23 @@ import logging
 import os
 import re
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..format.checksum import checksum_bytes
 from . import layout
 from .errors import CheckpointWriteError
 from .layout import GLOBAL_NAME, MARKER_NAME, FileEntry
+from .pace import Pace
 from .ranks import Ranks
 from .staging import Staging
 from .tiers import Location
 from .unpickle import SafeFileSystemReader
+from .writer import OnePassWriter
 
 log = logging.getLogger("streamcache.checkpoint")
 
@@ -47,6 +51,8 @@ class SaveJob:
     error: CheckpointWriteError | None = None
     durable_s: float | None = None
     timeline: str = ""
+    # this rank's files whose size and checksum the writer knows (no second read needed)
+    known_files: dict[str, FileEntry] = field(default_factory=dict)
 
 
 @dataclass
@@ -60,16 +66,27 @@ class Committer:
     write_threads: int
     staging: Staging | None
     private_tmp: bool
+    # rank 0: why this job may no longer publish under the root's lease (None: it may);
+    # asked right before the marker is written and before retention deletes anything
+    confirm_lease: Callable[[], str | None] | None = None
+    # where the writer's hashing yields to a busy training thread (pace.py)
+    pace: Pace | None = None
 
     @property
     def tiered(self) -> bool:
         return self.write_base.url != self.root.url
 
     def writer(self, write_dir: Location) -> dcp.FileSystemWriter:
+        """DCP's own writer, for DCP's checkpoint process (``async_mode="process"``)."""
         # A tier's copy need not be durable: root's copy is, and a restart verifies the
         # local copy against the marker before trusting it.
         return dcp.FileSystemWriter(write_dir.local_path(), sync_files=not self.tiered,
                                     thread_count=self.write_threads, overwrite=False)
+
+    def one_pass_writer(self, write_dir: Location) -> OnePassWriter:
+        """The writer of this process's saves: one pass over the bytes (writer.py)."""
+        return OnePassWriter(write_dir.local_path(), durable=not self.tiered,
+                             thread_count=self.write_threads, pace=self.pace)
 
     def run(self, job: SaveJob) -> None:
         """Write, upload and commit ``job``; sets ``job.error`` or ``job.durable_s``."""
@@ -79,6 +96,8 @@ class Committer:
             self._write(job)
             if self.ranks.rank == 0:
                 job.write_dir.write_atomic(GLOBAL_NAME, job.global_bytes)
+                job.known_files[GLOBAL_NAME] = FileEntry(len(job.global_bytes),
+                                                         checksum_bytes(job.global_bytes))
             files = self._checksum_and_upload(job)
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             error = describe(exc, self.ranks.rank)
@@ -98,17 +117,22 @@ class Committer:
         self._after_commit(job)
 
     def _write(self, job: SaveJob) -> None:
+        """Write this rank's DCP files (and note in ``job`` those whose checksum is known)."""
         if job.dcp_future is not None:  # process mode: DCP's checkpoint process writes
             job.dcp_future.result()
             return
         assert job.state is not None
+        if self.staging is not None:
+            job.state = self.staging.to_host(job.state)  # a GPU snapshot's copy to host
         if job.stage_later is not None:
             assert self.staging is not None
             job.state.update(self.staging.stage_later(job.stage_later))
             job.stage_later = None
-        dcp.save(job.state, storage_writer=self.writer(job.write_dir),
-                 process_group=self.ranks.writer, no_dist=not self.ranks.distributed)
+        writer = self.one_pass_writer(job.write_dir)
+        dcp.save(job.state, storage_writer=writer, process_group=self.ranks.writer,
+                 no_dist=not self.ranks.distributed)
         job.state = None  # the staging buffers are reused by the next save
+        job.known_files.update(writer.written)
 
     def _own_files(self, write_dir: Location) -> list[str]:
         """The files of this attempt this rank answers for (DCP names them __<rank>_...)."""
@@ -123,13 +147,18 @@ class Committer:
         return sorted(owned)
 
     def _checksum_and_upload(self, job: SaveJob) -> dict[str, FileEntry]:
+        """This rank's files with their sizes and checksums (those not ``known`` read back:
+        DCP's checkpoint process writes without telling), uploaded when tiered."""
         files = {}
         target = self.root.child(job.name)
         if self.tiered:
             target.makedirs()
         for name in self._own_files(job.write_dir):
             path = job.write_dir.local_path(name)
-            files[name] = FileEntry(os.path.getsize(path), job.write_dir.checksum(name))
+            entry = job.known_files.get(name)
+            if entry is None or entry.size != os.path.getsize(path):
+                entry = FileEntry(os.path.getsize(path), job.write_dir.checksum(name))
+            files[name] = entry
             if self.tiered:
                 upload_file(target, path, name)
         return files
@@ -157,6 +186,9 @@ class Committer:
             claimed = {rank: sorted(files) for rank, (files, _) in enumerate(gathered)}
             return f"files written by DCP but claimed by no rank: {missing} (claimed: {claimed})"
         marker = layout.new_marker(job.step, self.ranks.world_size, merged, job.timeline)
+        lost = self.confirm_lease() if self.confirm_lease is not None else None
+        if lost is not None:  # another job writes the root now: publish nothing
+            return lost
         layout.write_marker(self.root.child(job.name), marker)
         return None
 
@@ -164,25 +196,38 @@ class Committer:
         """Retention on root (rank 0) and on this rank's local tier; failures only log.
 
         Counts only the live timeline's history (this job's); checkpoints of abandoned
-        timelines are neither counted nor deleted.
+        timelines are neither counted nor deleted. Rank 0 always reaches the broadcast (a
+        failure there means "delete nothing"), so the ranks' collectives stay in step.
         """
+        keep_names: list[str] | None = None  # None: delete nothing
+        if self.ranks.rank == 0:
+            try:
+                keep_names = self._retained(job)
+            except Exception as exc:
+                log.warning("checkpoint retention skipped (checkpoints are intact): %s", exc)
         try:
-            keep_names: list[str] = []
-            if self.ranks.rank == 0:
-                every = layout.complete_newest_first(self.root, everywhere=True)
-                timelines = layout.read_timelines(self.root)
-                history = [i.name for i in every if layout.in_history(i, timelines)]
-                abandoned = [i.name for i in every if i.name not in history]
-                keep_names = [*history[: self.keep_last], job.name, *abandoned]
-            keep = set(self.ranks.broadcast(keep_names, self.ranks.writer))
-            if self.ranks.rank == 0:
-                prune(self.root, keep, job.step)
-            if self.tiered:
-                prune(self.write_base, keep, job.step)
+            keep_names = self.ranks.broadcast(keep_names, self.ranks.writer)
+            if keep_names is not None:
+                if self.ranks.rank == 0:
+                    prune(self.root, set(keep_names), job.step)
+                if self.tiered:
+                    prune(self.write_base, set(keep_names), job.step)
             if self.private_tmp:
                 job.write_dir.remove_tree()
         except Exception as exc:
             log.warning("checkpoint retention failed (checkpoints are intact): %s", exc)
+
+    def _retained(self, job: SaveJob) -> list[str] | None:
+        """Rank 0: the names retention keeps, or None when this job may not delete anything
+        (it lost the root's lease)."""
+        lost = self.confirm_lease() if self.confirm_lease is not None else None
+        if lost is not None:
+            return None
+        every = layout.complete_newest_first(self.root, everywhere=True)
+        timelines = layout.read_timelines(self.root)
+        history = [i.name for i in every if layout.in_history(i, timelines)]
+        abandoned = [i.name for i in every if i.name not in history]
+        return [*history[: self.keep_last], job.name, *abandoned]
 
 
 def prune(location: Location, keep: set[str], newest_step: int) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 
 from ..format.checksum import checksum_bytes
 from .errors import CheckpointCorruptError
-from .tiers import Location
+from .tiers import Location, UnreadableFileError
 
 FORMAT = "streamcache.checkpoint"
 VERSION = 1
@@ -42,6 +42,10 @@ MARKER_NAME = "COMMIT.json"
 TIMELINES_NAME = "TIMELINES.json"
 GLOBAL_NAME = "global.json"
 DCP_METADATA_NAME = ".metadata"
+# caps on the small files read back (a root is untrusted: a huge or endless file is refused)
+MARKER_LIMIT = 64 << 20
+TIMELINES_LIMIT = 16 << 20
+GLOBAL_LIMIT = 256 << 20
 
 # marker keys
 K_FORMAT, K_VERSION, K_STEP, K_TIME = "format", "version", "step", "time"
@@ -118,16 +122,38 @@ class Marker:
             if body[K_FORMAT] != FORMAT or body[K_VERSION] != VERSION:
                 raise ValueError(f"unknown format/version {body[K_FORMAT]!r}/{body[K_VERSION]!r}")
             files = {
-                str(name): FileEntry(int(e[K_SIZE]), str(e[K_CHECKSUM]))
+                file_name(name): FileEntry(_count(e[K_SIZE], "size"), str(e[K_CHECKSUM]))
                 for name, e in body[K_FILES].items()
             }
-            return Marker(int(body[K_STEP]), float(body[K_TIME]), int(body[K_WORLD]), files,
+            world = _count(body[K_WORLD], "world_size")
+            if world < 1:
+                raise ValueError(f"world_size {world} is not positive")
+            return Marker(_count(body[K_STEP], "step"), float(body[K_TIME]), world, files,
                           str(body.get(K_TIMELINE, "")))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise CheckpointCorruptError(
                 f"{where}: commit marker is unreadable ({exc}); the checkpoint is not trusted, "
                 "delete the directory or load an older step"
             ) from exc
+
+
+def file_name(name: object) -> str:
+    """``name`` if it is a plain file name inside a checkpoint directory, else ValueError.
+
+    Every file a checkpoint lists or refers to lives directly in its step directory: no
+    separators, no ``.``/``..``, nothing absolute.
+    """
+    if (not isinstance(name, str) or not name or name in (".", "..") or len(name) > 255
+            or any(c in name for c in "/\\\0")):
+        raise ValueError(f"{name!r} is not a file name inside the checkpoint directory")
+    return name
+
+
+def _count(value: object, what: str) -> int:
+    """A non-negative integer read from a file (bools and floats are refused)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{what} {value!r} is not a non-negative integer")
+    return value
 
 
 @dataclass(frozen=True)
@@ -182,9 +208,12 @@ def check_cheaply(root: Location, name: str) -> CheckpointInfo:
     if MARKER_NAME not in sizes:
         return CheckpointInfo(step, name, url, False, problem="no commit marker (partial save)")
     try:
-        marker = Marker.from_json(root.child(name).read_bytes(MARKER_NAME), where=url)
+        marker = Marker.from_json(root.child(name).read_bytes(MARKER_NAME, MARKER_LIMIT),
+                                  where=url)
     except CheckpointCorruptError as exc:
         return CheckpointInfo(step, name, url, False, problem=str(exc))
+    except UnreadableFileError as exc:
+        return CheckpointInfo(step, name, url, False, problem=f"commit marker refused: {exc}")
     except FileNotFoundError:
         return CheckpointInfo(step, name, url, False, problem="commit marker vanished")
     problem = size_problem(marker, sizes)
@@ -266,13 +295,12 @@ def read_timelines(root: Location) -> list[Timeline]:
         CheckpointCorruptError: the file exists but is not a valid list of timelines.
     """
     try:
-        data = root.read_bytes(TIMELINES_NAME)
+        data = root.read_bytes(TIMELINES_NAME, TIMELINES_LIMIT)
+        return [Timeline(str(t[K_ID]), str(t[K_PARENT]), _count(t[K_FORK_STEP], "fork_step"),
+                         str(t[K_FORK_NAME])) for t in json.loads(data)[K_TIMELINES]]
     except FileNotFoundError:
         return []
-    try:
-        return [Timeline(str(t[K_ID]), str(t[K_PARENT]), int(t[K_FORK_STEP]),
-                         str(t[K_FORK_NAME])) for t in json.loads(data)[K_TIMELINES]]
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CheckpointCorruptError(
             f"{root.join(TIMELINES_NAME)} is unreadable ({exc}); it records which "
             "checkpoints a rollback abandoned: restore it, or delete it to treat every "

@@ -12,18 +12,29 @@ Another job that finds the lease held:
   :class:`CheckpointError`; no renewal for ``ttl_s`` (by this job's own clock, so clock skew
   between hosts does not matter) means the holder died, and the lease is taken over.
 
-A holder that finds its lease taken (after a pause longer than ``ttl_s``) fails its next
-``save``. Object stores without conditional writes make the takeover a best effort: after
-writing the lease a job reads it back and is refused if another job's write won.
+A holder keeps its lease only while the file holds its token. When the renewal finds the
+file missing (another job took the root over and released it), holding another job's token,
+or no longer a lease at all, the lease is *lost* for good: the next ``save`` and any commit
+not yet published fail (:meth:`Lease.confirm` runs right before a marker is published), and
+only a new Checkpointer (a restart) may take the root again. A holder that did not renew for
+longer than ``ttl_s`` (paused, stalled) reads the file twice, a moment apart, before writing
+it again, so that a job taking the lease over at that moment wins and this one loses.
+Object stores without conditional writes make the takeover a best effort: after writing the
+lease a job reads it back and is refused if another job's write won.
 
-Thread safety: ``acquire``/``problem``/``close`` from the training thread; the renewal
-thread only writes the lease file.
+The lease file is untrusted: it is read capped, never through a symlink, and strictly (a
+file that is not a lease, e.g. garbage, a JSON list, wrong types, a directory, is a clear
+:class:`CheckpointError` telling to delete it if no job writes the root, never a wait).
+
+Thread safety: ``acquire``/``close`` from the training thread; ``confirm`` from the writer
+thread; the renewal thread renews. Reads and writes of the file are serialized by a lock.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -34,11 +45,14 @@ from typing import Any
 from ..format.lease import LeaseHolder
 from ..processes import process_token
 from .errors import CheckpointError
-from .tiers import Location
+from .tiers import Location, UnreadableFileError
 
 log = logging.getLogger("streamcache.checkpoint")
 
 LEASE_NAME = "LEASE.json"
+LEASE_LIMIT = 64 << 10  # bytes: a lease is a few hundred
+MAX_TTL_S = 7 * 24 * 3600.0  # a holder's ttl beyond this is not a lease this code wrote
+_INVALID_READS = 3  # a file that is no lease is read this many times before it is refused
 K_TOKEN, K_JOB, K_HOST, K_PID, K_PROCESS, K_RENEWALS, K_TTL = (
     "token", "job_id", "host", "pid", "process", "renewals", "ttl_s")
 
@@ -56,10 +70,14 @@ class Lease:
     def __init__(self, root: Location, ttl_s: float, job_id: str | None) -> None:
         if ttl_s <= 0:
             raise CheckpointError(f"lease_ttl={ttl_s}: give a positive number of seconds")
+        if not math.isfinite(ttl_s) or ttl_s > MAX_TTL_S:
+            raise CheckpointError(f"lease_ttl={ttl_s}: give at most {MAX_TTL_S:.0f} seconds")
         self.root, self.ttl_s, self.job_id = root, ttl_s, job_id
         self.token = uuid.uuid4().hex
         self._renewals = 0
         self._lost: str | None = None
+        self._renewed_at = 0.0  # monotonic time of this job's last write of the lease
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -75,11 +93,21 @@ class Lease:
         """
         watched: dict[str, Any] | None = None
         watched_since = time.monotonic()
+        vanished = 0
+        created = False
         while True:
             current = self._read()
             if current is None:
                 if self.root.create_new(LEASE_NAME, self._body()):
+                    self._renewed_at = time.monotonic()
+                    created = True
                     break
+                vanished += 1  # created by another job first, or a store that lists it
+                if vanished > 50:  # but cannot read it: do not spin
+                    raise CheckpointError(
+                        f"{self.root.join(LEASE_NAME)} exists but cannot be read back; check "
+                        "the storage (or delete the file if no job writes this root)")
+                time.sleep(self._settle_s)
                 continue  # another job created it first: look at it
             if self._may_take(current):
                 self._write()
@@ -99,17 +127,26 @@ class Lease:
                 self._write()
                 break
             time.sleep(min(1.0, self.ttl_s / 6))
-        time.sleep(min(0.2, self.ttl_s / 10))  # let a concurrent writer's PUT land, then check
-        current = self._read()
-        if current is None or current.get(K_TOKEN) != self.token:
-            raise self._refused(current or {}, "(it took the lease at the same moment)")
+        if not (created and self.root.is_local):  # O_EXCL there: nobody else can have won
+            time.sleep(self._settle_s)  # let a concurrent writer's PUT land, then check
+            current = self._read()
+            if current is None or current.get(K_TOKEN) != self.token:
+                raise self._refused(current or {}, "(it took the lease at the same moment)")
         self._thread = threading.Thread(target=self._renew_loop, name="streamcache-lease",
                                         daemon=True)
         self._thread.start()
 
     def problem(self) -> str | None:
-        """Why this job no longer holds the lease, or None."""
+        """Why this job no longer holds the lease, or None (as last seen; see ``confirm``)."""
         return self._lost
+
+    def confirm(self) -> str | None:
+        """Read the lease file now (renewing it when a renewal is due): why this job no
+        longer holds the lease, or None. Called right before anything is published under
+        the lease."""
+        if self._thread is None and self._lost is None:
+            return f"this job holds no lease on {self.root.url}"
+        return self._renew(write=time.monotonic() - self._renewed_at > self.ttl_s / 3)
 
     def close(self) -> None:
         """Stop renewing and give the lease back (if it is still ours)."""
@@ -138,21 +175,55 @@ class Lease:
                              process if isinstance(process, str) else "")
         return holder.is_dead_here()  # the same liveness test as the shard writer's lease
 
+    @property
+    def _settle_s(self) -> float:
+        return min(0.2, self.ttl_s / 10)
+
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
+            if self._renew() is not None:
+                return
+
+    def _renew(self, write: bool = True) -> str | None:
+        """Renew the lease (``write``) if the file still holds this job's token; else mark
+        it lost."""
+        with self._lock:
+            if self._lost is not None:
+                return self._lost
             try:
                 current = self._read()
-                if current is not None and current.get(K_TOKEN) != self.token:
-                    self._lost = (f"{_holder(current)} took over the lease of "
-                                  f"{self.root.url} (this job did not renew it for {self.ttl_s} s)")
-                    log.error("%s", self._lost)
-                    return
-                self._write()
-            except Exception as exc:
+                if current is not None and current.get(K_TOKEN) == self.token and \
+                        time.monotonic() - self._renewed_at > self.ttl_s:
+                    # not renewed for a ttl (paused?): a job may be taking it over right now
+                    time.sleep(self._settle_s)
+                    current = self._read()
+            except CheckpointError as exc:
+                return self._lose(str(exc))
+            except Exception as exc:  # transient: the next renewal tries again
                 log.warning("could not renew the lease of %s: %s", self.root.url, exc)
+                return None
+            if current is None:
+                return self._lose(f"the lease file {self.root.join(LEASE_NAME)} disappeared "
+                                  "(another job took the root over and released it)")
+            if current.get(K_TOKEN) != self.token:
+                return self._lose(f"{_holder(current)} took over the lease of {self.root.url}")
+            if write:
+                try:
+                    self._write()
+                except Exception as exc:
+                    log.warning("could not renew the lease of %s: %s", self.root.url, exc)
+            return None
+
+    def _lose(self, why: str) -> str:
+        self._lost = (f"this job lost its lease on {self.root.url}: {why}; its saves fail "
+                      "from now on (nothing more is published by it). Restart the job (a new "
+                      "Checkpointer) if it should write this root again")
+        log.error("%s", self._lost)
+        return self._lost
 
     def _write(self) -> None:
         self.root.write_atomic(LEASE_NAME, self._body())
+        self._renewed_at = time.monotonic()
 
     def _body(self) -> bytes:
         """This job's lease, one renewal later than the last one written."""
@@ -163,13 +234,28 @@ class Lease:
                            "time": time.time()}).encode()
 
     def _read(self) -> dict[str, Any] | None:
-        try:
-            value = json.loads(self.root.read_bytes(LEASE_NAME))
-        except FileNotFoundError:
-            return None
-        except ValueError:  # a torn or foreign file: nobody holds a valid lease
-            return None
-        return value if isinstance(value, dict) else None
+        """The lease on the root, or None when there is none.
+
+        Raises:
+            CheckpointError: the file is not a lease (garbage, wrong types, a symlink, a
+                directory, too large). A lease is published atomically, so this is never a
+                torn write: something else wrote it, and taking it over could break a job.
+        """
+        path = self.root.join(LEASE_NAME)
+        for attempt in range(_INVALID_READS):
+            try:
+                return parse_lease(self.root.read_bytes(LEASE_NAME, LEASE_LIMIT))
+            except FileNotFoundError:
+                return None
+            except (UnreadableFileError, ValueError, RecursionError) as exc:
+                if attempt + 1 == _INVALID_READS:
+                    raise CheckpointError(
+                        f"{path} is not a checkpoint lease ({exc}); it marks which job "
+                        f"writes {self.root.url}. If no job is writing this root, delete it "
+                        "and save again"
+                    ) from exc
+                time.sleep(self._settle_s)  # a tool that writes it in place, caught midway
+        raise AssertionError("unreachable")
 
     def _refused(self, current: dict[str, Any], how: str) -> CheckpointError:
         return CheckpointError(
@@ -178,6 +264,35 @@ class Lease:
             "delete each other's checkpoints; give this job its own root, or stop the other "
             "job (a job that died releases the lease within lease_ttl seconds)"
         )
+
+
+_FIELDS: dict[str, tuple[type, ...]] = {
+    K_TOKEN: (str,), K_JOB: (str, type(None)), K_HOST: (str,), K_PID: (int,),
+    K_PROCESS: (str,), K_RENEWALS: (int,), K_TTL: (int, float), "time": (int, float),
+}
+
+
+def parse_lease(data: bytes) -> dict[str, Any]:
+    """A lease file's content, checked field by field (ValueError naming what is wrong).
+
+    ``process`` and ``time`` may be absent (leases of earlier versions); every other field
+    must be there with its type, ``ttl_s`` positive and at most :data:`MAX_TTL_S`.
+    """
+    lease = json.loads(data)
+    if not isinstance(lease, dict):
+        raise ValueError(f"a JSON {type(lease).__name__}, not an object")
+    for key, types in _FIELDS.items():
+        if key not in lease:
+            if key in (K_PROCESS, "time"):
+                continue
+            raise ValueError(f"no {key!r}")
+        value = lease[key]
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise ValueError(f"{key!r} is {value!r}")
+    ttl = float(lease[K_TTL])
+    if not (0 < ttl <= MAX_TTL_S):
+        raise ValueError(f"ttl_s {ttl!r} is not in (0, {MAX_TTL_S:.0f}]")
+    return lease
 
 
 def _renewed(before: dict[str, Any], now: dict[str, Any]) -> bool:

@@ -10,22 +10,25 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import layout, rng
 from .commit import describe
+from .dcp_metadata import check_metadata
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .layout import GLOBAL_NAME, K_RANK_KEYS, K_STATES, CheckpointInfo
 from .ranks import Ranks
-from .state import is_global_state, resolve
+from .state import is_global_state, resolve, validate_state
 from .tiers import READ_ATTEMPTS, Location
 from .unpickle import SafeFileSystemReader, SafeFsspecReader, SafeLoadPlanner
 
@@ -142,41 +145,177 @@ class Restorer:
         Raises:
             CheckpointError: the state and the checkpoint do not hold the same values (a
                 partial load), or DCP failed.
-            CheckpointUnsafeError: a pickle in the checkpoint is more than plain values.
+            CheckpointUnsafeError: a pickle in the checkpoint is more than plain values, or
+                its metadata reads files the commit marker does not list.
+            Whatever a global state's ``validate_state_dict`` raises (the StreamLoader's
+                CursorMismatchError: a state of another dataset).
         """
+        self.prepare(source, info, state).apply()
+
+    def prepare(self, source: Location, info: CheckpointInfo,
+                state: dict[str, Any]) -> Prepared:
+        """Read and check everything of ``info`` against ``state``; change nothing in it.
+
+        Checked, on every rank, before any value is applied: the metadata (confined to the
+        marker's files), ``global.json``, the keys and shapes, every global state against
+        its object (``validate_state_dict``), the non-tensor values (read through the
+        restricted unpickler) and this rank's RNG states. A refusal on any rank is raised on
+        every rank. Tensors are read by :meth:`Prepared.apply`, in place.
+        """
+        assert info.marker is not None
         reader = (SafeFileSystemReader(source.local_path()) if source.is_local
                   else SafeFsspecReader(source.url, **source.storage_options))
-        metadata = reader.read_metadata()
-        saved = json.loads(source.read_bytes(GLOBAL_NAME))
         entries = resolve(state)
+        checked: tuple[Any, ...] | None = None
+
+        def check_locally() -> None:
+            nonlocal checked
+            checked = self._check(reader, source, info, entries)
+
+        self._agree(check_locally, info.url)
+        assert checked is not None
+        saved, requested, has_rng = checked
+        flat, mappings = flatten_state_dict(requested)
+        values = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+        tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        self._dcp_load(values, reader, info)
+        rng_state: dict[str, Any] | None = None
+
+        def check_rng() -> None:
+            nonlocal rng_state
+            if has_rng:
+                try:
+                    rng_state = rng.decode(str(values.pop(rng.rng_key(self.ranks.rank))))
+                    rng.check(rng_state)
+                except ValueError as exc:
+                    raise CheckpointError(f"{info.url}: the RNG states of rank "
+                                          f"{self.ranks.rank} are malformed ({exc})") from exc
+
+        self._agree(check_rng, info.url)
+        return Prepared(self, reader, info, state, entries, requested, mappings, values,
+                        tensors, saved.get(K_STATES, {}), rng_state)
+
+    def _check(self, reader: Any, source: Location, info: CheckpointInfo,
+               entries: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], bool]:
+        """This rank's checks of :meth:`prepare` before DCP reads anything."""
+        assert info.marker is not None
+        metadata = reader.read_metadata()
+        check_metadata(metadata, info.marker.files, info.url)
+        reader.keep_metadata(metadata)  # DCP's reads use these checked entries, not a re-read
+        saved = read_global(source, info.url)
         requested = {k: (v.state_dict() if isinstance(v, Stateful) else v)
                      for k, v in entries.items() if not is_global_state(v)}
         global_names = [k for k, v in entries.items() if is_global_state(v)]
         check_complete(requested, global_names, saved, metadata, self.ranks.rank, info.url)
+        for name in global_names:
+            validate_state(entries[name], saved[K_STATES][name])
         key = rng.rng_key(self.ranks.rank)
         has_rng = key in metadata.state_dict_metadata
         if has_rng:
             requested[key] = ""
+        return saved, requested, has_rng
+
+    def _agree(self, check: Callable[[], None], where: str) -> None:
+        """Run ``check`` on every rank; if it raised on any, raise on every rank.
+
+        A rank whose own check failed raises its own exception; the others raise
+        :class:`CheckpointError` naming the first failing rank, so that no rank goes on into
+        a collective the failing one never joins.
+        """
+        error: Exception | None = None
+        try:
+            check()
+        except Exception as exc:
+            error = exc
+        outcome = None if error is None else f"{type(error).__name__}: {error}"
+        outcomes = self.ranks.all_gather(outcome, self.ranks.control)
+        if error is not None:
+            raise error
+        failed = [(rank, o) for rank, o in enumerate(outcomes) if o is not None]
+        if failed:
+            rank, message = failed[0]
+            raise CheckpointError(f"{where}: rank {rank} refused the checkpoint, nothing was "
+                                  f"loaded: {message}")
+
+    def _dcp_load(self, values: dict[str, Any], reader: Any, info: CheckpointInfo) -> None:
+        """DCP's load of ``values`` (flat names) in place, through the restricted unpickler."""
         planner = SafeLoadPlanner()
         try:
-            dcp.load(requested, storage_reader=reader, planner=planner,
+            dcp.load(values, storage_reader=reader, planner=planner,
                      process_group=self.ranks.control, no_dist=not self.ranks.distributed)
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             if planner.refused is not None:
                 raise planner.refused from None
             raise CheckpointError(f"could not load {info.url}: {describe(exc, self.ranks.rank)}"
                                   ) from exc
-        for k, value in entries.items():
-            if isinstance(value, Stateful) and not is_global_state(value):
-                value.load_state_dict(requested[k])
-            elif not is_global_state(value):
-                state[k] = requested[k]
-        for k in global_names:
-            entries[k].load_state_dict(saved[K_STATES][k])
-        if has_rng:
-            rng.restore(rng.decode(str(requested[key])))
+
+
+@dataclass
+class Prepared:
+    """A checkpoint read and checked against a state by :meth:`Restorer.prepare`: nothing of
+    the state has changed yet. :meth:`apply` reads the tensors into the state's own tensors
+    (DCP loads in place) and hands every value to its object. All ranks call it."""
+
+    restorer: Restorer
+    reader: Any
+    info: CheckpointInfo
+    state: dict[str, Any]
+    entries: dict[str, Any]
+    requested: dict[str, Any]
+    mappings: dict[str, Any]
+    values: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    global_states: dict[str, Any]
+    rng_state: dict[str, Any] | None
+
+    def apply(self) -> None:
+        """Load the tensors and apply everything.
+
+        Raises:
+            CheckpointError: reading the tensors failed (an I/O error after the files were
+                verified); tensors may then be partly loaded, say the message.
+        """
+        try:
+            self.restorer._dcp_load(self.tensors, self.reader, self.info)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc} (tensors of the state may be partly loaded: load "
+                                  "again before training)") from exc
+        for fqn, value in self.values.items():
+            set_element(self.requested, self.mappings[fqn], value)
+        for key, value in self.entries.items():
+            if is_global_state(value):
+                continue
+            if isinstance(value, Stateful):
+                value.load_state_dict(self.requested[key])
+            else:
+                self.state[key] = self.requested[key]
+        for key, value in self.entries.items():
+            if is_global_state(value):
+                value.load_state_dict(self.global_states[key])
+        if self.rng_state is not None:
+            rng.restore(self.rng_state)
         else:
-            rng.derive(self.seed, self.ranks.rank, info.step)
+            rng.derive(self.restorer.seed, self.restorer.ranks.rank, self.info.step)
+
+
+def read_global(source: Location, where: str) -> dict[str, Any]:
+    """``global.json`` of a checkpoint, checked for shape (its checksum was verified).
+
+    Raises:
+        CheckpointCorruptError: not a dict of global states and each rank's keys.
+    """
+    try:
+        saved = json.loads(source.read_bytes(GLOBAL_NAME, layout.GLOBAL_LIMIT))
+        states, rank_keys = saved.get(K_STATES, {}), saved.get(K_RANK_KEYS)
+        if not isinstance(states, dict) or not (rank_keys is None or (
+                isinstance(rank_keys, list) and all(
+                    isinstance(keys, list) and all(isinstance(k, str) for k in keys)
+                    for keys in rank_keys))):
+            raise ValueError("unexpected layout")
+    except (ValueError, AttributeError, RecursionError) as exc:
+        raise CheckpointCorruptError(f"{where}: {GLOBAL_NAME} is not a checkpoint's global "
+                                     f"states ({exc}); it cannot be loaded") from exc
+    return dict(saved)
 
 
 def checksum_present(location: Location, name: str) -> str:

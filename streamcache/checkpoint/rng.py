@@ -43,14 +43,40 @@ def capture() -> dict[str, Any]:
     return state
 
 
+def check(state: Any) -> None:
+    """Raise ValueError unless ``state`` is what :func:`capture` returns; sets nothing.
+
+    Each part is set on a fresh generator of its kind (not this process's), so whatever
+    :func:`restore` would refuse is refused here first.
+    """
+    try:
+        if not isinstance(state, dict) or state.get(K_VERSION) != RNG_VERSION:
+            version = state.get(K_VERSION) if isinstance(state, dict) else state
+            raise ValueError(f"unknown RNG state version {version!r}")
+        py_version, py_state, py_gauss = state[K_PYTHON]
+        random.Random().setstate((py_version, tuple(py_state), py_gauss))
+        np_name, np_keys, np_pos, np_has_gauss, np_gauss = state[K_NUMPY]
+        np.random.RandomState().set_state((np_name, np.asarray(np_keys, dtype=np.uint32),
+                                           np_pos, np_has_gauss, np_gauss))
+        torch.Generator().set_state(_unb64(state[K_TORCH]))
+        cuda_states = state.get(K_CUDA)
+        if cuda_states is not None:
+            for text in cuda_states:
+                _unb64(text)
+    except ValueError:
+        raise
+    except Exception as exc:  # wrong types, lengths, encodings: all mean "not an RNG state"
+        raise ValueError(f"malformed RNG state ({type(exc).__name__}: {exc})") from exc
+
+
 def restore(state: dict[str, Any]) -> None:
-    """Set this process's RNG states from :func:`capture`'s output.
+    """Set this process's RNG states from :func:`capture`'s output (checked by :func:`check`
+    first: a malformed state sets nothing).
 
     CUDA states are restored only when CUDA is available here; a checkpoint from a GPU job
     restored on a CPU-only machine keeps the CPU generators exact and skips CUDA's.
     """
-    if state.get(K_VERSION) != RNG_VERSION:
-        raise ValueError(f"unknown RNG state version {state.get(K_VERSION)!r}")
+    check(state)
     py_version, py_state, py_gauss = state[K_PYTHON]
     random.setstate((py_version, tuple(py_state), py_gauss))
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = state[K_NUMPY]
@@ -86,4 +112,4 @@ def _b64(tensor: torch.Tensor) -> str:
 
 
 def _unb64(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)

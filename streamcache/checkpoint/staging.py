@@ -9,16 +9,28 @@ copy is done: the optimizers' ``step`` (a step pre-hook) and, for models that ha
 Everything else is small and is staged before ``save`` returns. Other in-place writes (EMA,
 ``.data``) are not guarded: with background staging they can tear the snapshot.
 
-Thread safety: ``stage_now``/``split`` run in the training thread, ``stage_later`` in the
-writer thread, never at the same time (a save waits for the previous one first).
+Copies run at memory speed as states grow: a blocking copy on the CPU uses this rank's share
+of the cores (torch's intra-op threads, raised for the copy when the job runs with fewer,
+as torchrun's ``OMP_NUM_THREADS=1`` does), and CUDA tensors are copied into pinned host
+buffers. With ``device_snapshot`` and enough free GPU memory, CUDA tensors are first copied
+to reused buffers on their GPU (device to device, milliseconds), so ``save`` returns after
+that copy and the copy to host memory runs in the writer thread (:meth:`Staging.to_host`);
+later kernels of the loop are ordered after the snapshot's copies on the stream.
+(The CUDA paths are written for GPU hosts and not exercised by the CPU-only tests.)
+
+Thread safety: ``stage_now``/``split`` run in the training thread, ``stage_later`` and
+``to_host`` in the writer thread, never at the same time (a save waits for the previous one
+first).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -35,9 +47,11 @@ class Staging:
     Args:
         shared_memory: stage into shared memory (for DCP's checkpoint process).
         background: stage model/optimizer tensors in the writer thread (see module doc).
+        device_snapshot: snapshot CUDA tensors on their GPU first where memory allows.
     """
 
-    def __init__(self, *, shared_memory: bool, background: bool) -> None:
+    def __init__(self, *, shared_memory: bool, background: bool,
+                 device_snapshot: bool = False) -> None:
         on_gpu = torch.cuda.is_available()
         self.background = background
         self._stager = DefaultStager(StagingOptions(
@@ -46,6 +60,8 @@ class Staging:
             use_async_staging=False,
             use_non_blocking_copy=on_gpu,
         ))
+        self._snapshot = DeviceSnapshot() if device_snapshot and on_gpu else None
+        self.copy_threads = rank_cores()
         self._staged = threading.Event()
         self._staged.set()
         self._hooks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -70,8 +86,23 @@ class Staging:
         return now, later
 
     def stage_now(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        staged = self._stager.stage(state_dict)
+        """Copy ``state_dict`` before ``save`` returns (CUDA tensors possibly only to their
+        GPU: then :meth:`to_host` finishes the copy in the writer thread)."""
+        if self._snapshot is not None:
+            snapped = self._snapshot.take(state_dict)
+            if snapped is not None:
+                return snapped
+        with self._copy_threads():
+            staged = self._stager.stage(state_dict)
         assert isinstance(staged, dict)  # use_async_staging=False returns the dict itself
+        return staged
+
+    def to_host(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Writer thread: the host copy of a state ``stage_now`` left on the GPU."""
+        if self._snapshot is None or not self._snapshot.holds(state_dict):
+            return state_dict
+        staged = self._stager.stage(state_dict)
+        assert isinstance(staged, dict)
         return staged
 
     def stage_later(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -96,6 +127,20 @@ class Staging:
                 handle.remove()
         self._hooks.clear()
         self._stager.close()
+        self._snapshot = None
+
+    @contextlib.contextmanager
+    def _copy_threads(self) -> Iterator[None]:
+        """Torch's intra-op threads raised to this rank's share of the cores for a copy."""
+        before = torch.get_num_threads()
+        if before >= self.copy_threads:
+            yield
+            return
+        torch.set_num_threads(self.copy_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     def _guard(self, model_state: ModelState | ModuleEntry | OptimizerEntry) -> None:
         def before(*_: Any) -> None:
@@ -120,3 +165,94 @@ def _freeze_leaves(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(_freeze_leaves(v) for v in value)
     return copy.deepcopy(value)
+
+
+def rank_cores() -> int:
+    """This rank's share of the machine's cores (torchrun's LOCAL_WORLD_SIZE ranks share it)."""
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // ranks)
+
+
+class DeviceSnapshot:
+    """Reused GPU buffers holding a copy of a state's CUDA tensors (see the module doc).
+
+    A snapshot is taken only when its buffers exist or fit in the GPU's free memory with
+    a tenth of the device to spare; otherwise :meth:`take` returns None and the caller
+    copies to host memory directly.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._taken: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def take(self, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+        missing = sum(t.numel() * t.element_size()
+                      for path, t in _cuda_leaves(state_dict, ()) if not self._fits(path, t))
+        if missing:
+            free, total = torch.cuda.mem_get_info()
+            if missing > free - total // 10:
+                return None
+        snapped = self._copy(state_dict, ())
+        holder = _Snapped(snapped)
+        self._taken.add(holder)
+        return holder
+
+    def holds(self, state_dict: Any) -> bool:
+        return state_dict in self._taken
+
+    def _fits(self, path: tuple[Any, ...], tensor: torch.Tensor) -> bool:
+        buffer = self._buffers.get(path)
+        return buffer is not None and buffer.shape == tensor.shape and \
+            buffer.dtype == tensor.dtype and buffer.device == tensor.device
+
+    def _buffer(self, path: tuple[Any, ...], tensor: torch.Tensor) -> torch.Tensor:
+        if not self._fits(path, tensor):
+            self._buffers[path] = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        buffer = self._buffers[path]
+        buffer.copy_(tensor, non_blocking=True)  # on the current stream: ordered before
+        return buffer                            # the loop's later kernels
+
+    def _copy(self, value: Any, path: tuple[Any, ...]) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            local = value.to_local()
+            if not local.is_cuda:
+                return _freeze_leaves(value)
+            return DTensor.from_local(self._buffer(path, local), value.device_mesh,
+                                      value.placements, run_check=False, shape=value.shape,
+                                      stride=value.stride())
+        if isinstance(value, torch.Tensor):
+            return self._buffer(path, value) if value.is_cuda else value
+        if isinstance(value, dict):
+            return {k: self._copy(v, (*path, k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._copy(v, (*path, i)) for i, v in enumerate(value))
+        return copy.deepcopy(value)
+
+
+class _Snapped(dict[str, Any]):
+    """A state dict whose CUDA tensors are snapshot buffers (weak-referenceable)."""
+
+
+def _cuda_leaves(value: Any, path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...],
+                                                                      torch.Tensor]]:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        if local.is_cuda:
+            yield path, local
+    elif isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            yield path, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _cuda_leaves(v, (*path, k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _cuda_leaves(v, (*path, i))

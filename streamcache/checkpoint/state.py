@@ -47,9 +47,23 @@ class GlobalState:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.obj.load_state_dict(state_dict)
 
+    def validate_state_dict(self, state_dict: dict[str, Any]) -> None:
+        validate_state(self.obj, state_dict)
+
 
 def is_global_state(obj: object) -> bool:
     return bool(getattr(obj, GLOBAL_STATE_ATTR, False)) and isinstance(obj, Stateful)
+
+
+def validate_state(obj: object, state_dict: Any) -> None:
+    """Raise what ``obj.load_state_dict(state_dict)`` would raise, changing nothing.
+
+    Objects that can tell (``validate_state_dict``, as the StreamLoader has) are asked; for
+    the others nothing is known before they load.
+    """
+    validate = getattr(obj, "validate_state_dict", None)
+    if callable(validate):
+        validate(state_dict)
 
 
 class ModelState:

@@ -12,10 +12,12 @@ so that a flaky object store is never mistaken for a damaged checkpoint.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import random
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -51,6 +53,10 @@ def retrying(call: Callable[[], T], what: str) -> T:
                         READ_ATTEMPTS, type(exc).__name__, exc)
             time.sleep(backoff_delay(attempt, _READ_BACKOFF, random.random()))
     raise AssertionError("unreachable")
+
+
+class UnreadableFileError(ValueError):
+    """A small file that must not be read as it is: a symlink, not a regular file, too large."""
 
 
 class Location:
@@ -131,11 +137,24 @@ class Location:
             if e.get("type") == "file"
         }
 
-    def read_bytes(self, name: str) -> bytes:
-        if self.is_local:
-            with open(self.local_path(name), "rb") as f:
-                return f.read()
-        return bytes(retrying(lambda: self.fs.cat_file(self._p(name)), self.join(name)))
+    def read_bytes(self, name: str, limit: int) -> bytes:
+        """The bytes of the small file ``name`` (a marker, a lease, ``global.json``).
+
+        Everything under a root is untrusted: locally a symlink is never followed and a FIFO,
+        device or directory is never read; anywhere at most ``limit + 1`` bytes are read.
+
+        Raises:
+            FileNotFoundError: there is no such file.
+            UnreadableFileError: a symlink, not a regular file, or larger than ``limit``.
+        """
+        if not self.is_local:
+            data = bytes(retrying(lambda: self.fs.cat_file(self._p(name), start=0,
+                                                           end=limit + 1), self.join(name)))
+        else:
+            data = _read_regular_file(self.local_path(name), limit)
+        if len(data) > limit:
+            raise UnreadableFileError(f"{self.join(name)} is larger than {limit} bytes")
+        return data
 
     def checksum(self, name: str) -> str:
         """Checksum of a file's bytes (local: streamed by the native core; remote: one GET)."""
@@ -188,3 +207,28 @@ class Location:
 
     def _p(self, name: str) -> str:
         return f"{self.path}/{name}" if name else self.path
+
+
+def _read_regular_file(path: str, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of a local regular file, never through a symlink."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnreadableFileError(f"{path} is a symbolic link") from exc
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnreadableFileError(f"{path} is not a regular file")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

@@ -68,10 +68,17 @@ def load_metadata(data: bytes, *, where: str) -> Metadata:
     """
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
+    except pickle.UnpicklingError as exc:
         raise CheckpointUnsafeError(
-            f"{where}: refusing DCP metadata: {exc}. Loading it would run code from the "
-            "checkpoint; this checkpoint was not written by DCP or was tampered with"
+            f"{where}: refusing DCP metadata: {exc}. Only DCP's metadata classes and plain "
+            "values are unpickled (anything else could run code from the checkpoint); this "
+            "checkpoint was not written by DCP or was tampered with"
+        ) from exc
+    except Exception as exc:  # any other failure of an allowed constructor: not DCP's
+        raise CheckpointUnsafeError(  # metadata either (a KeyError, a bad enum value, ...)
+            f"{where}: refusing DCP metadata: it does not unpickle as DCP writes it "
+            f"({type(exc).__name__}: {_first_line(exc)}); this checkpoint was not written by "
+            "DCP or was tampered with"
         ) from exc
     if not isinstance(metadata, Metadata):
         raise CheckpointUnsafeError(f"{where}: the DCP metadata holds a "
@@ -84,11 +91,20 @@ class _SafeMetadataMixin:
 
     fs: Any
     load_id: Any
+    _kept: Metadata | None = None
+
+    def keep_metadata(self, metadata: Metadata) -> None:
+        """Answer every later ``read_metadata`` with ``metadata`` (checked by the caller)
+        instead of reading the file again."""
+        self._kept = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = load_metadata(stream.read(), where=str(path))
+        if self._kept is not None:
+            metadata = self._kept
+        else:
+            path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = load_metadata(stream.read(), where=str(path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         assert metadata.storage_meta is not None
@@ -127,12 +143,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         try:
             loaded = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as exc:
+        except Exception as exc:  # UnpicklingError: a refused global; others: not a value
             self.refused = CheckpointUnsafeError(
                 f"refusing to load the value {fqn!r}: its pickle needs more than tensors, "
-                f"numbers, strings and plain containers ({_first_line(exc)}); loading it "
-                "would run code from the checkpoint. Save plain values (or a Stateful whose "
-                "state_dict holds only those)"
+                f"numbers, strings and plain containers ({type(exc).__name__}: "
+                f"{_first_line(exc)}); loading it would run code from the checkpoint. Save "
+                "plain values (or a Stateful whose state_dict holds only those)"
             )
             raise self.refused from exc
         # what DefaultLoadPlanner.load_bytes does after its own (unrestricted) torch.load
