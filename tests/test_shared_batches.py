@@ -87,6 +87,15 @@ def test_a_batch_without_tensors_or_too_large_travels_as_it_is() -> None:
     assert reader.copied == 2
 
 
+def test_tensors_that_share_memory_travel_torchs_way_and_still_share_it() -> None:
+    writer = SlotWriter(slots=2)
+    base = torch.arange(10)
+    assert not isinstance(writer.pack({"whole": base, "part": base[2:5]}), SharedBatch)
+    assert isinstance(writer.pack({"a": torch.arange(3), "b": torch.arange(3),
+                                   "empty": torch.empty(0), "none": torch.empty(0, 2)}),
+                      SharedBatch)
+
+
 def _ids(batch: Any) -> list[int]:
     return batch["__id__"].tolist()
 

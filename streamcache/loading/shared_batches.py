@@ -79,6 +79,12 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
     return []
 
 
+def _share_memory(tensors: list[torch.Tensor]) -> bool:
+    """Whether two of ``tensors`` (not empty) are views of one storage."""
+    storages = [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
+    return len(set(storages)) < len(storages)
+
+
 def _replace(batch: Any, placed: dict[int, TensorAt]) -> Any:
     """``batch`` with each tensor whose ``id`` is in ``placed`` replaced by its place."""
     if isinstance(batch, torch.Tensor):
@@ -109,8 +115,8 @@ class SlotWriter:
     def pack(self, batch: Any) -> Any:
         """``batch`` as a :class:`SharedBatch` in a free slot, else ``batch`` as it is."""
         tensors = _tensors(batch)
-        if not tensors:
-            return batch
+        if not tensors or _share_memory(tensors):
+            return batch  # (tensors that share memory keep sharing it only torch's way)
         offsets, used = [], 0
         for tensor in tensors:
             offsets.append(used)
