@@ -336,3 +336,16 @@ def test_set_epoch_starts_where_an_uninterrupted_run_reaches_the_epoch(shares, b
         assert reached.position == first
     else:
         assert flat(read) == combined(model.finite_epoch(epoch))[:len(flat(read))]
+
+
+@pytest.mark.parametrize("rows", [[7, 5, 9], [64], [1000, 3000, 96], [3, 0, 4]])
+def test_a_small_source_reads_its_order_from_a_table_with_the_same_answers(rows, monkeypatch):
+    from streamcache.plan import mixture
+
+    shape = SourceShape(np.asarray(rows), sum(rows) * 2 + 3)  # three passes a source epoch
+    k = np.random.default_rng(len(rows)).integers(0, shape.epoch_samples * 3, 500)
+    tabled = SourceOrders(shape, 5, SHUFFLE).samples_at(k)
+    monkeypatch.setattr(mixture, "SMALL_SOURCE", 0)  # every source evaluates its order
+    evaluated = SourceOrders(shape, 5, SHUFFLE).samples_at(k)
+    for a, b in zip(tabled, evaluated, strict=True):
+        assert (a == b).all()

@@ -42,6 +42,8 @@ from .shards import ShardCounts
 MAX_PERIOD = 1 << 16
 _TAG_SOURCE = 0x534F_5552  # distinguishes a source's seed from every other derived key
 _ORDERS_PER_SOURCE = 3  # EpochOrders kept per source (a step may straddle two of its epochs)
+#: Sources of at most this many samples read their orders from id tables (SourceOrders).
+SMALL_SOURCE = 1 << 12
 
 
 def shares_of(weights: Sequence[float | int | Fraction | numbers.Real]) -> tuple[int, ...]:
@@ -316,6 +318,11 @@ class SourceOrders:
     """A source's own orders, by pass over its samples (a source epoch of ``E`` samples is
     ``ceil(E / N)`` passes, the last in part), kept a few at a time.
 
+    A source of at most :data:`SMALL_SOURCE` samples keeps each pass it reads as a table of
+    sample ids (4 bytes a sample, :data:`_ORDERS_PER_SOURCE` passes), read by index: an
+    order answers any positions for about a millisecond whatever their number, and a mixture
+    of thousands of small sources would pay that for every source a scan touches.
+
     Thread safety: every method may be called from several threads.
     """
 
@@ -326,6 +333,7 @@ class SourceOrders:
         self.size = shape.num_samples
         self.passes = -(-shape.epoch_samples // self.size)
         self._orders: OrderedDict[int, EpochOrder] = OrderedDict()
+        self._tables: OrderedDict[int, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
     def order(self, number: int) -> EpochOrder:
@@ -341,11 +349,32 @@ class SourceOrders:
                 self._orders.popitem(last=False)
         return order
 
+    def _table(self, number: int) -> np.ndarray:
+        """The sample ids of pass ``number``, position by position (a small source)."""
+        with self._lock:
+            table = self._tables.get(number)
+            if table is not None:
+                self._tables.move_to_end(number)
+                return table
+        table = self.order(number).sample_ids(0, self.size).astype(np.int32)
+        with self._lock:
+            self._tables[number] = table
+            while len(self._tables) > _ORDERS_PER_SOURCE:
+                self._tables.popitem(last=False)
+        return table
+
     def samples_at(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(id, shard, row) of the source's samples ``k`` (counted over the whole run)."""
         epoch, within = np.divmod(k, self.shape.epoch_samples)
         number = epoch * self.passes + within // self.size
         position = within % self.size
+        if self.size <= SMALL_SOURCE:
+            ids = np.empty(k.size, dtype=np.int64)
+            for n, here in groups(number):
+                ids[here] = self._table(n)[position[here]]
+            offsets = self.shape.counts.offsets
+            shards = np.searchsorted(offsets, ids, side="right") - 1
+            return ids, shards, ids - offsets[shards]
         if k.size and number[0] == number[-1] and (number == number[0]).all():
             return self.order(int(number[0])).samples_at(position)  # one pass (the usual)
         out = np.empty((3, k.size), dtype=np.int64)
@@ -357,6 +386,9 @@ class SourceOrders:
 def groups(keys: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
     """``(key, the indices holding it)`` for each distinct key, in key order: one sort, so
     O(n log n) for n keys however many are distinct (a mask per key would be O(n x keys))."""
+    if keys.size and keys[0] == keys[-1] and (keys == keys[0]).all():
+        yield int(keys[0]), np.arange(keys.size)  # one key (the usual within a source)
+        return
     order = np.argsort(keys, kind="stable")
     ordered = keys[order]
     starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]]) if keys.size else \
