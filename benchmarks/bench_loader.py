@@ -431,8 +431,10 @@ def run_case(case: str, data: str) -> dict[str, Any]:
 
 
 def _rows(batch: Any) -> int:
-    """Samples in a batch (a dict of columns, or a tensor)."""
-    return len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch)
+    """Samples in a batch: its ``__id__`` (streamcache), else its first column or itself."""
+    if isinstance(batch, dict):
+        return len(batch["__id__"] if "__id__" in batch else next(iter(batch.values())))
+    return len(batch)
 
 
 def peak_rss_mb() -> float:
