@@ -99,6 +99,10 @@ void Scheduler::mark_ready(int64_t shard) {
   std::lock_guard<std::mutex> lock(mutex_);
   Entry& entry = entries_[shard];
   if (entry.state == ShardState::kInFlight) return;  // its worker will report it
+  // Already ready: nothing changes, so nobody is woken. (The prefetcher marks every
+  // installed shard of its advice ready on each update, a few times a second with 100 KB
+  // samples; waking every download thread and reader each time cost more than the update.)
+  if (entry.state == ShardState::kReady) return;
   if (entry.state == ShardState::kQueued) unqueue_locked(shard, entry);
   entry.state = ShardState::kReady;
   entry.message.clear();

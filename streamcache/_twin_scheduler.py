@@ -107,7 +107,7 @@ class Scheduler:
     def mark_ready(self, shard: int) -> None:
         with self._lock:
             entry = self._entries.setdefault(shard, _Entry())
-            if entry.state == SHARD_IN_FLIGHT:
+            if entry.state in (SHARD_IN_FLIGHT, SHARD_READY):  # (ready: nobody to wake)
                 return
             if entry.state == SHARD_QUEUED:
                 self._queue.remove((entry.priority, shard))
