@@ -87,7 +87,8 @@ from streamcache.plan import (
     ShuffleOptions,
     TailPolicy,
 )
-from streamcache.plan.locality import LocalityAssignment, batch_shards, locality_key, shard_owners
+from streamcache.plan.locality import LocalityAssignment, locality_key
+from streamcache.plan.units import UnitLayout, piece_rows_for
 
 BIG_SHARDS = 10**6
 BIG_ROWS = 1000
@@ -171,49 +172,64 @@ def time_steps(options: ShuffleOptions, steps: int) -> dict[str, float]:
 
 
 #: (label, nodes, ranks per node): the multi-node split of a global batch of 1024.
-NODE_CASES = [("contiguous, 8 ranks", 1, 8), ("2 nodes x 4 ranks", 2, 4),
-              ("8 nodes x 1 rank", 8, 1), ("8 nodes x 8 ranks", 8, 8),
-              ("64 nodes x 1 rank", 64, 1)]
+NODE_CASES = [("contiguous, 8 ranks", 1, 8), ("contiguous, 1 rank", 1, 1),
+              ("2 nodes x 4 ranks", 2, 4), ("8 nodes x 1 rank", 8, 1),
+              ("8 nodes x 8 ranks", 8, 8), ("64 nodes x 1 rank", 64, 1)]
+#: Rows per chunk of the benchmark's shards (1 KB samples in 64 KiB chunks).
+NODE_CHUNK_ROWS = 64
 
 
 def time_node_split(steps: int, repeats: int) -> dict[str, dict[str, float]]:
-    """Per-step CPU cost of one rank's part under the locality assignment (docs/multinode.md),
+    """Per-step CPU cost of one rank's part under the locality split (docs/multinode.md),
     all the steps in one ``rank_batches`` call (as the loader asks for many steps at once),
-    against the contiguous split, cases interleaved, median of ``repeats``; with the samples
-    moved off their shard's node (the surplus balanced, as a fraction of the batch).
+    against the contiguous split, cases interleaved, median of ``repeats``; beside it the
+    cost of reading the whole batch's samples (``order.samples`` of 1024 positions, which a
+    1-rank run pays too), the split's own cost (the difference to that), and the samples
+    moved off the nodes that hold them (paid moves, as a fraction of the batch).
 
-    Each repeat builds a new order and assignment, so filling the assignment's per-shard table
-    as shards are first seen is included (4 windows of the default order)."""
+    The shards hold 1,000 rows in 64-row chunks (pieces per docs/multinode.md). Each repeat
+    builds a new order and assignment (its per-shard table included)."""
     rows = np.full(BIG_SHARDS, BIG_ROWS, dtype=np.int64)
+    chunk = np.full(BIG_SHARDS, NODE_CHUNK_ROWS, dtype=np.int64)
     start_position = 123_456_789
     times: dict[str, list[float]] = {label: [] for label, _, _ in NODE_CASES}
+    reads: list[float] = []
     moved: dict[str, float] = {}
     for _ in range(repeats):
         for label, nodes, per_node in NODE_CASES:
             order = EpochOrder(rows, 9, 2, ShuffleOptions())
             world = nodes * per_node
             segment = EpochSegment(order.num_samples, start_position, STEP, world)
+            layout = UnitLayout(rows, chunk, piece_rows_for(1 << 18, nodes, chunk))
             assignment: RankAssignment = CONTIGUOUS if nodes == 1 else \
-                LocalityAssignment(nodes, locality_key("bench"))
+                LocalityAssignment(nodes, locality_key("bench"), layout, STEP)
             begin = time.process_time()
-            segment.rank_batches(order, range(steps), world // 2 - 1, assignment)
+            segment.rank_batches(order, range(steps), world // 2 - 1 if world > 1 else 0,
+                                 assignment)
             times[label].append((time.process_time() - begin) / steps * 1e6)
             if isinstance(assignment, LocalityAssignment):
                 moved[label] = moved_fraction(order, segment, assignment, steps)
-    return {label: {"rank_part_us": statistics.median(times[label]),
+        order = EpochOrder(rows, 9, 2, ShuffleOptions())
+        begin = time.process_time()
+        order.samples(start_position, start_position + steps * STEP)
+        reads.append((time.process_time() - begin) / steps * 1e6)
+    read = statistics.median(reads)
+    return {label: {"rank_part_us": statistics.median(times[label]), "read_batch_us": read,
+                    "split_us": statistics.median(times[label]) - read,
                     "moved_fraction": moved.get(label, 0.0)} for label in times}
 
 
 def moved_fraction(order: EpochOrder, segment: EpochSegment, assignment: LocalityAssignment,
                    steps: int) -> float:
-    """Samples read by a node other than their shard's owner, as a fraction of all."""
+    """Samples read by a node that does not hold their piece (paid moves), a fraction."""
     moved = 0
     for step in range(0, steps, 8):
         first, _ = segment.step_span(step)
         nodes = assignment.node_of_slots(order, first, segment.part_sizes(step))
-        owners = shard_owners(assignment.key, batch_shards(order, first, STEP),
-                              assignment.num_nodes)
-        moved += int((nodes != owners).sum())
+        _, shards, rows = order.samples(first, first + STEP)
+        held = (nodes == assignment.owners(shards, rows)) | (
+            nodes == assignment.backups(shards, rows))
+        moved += int((~held).sum())
     return moved / (len(range(0, steps, 8)) * STEP)
 
 
@@ -305,10 +321,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_node_split(result: dict[str, dict[str, float]], steps: int, repeats: int) -> None:
     print(f"\n4. multi-node split of a global batch of {STEP} (one rank's part, us per step "
-          f"over {steps} steps, median of {repeats}, interleaved)")
-    print(f"   {'case':24} {'us/step':>8} {'moved':>7}")
+          f"over {steps} steps, median of {repeats}, interleaved; read = the whole batch's "
+          "samples, which the split needs and a 1-rank run reads too; split = the rest)")
+    print(f"   {'case':24} {'us/step':>8} {'read':>6} {'split':>6} {'moved':>7}")
     for label, row in result.items():
-        print(f"   {label:24} {row['rank_part_us']:8.1f} {row['moved_fraction']:7.3f}")
+        print(f"   {label:24} {row['rank_part_us']:8.1f} {row['read_batch_us']:6.1f} "
+              f"{row['split_us']:6.1f} {row['moved_fraction']:7.3f}")
 
 
 if __name__ == "__main__":

@@ -7,15 +7,19 @@ divide the world, ranks of a node not numbered contiguously) is refused with a c
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
 import socket
+from typing import Any
 
 import pytest
 from dist import run_ranks
 
 from streamcache.errors import ConfigError
+from streamcache.loading.agreement import RankView, agreed_nodes, nodes_from_hosts
 from streamcache.loading.topology import (
     NodeTopology,
-    _nodes_from_hosts,
     check_nodes_option,
     resolve_nodes,
 )
@@ -85,28 +89,41 @@ def test_impossible_node_counts_are_refused() -> None:
 
 
 def test_hosts_must_hold_contiguous_equal_runs_of_ranks() -> None:
-    assert _nodes_from_hosts(["a", "a", "b", "b"]) == 2
-    assert _nodes_from_hosts(["a"] * 3) == 1
+    assert nodes_from_hosts(["a", "a", "b", "b"]) == 2
+    assert nodes_from_hosts(["a"] * 3) == 1
     for hosts in (["a", "b", "a", "b"], ["a", "a", "b"], ["a", "b", "b", "b"]):
         with pytest.raises(PlanError, match="contiguous runs of equal length"):
-            _nodes_from_hosts(hosts)
+            nodes_from_hosts(hosts)
 
 
-def _hosts_body(rank: int, world_size: int) -> list[tuple[int, int]]:
-    import os
-
-    os.environ.pop("LOCAL_WORLD_SIZE", None)  # a launcher that does not set it
-    found = [(resolve_nodes(rank, world_size).num_nodes, -1)]
-    socket.gethostname = lambda: f"host-{rank}"  # type: ignore[assignment]
-    topology = resolve_nodes(rank, world_size)
-    found.append((topology.num_nodes, topology.node_rank))
-    return found
+def _views(nodes: list[int | None], **changes: list[object]) -> list[RankView]:
+    views = [RankView(rank, len(nodes), n, "" if n is None else f"nodes={n}", f"h{rank // 2}",
+                      (("the global batch", "8"),)) for rank, n in enumerate(nodes)]
+    for name, values in changes.items():
+        views = [dataclasses.replace(v, **{name: value}) for v, value in zip(
+            views, values, strict=True)]
+    return views
 
 
-def test_the_process_group_gives_the_nodes_from_host_names() -> None:
-    results = run_ranks(_hosts_body, 2)
-    # the same host: one node; then each rank on a host of its own: two nodes
-    assert [r.value for r in results] == [[(1, -1), (2, 0)], [(1, -1), (2, 1)]]
+def test_gathered_views_must_agree_or_name_what_differs_and_where() -> None:
+    """The check every rank runs on the gathered views (loading/agreement.py)."""
+    assert agreed_nodes(_views([2, 2, 2, 2])) == 2
+    assert agreed_nodes(_views([None] * 4)) == 2  # from the hosts: h0 h0 h1 h1
+    cases = [
+        (_views([2, 2, 4, 4]), r"node count: nodes=2 on ranks 0-1; nodes=4 on ranks 2-3"),
+        (_views([2, 2, 2, None]), r"ranks 0-2 take it from their settings \(nodes=2\), "
+                                  r"ranks 3 would take it from the hosts"),
+        (_views([2] * 4, world_size=[4, 4, 4, 3]),
+         r"world size: 4 on ranks 0-2; 3 on ranks 3"),
+        (_views([2] * 4, rank=[0, 1, 1, 3]), r"rank 2 calls itself rank 1"),
+        (_views([2] * 4, job=[(("the global batch", "8"),)] * 3 + [(("the global batch", "16"),)]),
+         r"global batch: 8 on ranks 0-2; 16 on ranks 3"),
+        (_views([2] * 4, error=["", "LOCAL_WORLD_SIZE=3 does not divide", "", ""]),
+         r"impossible on some ranks \(rank 1: LOCAL_WORLD_SIZE=3 does not divide\)"),
+    ]
+    for views, message in cases:
+        with pytest.raises(PlanError, match=message):
+            agreed_nodes(views)
 
 
 def test_a_dataset_refuses_a_node_count_its_world_cannot_have(tmp_path) -> None:
@@ -123,3 +140,75 @@ def test_a_dataset_refuses_a_node_count_its_world_cannot_have(tmp_path) -> None:
     dataset = StreamDataset(url, global_batch_size=4, rank=1, world_size=4, nodes=2,
                             cache_dir=str(tmp_path / "cache"))
     assert dataset.locality.topology == NodeTopology(1, 4, 2)
+
+
+def _disagreeing_body(rank: int, world_size: int, url: str, cache: str) -> list[str]:
+    """Phases of one job of 2 real ranks, each with settings that differ between them (or
+    not); every phase's outcome on this rank: the error's message, or the ids it read and
+    where it found itself."""
+    from streamcache import StreamDataset, StreamLoader
+
+    base = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "LOCAL_RANK")}
+    real_hostname = socket.gethostname
+
+    def launcher(per_node: int, **more: str) -> dict[str, str]:
+        return {"LOCAL_WORLD_SIZE": str(per_node), "LOCAL_RANK": str(rank % per_node), **more}
+
+    phases: list[tuple[dict[str, str], dict[str, Any], str]] = [
+        # torchrun's LOCAL_WORLD_SIZE 1 on rank 0, 2 on rank 1
+        (launcher(1 + rank), {}, ""),
+        # nodes= that differs per node
+        (launcher(1), {"nodes": 2 - rank}, ""),
+        # a stale WORLD_SIZE in rank 1's environment (its LOCAL_WORLD_SIZE is then not used)
+        (launcher(1, WORLD_SIZE="3" if rank else "2"), {}, ""),
+        # an impossible setting on one rank: the other is told, and does not wait for it
+        (launcher(3 if rank else 1), {}, ""),
+        # agreement: 2 nodes of 1 rank
+        (launcher(1), {}, ""),
+        # no launcher setting: the hosts decide (the same host: one node; two: two)
+        ({}, {}, real_hostname()),
+        ({}, {}, f"host-{rank}"),
+    ]
+    outcomes = []
+    for env, options, host in phases:
+        os.environ.clear()
+        os.environ.update(base, **env)
+        socket.gethostname = lambda host=host: host  # type: ignore[assignment]
+        dataset = StreamDataset(url, global_batch_size=8, cache_dir=cache, **options)
+        try:
+            with StreamLoader(dataset) as loader:
+                ids = [str(i) for batch in loader for i in batch["__id__"].tolist()]
+            outcomes.append(f"{dataset.locality!r}: {' '.join(ids)}")
+        except PlanError as error:
+            outcomes.append(f"PlanError: {error}")
+    socket.gethostname = real_hostname  # type: ignore[assignment]
+    return outcomes
+
+
+def test_ranks_that_disagree_on_the_layout_are_refused_on_every_rank(tmp_path) -> None:
+    """Issue 21.1: real gloo ranks whose settings differ. Before, each rank split the batches
+    its own way (samples read twice and never, no error) or waited forever in a collective
+    only one rank made; now both get the same error, naming what differs where. With no
+    launcher setting the process group's host names give the nodes."""
+    from loader_helpers import make_dataset
+
+    url = make_dataset(str(tmp_path), [12, 20, 16], seq=False)
+    results = [r.value for r in run_ranks(_disagreeing_body, 2, url, str(tmp_path / "cache"),
+                                          timeout_s=240)]
+    expected = [r"node count: LOCAL_WORLD_SIZE=1 on ranks 0; LOCAL_WORLD_SIZE=2 on ranks 1",
+                r"node count: nodes=2 on ranks 0; nodes=1 on ranks 1",
+                r"ranks 0 take it from their settings \(LOCAL_WORLD_SIZE=1\), ranks 1 would "
+                r"take it from the hosts \(LOCAL_WORLD_SIZE=1 ignored: this rank's WORLD_SIZE=3 "
+                r"is not the job's 2\)",
+                r"impossible on some ranks \(rank 1: LOCAL_WORLD_SIZE=3 does not divide"]
+    for phase, message in enumerate(expected):
+        for rank in range(2):
+            assert re.search(message, results[rank][phase]), (phase, rank, results[rank][phase])
+    for phase, nodes in ((4, 2), (5, 1), (6, 2)):
+        read = []
+        for rank in range(2):
+            where, _, ids = results[rank][phase].partition(": ")
+            assert where == f"NodeLocality(node {rank if nodes == 2 else 0} of {nodes}, rank " \
+                            f"{rank} of 2)", results[rank][phase]
+            read += [int(i) for i in ids.split()]
+        assert sorted(read) == list(range(48))  # every sample once over the ranks

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -25,6 +27,7 @@ from ..integrations.accelerate import refuse_accelerate_wrapping
 from ..plan import (
     EpochOrder,
     EpochSegment,
+    PlanError,
     RankBatch,
     ShuffleOptions,
     TailPolicy,
@@ -47,7 +50,8 @@ from .dataset_reader import DatasetReader
 from .feed import ShardFeed, default_cache_dir
 from .mixture import MixtureFeed
 from .mixture_store import MixtureReader
-from .nodes import NodeLocality
+from .node_reader import NodeReader
+from .nodes import NodeLocality, fingerprint_of
 from .options import RaggedMode, StreamOptions, TailMode, WindowUnit
 from .schedule import Schedule, StepRef, later_epoch_samples
 from .seeding import GlobalRngSeeder, preserved_global_rngs, step_seed
@@ -200,7 +204,7 @@ class StreamDataset(IterableDataset):
         self._locality: NodeLocality | None = None  # as resolved when the last pass started
         self._validate()
         if opts.cache_limit is not None:
-            self._feed.check_budget(opts.cache_limit)
+            self._check_budget(self._known_nodes())
 
     # ------------------------------------------------------------ the topology
 
@@ -228,7 +232,8 @@ class StreamDataset(IterableDataset):
         if self._locality is not None:
             return self._locality
         return NodeLocality.resolve(self.cursor, *self.topology, self.options.nodes,
-                                     collective=False)
+                                     collective=False, layout=self._unit_layout(),
+                                     global_batch=self.global_batch)
 
     @property
     def global_batch(self) -> int:
@@ -257,9 +262,47 @@ class StreamDataset(IterableDataset):
         """This rank's steps from the cursor on. A pass starts here: the topology is resolved
         now, and kept for the pass (worker processes receive it with the dataset)."""
         self._topology = resolve_topology(self.options.rank, self.options.world_size)
-        self._locality = NodeLocality.resolve(self.cursor, *self._topology, self.options.nodes)
+        self._locality = NodeLocality.resolve(self.cursor, *self._topology, self.options.nodes,
+                                              layout=self._unit_layout(), job=self._job(),
+                                              global_batch=self.global_batch)
+        self._check_budget(self._locality.num_nodes)
         self._feed.use_locality(self._locality)
         return self._schedule(*self._topology, self.global_batch)
+
+    def _known_nodes(self) -> int | None:
+        """The node count where it is known before a pass (None: at the pass)."""
+        if self.options.nodes is not None:
+            return self.options.nodes
+        try:
+            return self.locality.num_nodes
+        except PlanError:  # (e.g. a launcher's variables before the process group exists)
+            return None
+
+    def _check_budget(self, nodes: int | None) -> None:
+        """``cache_limit`` against what the node's cache must hold (the whole working set,
+        or with several nodes the node's share); nothing while the node count is unknown."""
+        limit = self.options.cache_limit
+        if limit is None or nodes is None:
+            return
+        if isinstance(self._feed, ShardFeed):
+            self._feed.check_budget(limit, nodes)
+        else:
+            self._feed.check_budget(limit)
+
+    def _job(self) -> list[tuple[str, Any]]:
+        """What every rank must see alike when a pass starts (checked where a process group
+        exists: see loading/agreement.py)."""
+        cursor = self.cursor
+        state = hashlib.blake2b(json.dumps(cursor.to_dict(), sort_keys=True).encode(),
+                                digest_size=6).hexdigest()
+        where = f"epoch {cursor.epoch}, {getattr(cursor, 'samples_consumed', '?')} samples in"
+        return [("the global batch", self.global_batch),
+                ("the data", fingerprint_of(cursor)),
+                ("the loader state", f"{where} (state {state})")]
+
+    def _unit_layout(self) -> Callable[[int], Any] | None:
+        """How the shards are cut into units for a node count (a mixture: whole shards)."""
+        return getattr(self._feed, "unit_layout", None)
 
     def _schedule(self, rank: int, world_size: int, global_batch: int) -> Schedule:
         return Schedule(self.cursor, global_batch, rank, world_size, self.tail,
@@ -309,7 +352,7 @@ class StreamDataset(IterableDataset):
     # ------------------------------------------------------------ reading
 
     @property
-    def reader(self) -> DatasetReader | MixtureReader:
+    def reader(self) -> DatasetReader | NodeReader | MixtureReader:
         """This process's reader (made again after fork: file locks and threads do not fork)."""
         return self._feed.reader(self.cursor)
 

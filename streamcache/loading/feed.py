@@ -21,14 +21,21 @@ from ..cache.prefetch import Prefetcher, PrefetchOptions
 from ..errors import CacheBudgetError
 from ..format.index import DatasetIndex
 from ..plan import Cursor, EpochOrder, ShuffleOptions
+from ..plan.units import UnitLayout
 from .batching import ID_KEY
 from .dataset_reader import DatasetReader, ShardStore
+from .node_reader import NodeReader, node_reader
 from .nodes import (
     NodeLocality,
+    UnitAdvice,
+    advise_units,
     by_range_option,
     follow_locality,
+    node_working_set,
     read_by_range,
+    unit_layout,
     upcoming_on_node,
+    window_rows,
 )
 from .options import StreamOptions
 from .source import data_identity
@@ -53,8 +60,16 @@ class FeedBase:
     _reader: Any
     _reader_pid: int
     _advised: tuple[int, int] | None
+    _unit_advices: dict[int, UnitAdvice]
 
     def reader(self, cursor: Any) -> Any:
+        raise NotImplementedError
+
+    def order(self, cursor: Any, epoch: int) -> Any:
+        raise NotImplementedError
+
+    def _window_rows(self) -> int:
+        """Samples of a shuffle window (a node's units are scanned a window ahead)."""
         raise NotImplementedError
 
     def advice(self, cursor: Any, epoch: int) -> ShardAdvice:
@@ -71,10 +86,16 @@ class FeedBase:
         """Tell the prefetcher (and the cache's eviction) what the reader needs next: this
         node's shards only, with several nodes."""
         store = self.reader(cursor).store
-        if isinstance(store, Prefetcher):
-            self._advised = advise_store(store, self.advice(cursor, epoch), self.options.prefetch,
-                                         self.locality, (epoch, position, global_batch),
-                                         self._advised, by_set=self._ADVISE_BY_SET)
+        if not isinstance(store, Prefetcher):
+            return
+        where = (epoch, position, global_batch)
+        if self.locality is not None and self.locality.units is not None:  # a node's units
+            self._advised = advise_units(store, self._unit_advice(cursor, epoch),
+                                         self.options.prefetch, where, self._advised)
+            return
+        self._advised = advise_store(store, self.advice(cursor, epoch), self.options.prefetch,
+                                     self.locality, where, self._advised,
+                                     by_set=self._ADVISE_BY_SET)
 
     def use_locality(self, locality: NodeLocality) -> None:
         """This rank's node, resolved when a pass starts: the advice to the prefetcher and
@@ -82,8 +103,26 @@ class FeedBase:
         self.locality = locality
         with self._lock:
             reader = self._reader if self._reader_pid == os.getpid() else None
-        if reader is not None:
+            if reader is not None and isinstance(reader, NodeReader) != (
+                    locality.units is not None):
+                self._reader = None  # (a node's units, or whole shards: made again)
+                self._unit_advices = {}
+        if reader is not None and self._reader is None:
+            reader.close()
+        elif reader is not None:
             self._follow_locality(reader)
+
+    def _unit_advice(self, cursor: Any, epoch: int) -> UnitAdvice:
+        """The advice of this node's units in ``epoch`` (this and the previous kept)."""
+        with self._lock:
+            advice = self._unit_advices.get(epoch)
+        if advice is None:
+            assert self.locality is not None
+            advice = self.locality.unit_advice(self.order(cursor, epoch), self._window_rows())
+            with self._lock:
+                self._unit_advices = {epoch: advice, **{
+                    e: a for e, a in self._unit_advices.items() if e == epoch - 1}}
+        return advice
 
     def _prefetcher(self, cache: NodeCache, cursor: Any) -> Prefetcher:
         """A prefetcher over ``cache`` that keeps the plan's working set ahead."""
@@ -133,7 +172,9 @@ class ShardFeed(FeedBase):
         self._orders: dict[int, EpochOrder] = {}
         self._advice: dict[int, ShardAdvice] = {}
         self._advised: tuple[int, int] | None = None
-        self._reader: DatasetReader | None = None
+        self._unit_advices = {}
+        self._layouts: dict[int, UnitLayout] = {}
+        self._reader: DatasetReader | NodeReader | None = None
         self._reader_pid = -1
 
     def start_cursor(self) -> Cursor:
@@ -188,21 +229,37 @@ class ShardFeed(FeedBase):
         sizes = self.index.shard_table.raw_or_stored_bytes() + LAYOUT_OVERHEAD
         return working_set_bound(self.index.shard_rows, sizes, self.shuffle)
 
-    def check_budget(self, cache_limit: int) -> None:
-        """Raises :class:`CacheBudgetError` if ``cache_limit`` is below the working set."""
+    def check_budget(self, cache_limit: int, num_nodes: int = 1) -> None:
+        """Raises :class:`CacheBudgetError` if ``cache_limit`` is below what a node's cache
+        must hold at once: the working set, or with several nodes the node's share of it."""
         needed = self.working_set_bytes()
+        what = "the working set"
+        if num_nodes > 1:
+            layout = self.unit_layout(num_nodes)
+            if layout.cut.any():
+                needed = node_working_set([self.index], layout, needed, num_nodes)
+                what = f"a node's share of the working set with {num_nodes} nodes"
         if cache_limit < needed:
             raise CacheBudgetError(
-                f"cache_limit={cache_limit:,} bytes is below the working set: with a shuffle "
+                f"cache_limit={cache_limit:,} bytes is below {what}: with a shuffle "
                 f"window of {self.shuffle.window} {self.shuffle.window_unit}, any epoch keeps "
                 f"at most {needed:,} bytes of shards in use at once (a bound the plan "
                 f"guarantees, checked once for every epoch); give at least {needed:,} bytes, "
                 "or lower shuffle_window"
             )
 
-    def reader(self, cursor: Cursor) -> DatasetReader:
-        """This process's reader (made again after fork: file locks and threads do not fork)."""
+    def reader(self, cursor: Cursor) -> DatasetReader | NodeReader:
+        """This process's reader (made again after fork: file locks and threads do not fork):
+        a node's units with several nodes (docs/multinode.md), else the dataset's shards."""
         with self._lock:
+            locality = self.locality
+            if (self._reader is None or self._reader_pid != os.getpid()) and (
+                    locality is not None and locality.units is not None):
+                self._reader = node_reader([self.index], self.index.schema.select(self.fields),
+                                           default_cache_dir(self.options.cache_dir),
+                                           self.options, locality, self.working_set_bytes(),
+                                           self._window_rows())
+                self._reader_pid = os.getpid()
             if self._reader is None or self._reader_pid != os.getpid():
                 self._reader = DatasetReader(self.index, fields=self.fields,
                                              store=self._make_store(cursor),
@@ -212,8 +269,21 @@ class ShardFeed(FeedBase):
                 self._reader_pid = os.getpid()
             return self._reader
 
-    def _follow_locality(self, reader: DatasetReader) -> None:
+    def _follow_locality(self, reader: DatasetReader | NodeReader) -> None:
         follow_locality(reader, self.locality, self._read_by_range)
+
+    def _window_rows(self) -> int:
+        return window_rows(self.shuffle, self.index.shard_rows)
+
+    def unit_layout(self, num_nodes: int) -> UnitLayout:
+        """How this dataset's shards are cut into units for ``num_nodes`` nodes (kept)."""
+        with self._lock:
+            layout = self._layouts.get(num_nodes)
+        if layout is None:
+            layout = unit_layout(self.index, self._window_rows(), num_nodes)
+            with self._lock:
+                self._layouts = {num_nodes: layout}
+        return layout
 
     def _read_by_range(self, shards: np.ndarray) -> np.ndarray:
         """The reader's ``by_range``: the shards another node caches (none on one node)."""

@@ -34,10 +34,12 @@ from ..plan.mixture import (
     source_seed,
 )
 from ..plan.mixture_cursor import MixtureCursor, SourceKey
+from ..plan.units import UnitLayout, concatenate
 from .batching import ID_KEY
 from .feed import FeedBase, default_cache_dir
 from .mixture_store import MixtureCache, MixtureReader, source_caches
-from .nodes import NodeLocality, follow_locality, read_by_range
+from .node_reader import NodeReader, node_reader
+from .nodes import NodeLocality, follow_locality, read_by_range, unit_layout, window_rows
 from .options import StreamOptions
 from .source import SOURCE_KEY, Source, SourceTransforms, data_identity
 
@@ -106,7 +108,9 @@ class MixtureFeed(FeedBase):
         self._orders: dict[Any, MixtureOrder] = {}
         self._advice: dict[Any, ShardAdvice] = {}
         self._advised: tuple[int, int] | None = None
-        self._reader: MixtureReader | None = None
+        self._unit_advices = {}
+        self._layouts: dict[int, UnitLayout] = {}
+        self._reader: MixtureReader | NodeReader | None = None
         self._reader_pid = -1
         shapes = [SourceShape(i.shard_table.counts(), k.epoch_samples)
                   for i, k in zip(self.indexes, self.keys, strict=True)]
@@ -204,7 +208,9 @@ class MixtureFeed(FeedBase):
                 f"bytes of shards in use at once; give at least {needed:,} bytes, or lower "
                 "shuffle_window")
 
-    def _follow_locality(self, reader: MixtureReader) -> None:
+    def _follow_locality(self, reader: MixtureReader | NodeReader) -> None:
+        if not isinstance(reader, MixtureReader):
+            return  # (a node's units: nothing is read by range but their rows)
         for source_reader, base in zip(reader.readers, reader.base.tolist(), strict=True):
             follow_locality(source_reader, self.locality,
                             functools.partial(self._read_by_range, base))
@@ -216,9 +222,18 @@ class MixtureFeed(FeedBase):
 
     # ------------------------------------------------------------ reading
 
-    def reader(self, cursor: MixtureCursor) -> MixtureReader:
-        """This process's reader (made again after fork)."""
+    def reader(self, cursor: MixtureCursor) -> MixtureReader | NodeReader:
+        """This process's reader (made again after fork): a node's units of every source with
+        several nodes (docs/multinode.md), else the sources' shards."""
         with self._lock:
+            locality = self.locality
+            if (self._reader is None or self._reader_pid != os.getpid()) and (
+                    locality is not None and locality.units is not None):
+                self._reader = node_reader(self.indexes, self.schema,
+                                           default_cache_dir(self.options.cache_dir),
+                                           self.options, locality, self.working_set_bytes(),
+                                           self._window_rows(), self.storage)
+                self._reader_pid = os.getpid()
             if self._reader is None or self._reader_pid != os.getpid():
                 self._reader = MixtureReader(self.indexes, self.schemas,
                                              self._make_store(cursor),
@@ -226,6 +241,22 @@ class MixtureFeed(FeedBase):
                 self._reader_pid = os.getpid()
                 self._follow_locality(self._reader)
             return self._reader
+
+    def _window_rows(self) -> int:
+        """Samples of the sources' shuffle windows together (a node scans them ahead)."""
+        return sum(window_rows(self.shuffle, i.shard_rows) for i in self.indexes)
+
+    def unit_layout(self, num_nodes: int) -> UnitLayout:
+        """How the sources' shards are cut into units for ``num_nodes`` nodes: each source's
+        layout, one part of the combined shard space each (kept)."""
+        with self._lock:
+            layout = self._layouts.get(num_nodes)
+        if layout is None:
+            layout = concatenate([unit_layout(i, window_rows(self.shuffle, i.shard_rows),
+                                              num_nodes) for i in self.indexes])
+            with self._lock:
+                self._layouts = {num_nodes: layout}
+        return layout
 
     def _make_store(self, cursor: MixtureCursor) -> Prefetcher:
         opts = self.options

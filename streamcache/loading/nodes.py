@@ -1,69 +1,113 @@
-"""This node's part of a multi-node job: who reads which sample, and which shards it caches.
+"""This node's part of a multi-node job: who reads which sample, and what the node holds.
 
-With several nodes (see :func:`~streamcache.loading.topology.resolve_nodes`), every shard
-has one owner node (:mod:`streamcache.plan.locality`); a node's ranks read the global
-batch's samples of its shards, plus the few that balance the nodes. So a node:
+With several nodes (see :func:`~streamcache.loading.topology.resolve_nodes`), the shards are
+cut into pieces (:mod:`streamcache.plan.units`) and every piece has one owner node
+(:mod:`streamcache.plan.locality`); a node's ranks read the global batch's samples of its
+pieces, plus the few that balance the nodes. So a node:
 
-- prefetches, and keeps in its cache, only the shards it owns (the advice to its
-  prefetcher is filtered; other shards have no next use, so eviction takes them first);
-- reads the rows it takes from other nodes' shards by range (the reader's ``by_range``),
-  without installing those shards, where the reader can (see docs/multinode.md).
+- prefetches, and keeps in its cache, only its pieces (:class:`UnitAdvice`: its units in
+  order of first use, from a scan of the order ahead), in a
+  :class:`~streamcache.cache.units.UnitCache`;
+- reads a row of another node's piece from that row's chunk, which it installs once (a
+  chunk unit) and reads later rows of from its cache (:mod:`streamcache.loading.node_reader`);
+  rows of shards that are not cut (not chunked) are read by range, as before.
 
-With one node nothing changes: the contiguous split, every shard advised. docs/multinode.md
-has the design and the bytes each node fetches.
+With one node nothing changes: the contiguous split, whole shards, every shard advised.
+docs/multinode.md has the design and the bytes each node fetches.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+import math
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..cache.advice import ShardAdvice
-from ..plan import CONTIGUOUS, RankAssignment
-from ..plan.locality import LocalityAssignment, locality_key
+from ..cache.identity import local_file
+from ..cache.node import LAYOUT_OVERHEAD
+from ..cache.prefetch import Prefetcher, PrefetchOptions
+from ..format.index import DatasetIndex
+from ..plan import CONTIGUOUS, RankAssignment, ShuffleOptions
+from ..plan.locality import LocalityAssignment, ShardPositions, locality_key
+from ..plan.units import UnitLayout, piece_rows_for
 from .topology import NodeTopology, resolve_nodes
+
+#: A scan of the order ahead for :class:`UnitAdvice` looks at this many positions per unit
+#: row at least (every unit is seen while in use).
+_SCAN_HITS = 8
 
 
 def fingerprint_of(cursor: Any) -> str:
     """What identifies the data a cursor reads: a dataset's fingerprint, or a mixture's
-    sources' fingerprints in order (the key of the shard-to-node map)."""
+    sources' fingerprints in order (the key of the piece-to-node map)."""
     fingerprint = getattr(cursor, "dataset_fingerprint", None)
     if isinstance(fingerprint, str):
         return fingerprint
     return "+".join(source.dataset_fingerprint for source in cursor.sources)
 
 
+def unit_layout(index: DatasetIndex, window_rows: int, num_nodes: int) -> UnitLayout:
+    """The pieces of ``index``'s shards for ``num_nodes`` nodes reading windows of
+    ``window_rows`` samples: a shard is cut when it is chunked (rows addressable by range,
+    each chunk verified), has a checksum (its units are then identified by it), holds more
+    than one chunk, and is not read in place (a local uncompressed file costs no transfer)."""
+    columns = index.shard_table.columns()
+    rows = np.asarray(index.shard_rows, dtype=np.int64)
+    chunk = np.maximum(np.asarray(columns["chunk_rows"], dtype=np.int64), 0)  # (-1: none)
+    checked = np.asarray(columns["checksums"].is_valid(), dtype=bool)
+    compressed = np.asarray(columns["compressions"].is_valid(), dtype=bool)
+    local = local_file(index.url) is not None
+    cut = (chunk > 0) & (chunk < rows) & checked & (compressed | (not local))
+    chunk = np.where(cut, chunk, 0)
+    pieces = np.where(cut, piece_rows_for(window_rows, num_nodes, chunk), np.maximum(rows, 1))
+    return UnitLayout(rows, chunk, pieces.astype(np.int64))
+
+
 class NodeLocality:
-    """The rank assignment and the shard ownership of one rank's node.
+    """The rank assignment and what one rank's node holds.
 
     Args:
         topology: this rank's place (:class:`~streamcache.loading.topology.NodeTopology`).
-        key: the shard-to-node key (:func:`~streamcache.plan.locality.locality_key` of the
+        key: the piece-to-node key (:func:`~streamcache.plan.locality.locality_key` of the
             fingerprint), the same on every node.
+        layout: how the shards are cut into units (None: whole shards).
 
     Thread safety: read-only after construction (the assignment's tables fill under a lock).
     Pickles as its arguments.
     """
 
-    def __init__(self, topology: NodeTopology, key: int) -> None:
+    def __init__(self, topology: NodeTopology, key: int, layout: UnitLayout | None = None,
+                 global_batch: int | None = None) -> None:
         self.topology = topology
         self.key = key
-        self._split = LocalityAssignment(topology.num_nodes, key) \
+        self.layout = layout
+        self.global_batch = global_batch
+        # (pieces held by two nodes only where the node holds units)
+        held_twice = layout is not None and bool(layout.cut.any())
+        self._split = LocalityAssignment(
+            topology.num_nodes, key, layout, global_batch if held_twice else None) \
             if topology.num_nodes > 1 else None
 
     @classmethod
     def resolve(cls, cursor: Any, rank: int, world_size: int, nodes: int | None, *,
-                collective: bool = True) -> NodeLocality:
+                collective: bool = True,
+                layout: Callable[[int], UnitLayout | None] | None = None,
+                job: Sequence[tuple[str, Any]] = (),
+                global_batch: int | None = None) -> NodeLocality:
         """This rank's locality now (see :func:`resolve_nodes` for where the node count comes
-        from; ``collective`` allows asking the process group)."""
-        topology = resolve_nodes(rank, world_size, nodes, collective=collective)
-        return cls(topology, locality_key(fingerprint_of(cursor)))
+        from, and how the ranks agree on it and on ``job`` where ``collective`` allows a
+        process group); ``layout`` gives the units for a node count."""
+        topology = resolve_nodes(rank, world_size, nodes, collective=collective, job=job)
+        units = layout(topology.num_nodes) if layout is not None and \
+            topology.num_nodes > 1 else None
+        return cls(topology, locality_key(fingerprint_of(cursor)), units, global_batch)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (NodeLocality, (self.topology, self.key))
+        return (NodeLocality, (self.topology, self.key, self.layout, self.global_batch))
 
     def __repr__(self) -> str:
         t = self.topology
@@ -74,31 +118,181 @@ class NodeLocality:
         return self.topology.num_nodes
 
     @property
+    def split(self) -> LocalityAssignment | None:
+        """The locality split (None on one node)."""
+        return self._split
+
+    @property
     def assignment(self) -> RankAssignment:
         """Which slots of a global batch each rank reads: contiguous on one node."""
         return CONTIGUOUS if self._split is None else self._split
 
-    def owns(self, shards: np.ndarray) -> np.ndarray:
-        """Whether this node owns each shard (bool; all True on one node)."""
+    @property
+    def units(self) -> UnitLayout | None:
+        """The units this node holds, where the node holds units rather than whole shards
+        (several nodes, and some shard cut into pieces); else None."""
+        layout = self.layout
+        if self._split is None or layout is None or not layout.cut.any():
+            return None
+        return layout
+
+    def owns(self, shards: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """Whether this node owns the piece of each (shard, row) (row 0 by default; all True
+        on one node)."""
         if self._split is None:
             return np.ones(np.shape(shards), dtype=bool)
-        return self._split.owners(shards) == self.topology.node_rank
+        return self._split.owners(shards, rows) == self.topology.node_rank
 
     def read_by_range(self, shards: np.ndarray) -> np.ndarray:
-        """The reader's ``by_range``: True for the shards another node owns (their rows are
-        read by range, not installed here)."""
+        """The reader's ``by_range`` with whole shards: True for the shards another node owns
+        (their rows are read by range, not installed here)."""
         return ~self.owns(shards)
 
     def upcoming(self, advice: ShardAdvice, position: int,
                  count: int) -> tuple[np.ndarray, np.ndarray]:
         """Up to ``count`` of this node's shards read from ``position`` on, in order of next
-        use, with that next use (the prefetcher's advice: a node caches only its shards)."""
+        use, with that next use (the prefetcher's advice with whole shards)."""
         if self._split is None:
             return advice.upcoming(position, count)
         # about 1/N of the upcoming shards are this node's: look N times as far
         shards, next_use = advice.upcoming(position, count * self.num_nodes)
         mine = self.owns(shards)
         return shards[mine][:count], next_use[mine][:count]
+
+    def unit_advice(self, order: ShardPositions, window_rows: int) -> UnitAdvice:
+        """The advice of this node's units over ``order`` (see :class:`UnitAdvice`)."""
+        layout = self.units
+        assert layout is not None and self._split is not None
+        return UnitAdvice(order, layout, self._split, self.topology.node_rank, window_rows)
+
+
+class UnitAdvice:
+    """The units one node reads next, and when: from a scan of the order ahead.
+
+    A piece's rows are spread over the shuffle window that reads its part of the shard, so
+    looking ``span`` positions ahead (a window and a half) at a stride that sees every piece
+    several times finds the node's pieces in order of first use. Chunks of other nodes'
+    pieces are not advised (they are installed when first read).
+
+    Thread safety: every method may be called from any thread.
+    """
+
+    def __init__(self, order: ShardPositions, layout: UnitLayout,
+                 assignment: LocalityAssignment, node: int, window_rows: int) -> None:
+        self.order = order
+        self.layout = layout
+        self.assignment = assignment
+        self.node = node
+        total = order.num_samples
+        self.span = scan_span(window_rows, total)
+        smallest = int(np.min(layout.piece_rows[layout.shard_rows > 0], initial=1))
+        self.stride = max(1, min(smallest, self.span) // _SCAN_HITS)
+        self._lock = threading.Lock()
+        self._scanned: tuple[int, np.ndarray, np.ndarray] | None = None
+
+    def upcoming(self, position: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Up to ``count`` of the node's units read from ``position`` on, in order of next
+        use, with that next use."""
+        _, units, first = self._scan(position)
+        ahead = first >= position
+        units = np.concatenate([units[~ahead], units[ahead]])  # (in use already: now)
+        first = np.concatenate([np.full(int((~ahead).sum()), position, np.int64),
+                                first[ahead]])
+        return units[:count], first[:count]
+
+    def next_use(self, position: int) -> Callable[[int], float]:
+        """Where each unit is read next from ``position`` (math.inf: not in the scan)."""
+        _, units, first = self._scan(position)
+        table = dict(zip(units.tolist(), np.maximum(first, position).tolist(), strict=True))
+        return lambda unit: table.get(unit, math.inf)
+
+    def _scan(self, position: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """The node's pieces in ``[start, start + span)`` by first position, where ``start``
+        is at most a quarter span behind ``position`` (rescanned beyond)."""
+        with self._lock:
+            scanned = self._scanned
+        if scanned is not None and scanned[0] <= position < scanned[0] + self.span // 4 + 1:
+            return scanned
+        total = self.order.num_samples
+        positions = np.arange(position, min(total, position + self.span), self.stride,
+                              dtype=np.int64)
+        if positions.size:
+            _, shards, rows = self.order.samples_at(positions)
+            mine = self.assignment.holds(shards, rows, self.node)
+            units, at = np.unique(self.layout.piece_keys(shards[mine], rows[mine]),
+                                  return_index=True)
+            first = positions[mine][at]
+            by_first = np.argsort(first, kind="stable")
+            scanned = (position, units[by_first], first[by_first])
+        else:
+            scanned = (position, np.zeros(0, np.int64), np.zeros(0, np.int64))
+        with self._lock:
+            self._scanned = scanned
+        return scanned
+
+    def working_set_units(self) -> int:
+        """The node's units a span holds at most, about (the prefetcher's lookahead)."""
+        return units_in_span(self.layout, self.assignment.num_nodes, self.span)
+
+
+def scan_span(window_rows: int, num_samples: int) -> int:
+    """Positions a unit scan looks ahead: a window and a half (the stagger), at most the
+    epoch."""
+    return max(1, min(num_samples, window_rows + window_rows // 2))
+
+
+def units_in_span(layout: UnitLayout, num_nodes: int, span: int) -> int:
+    """About the most units of one node that ``span`` consecutive positions read: its share
+    of the pieces of the smallest size, and one more piece per shard the span cuts."""
+    rows = layout.piece_rows[layout.shard_rows > 0]
+    smallest = int(rows.min(initial=1))
+    shards = span // max(1, int(layout.shard_rows.max(initial=1))) + 2
+    return -(-span // (smallest * num_nodes)) + shards
+
+
+def node_working_set(indexes: Sequence[DatasetIndex], layout: UnitLayout, working_set: int,
+                     num_nodes: int) -> int:
+    """Bytes a node's cache must hold at once: its share of the working set, plus a piece of
+    every shard the working set can span (the round-robin deal is even only over whole runs of
+    ``num_nodes`` pieces), plus room for the chunks of other nodes' rows of a few steps
+    (``indexes``: the dataset's, or a mixture's sources' in the layout's order)."""
+    sizes = np.concatenate([index.shard_table.raw_or_stored_bytes() for index in indexes]) \
+        + LAYOUT_OVERHEAD
+    rows = np.maximum(layout.shard_rows, 1)
+    piece = sizes * np.minimum(layout.piece_rows, rows) // rows
+    chunk = np.where(layout.cut, sizes * np.maximum(layout.chunk_rows, 1) // rows, 0)
+    spanned = working_set // max(1, int(sizes.min(initial=1))) + 2
+    share = -(-working_set // num_nodes)
+    return min(working_set, share + min(len(sizes), spanned) * int(piece.max(initial=0))) + (
+        64 * int(chunk.max(initial=0)))
+
+
+def window_rows(shuffle: ShuffleOptions, shard_rows: np.ndarray) -> int:
+    """Samples in a shuffle window (a window of shards: that many shards of average rows;
+    no shuffle: one shard), at most the dataset."""
+    rows = np.asarray(shard_rows, dtype=np.int64)
+    total = int(rows.sum())
+    if not shuffle.enabled:
+        return max(1, min(total, int(rows.max(initial=1))))
+    if shuffle.window_unit == "shards":
+        return max(1, min(total, shuffle.window * total // max(1, rows.size)))
+    return max(1, min(total, shuffle.window))
+
+
+def advise_units(store: Prefetcher, advice: UnitAdvice, prefetch: PrefetchOptions | None,
+                 where: tuple[int, int, int], advised: tuple[int, int] | None,
+                 ) -> tuple[int, int] | None:
+    """Give ``store`` (a Prefetcher over a UnitCache) the node's units read next from
+    ``where`` = (epoch, position, global batch); returns what to pass as ``advised`` next
+    time (sent again when the first upcoming unit changes, and every quarter span)."""
+    epoch, position, global_batch = where
+    count = (prefetch or PrefetchOptions()).lookahead(advice.working_set_units())
+    units, next_use = advice.upcoming(position, count)
+    key = (epoch, int(units[0]) if len(units) else -1)
+    if key != advised or position % max(1, advice.span // 4) < global_batch:
+        store.update(units, next_use)
+        return key
+    return advised
 
 
 def upcoming_on_node(locality: NodeLocality | None, advice: ShardAdvice, position: int,
@@ -138,5 +332,6 @@ def follow_locality(reader: Any, locality: NodeLocality | None,
         reader.by_range = by_range_option(type(reader), locality, by_range).get("by_range")
 
 
-__all__ = ["NodeLocality", "by_range_option", "fingerprint_of", "follow_locality",
-           "read_by_range", "upcoming_on_node"]
+__all__ = ["NodeLocality", "UnitAdvice", "advise_units", "by_range_option", "fingerprint_of",
+           "follow_locality", "node_working_set", "read_by_range", "scan_span", "unit_layout",
+           "units_in_span", "upcoming_on_node", "window_rows"]

@@ -11,13 +11,15 @@ answer "rank 0 of 1" would make every rank read every global batch whole; that i
 from __future__ import annotations
 
 import os
-import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StreamcacheError
 from ..plan import PlanError
+from .agreement import agreed_nodes, gather_views, local_view
 
 # Variables that launchers (torchrun, Lightning, accelerate, DeepSpeed) set in every process of
 # a distributed job, with the value each takes in a job of one process.
@@ -140,29 +142,56 @@ def check_nodes_option(nodes: int | None) -> int | None:
 
 
 def resolve_nodes(rank: int, world_size: int, nodes: int | None = None, *,
-                  collective: bool = True) -> NodeTopology:
+                  collective: bool = True,
+                  job: Sequence[tuple[str, Any]] = ()) -> NodeTopology:
     """How many nodes the ranks run on, and this rank's, when a pass starts.
 
     In order: ``nodes`` (the dataset's argument; ``nodes=1`` turns locality off); else
     torchrun's environment (``LOCAL_WORLD_SIZE``, checked against ``GROUP_RANK`` or
     ``NODE_RANK`` and ``LOCAL_RANK``) when it describes this job (its ``WORLD_SIZE`` and
-    ``RANK``, where set, are ``world_size`` and ``rank``); else, with ``collective`` and a
-    process group of this world, the host names of its ranks (one ``all_gather_object``:
-    every rank must be starting a pass, as in data-parallel training); else one node.
+    ``RANK``, where set, are ``world_size`` and ``rank``); else the host names of the ranks;
+    else one node.
+
+    With ``collective`` and a process group of this job's ranks (its rank and size are
+    ``rank`` and ``world_size``), the ranks agree (:mod:`streamcache.loading.agreement`: one
+    ``all_gather_object``, so every rank of the group must be starting a pass): the same
+    world size, node count and ``job`` (global batch, data, cursor) on every rank, or a
+    :class:`PlanError` on every rank naming what differs on which ranks.
 
     Raises:
-        PlanError: a topology that cannot be: ``LOCAL_WORLD_SIZE`` not dividing the world
+        PlanError: a topology that cannot be (``LOCAL_WORLD_SIZE`` not dividing the world
             size, a node or local rank that contradicts contiguous numbering, hosts whose
-            ranks are not contiguous or not equally many, ``nodes`` not dividing the world.
+            ranks are not contiguous or not equally many, ``nodes`` not dividing the world),
+            or ranks that disagree.
+        ConfigError: ``nodes`` is not an integer >= 1 (without a process group).
     """
+    if collective and world_size > 1 and _group_matches(rank, world_size):
+        try:
+            local, source = _local_nodes(rank, world_size, nodes)
+            if local is not None:
+                NodeTopology(rank, world_size, local)  # (checked before it is gathered)
+            error = ""
+        except StreamcacheError as exc:  # told to every rank: none waits for this one
+            local, source, error = None, "", str(exc)
+        views = gather_views(local_view(rank, world_size, local, source, job, error))
+        return NodeTopology(rank, world_size, agreed_nodes(views))
+    local, _ = _local_nodes(rank, world_size, nodes)
+    return NodeTopology(rank, world_size, local or 1)
+
+
+def _local_nodes(rank: int, world_size: int, nodes: int | None) -> tuple[int | None, str]:
+    """The node count this rank's own settings give, and where it comes from: ``nodes``,
+    else ``LOCAL_WORLD_SIZE`` where the environment describes this job; (None, why not)."""
     if nodes is not None:
-        return NodeTopology(rank, world_size, check_nodes_option(nodes) or 1)
+        return check_nodes_option(nodes), f"nodes={nodes}"
     per_node = _env_ranks_per_node(rank, world_size)
     if per_node is not None:
-        return NodeTopology(rank, world_size, world_size // per_node)
-    if collective and world_size > 1 and _group_matches(rank, world_size):
-        return NodeTopology(rank, world_size, _nodes_from_hosts(_gather_hostnames()))
-    return NodeTopology(rank, world_size, 1)
+        return world_size // per_node, f"LOCAL_WORLD_SIZE={per_node}"
+    per_node, env_world = _env_int("LOCAL_WORLD_SIZE"), _env_int("WORLD_SIZE")
+    if per_node is not None and env_world is not None and env_world != world_size:
+        return None, (f"LOCAL_WORLD_SIZE={per_node} ignored: this rank's WORLD_SIZE="
+                      f"{env_world} is not the job's {world_size}")
+    return None, ""
 
 
 def _env_ranks_per_node(rank: int, world_size: int) -> int | None:
@@ -194,26 +223,6 @@ def _group_matches(rank: int, world_size: int) -> bool:
     dist = torch.distributed
     return bool(dist.is_available() and dist.is_initialized()
                 and dist.get_world_size() == world_size and dist.get_rank() == rank)
-
-
-def _gather_hostnames() -> list[str]:
-    names: list[str | None] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(names, socket.gethostname())
-    return [str(name) for name in names]
-
-
-def _nodes_from_hosts(hosts: list[str]) -> int:
-    """The node count of ranks on ``hosts`` (one name per rank): refused unless each host's
-    ranks are contiguous and every host has as many."""
-    runs = [host for i, host in enumerate(hosts) if i == 0 or host != hosts[i - 1]]
-    per_node = len(hosts) // len(runs)
-    if len(set(runs)) != len(runs) or any(host != runs[i // per_node]
-                                          for i, host in enumerate(hosts)):
-        raise PlanError(f"the ranks' hosts {hosts} are not contiguous runs of equal length: "
-                        "node locality needs the ranks of a node numbered contiguously and "
-                        "as many ranks on every node (as torchrun does); pass nodes= "
-                        "explicitly (nodes=1 reads without locality)")
-    return len(runs)
 
 
 __all__ = ["NodeTopology", "check_nodes_option", "resolve_nodes", "resolve_topology"]

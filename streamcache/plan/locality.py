@@ -1,29 +1,29 @@
-"""Multi-node locality: which node caches which shard, and which rank reads which sample.
+"""Multi-node locality: which node holds which piece of data, and which rank reads which sample.
 
 The global batch of a step is fixed by the order; which rank reads which of its samples is
 free (see :class:`~streamcache.plan.steps.RankAssignment`). Across nodes this module makes
-that choice follow the cache:
+that choice follow what each node holds (docs/multinode.md has the reasons and the bytes):
 
-1. **Shards to nodes** by rendezvous (highest-random-weight) hashing: shard ``k`` belongs to
-   the node ``n`` with the highest ``score(key, k, n)``. The score of a pair does not depend
-   on the node count, so going from ``N`` to ``N - 1`` nodes moves exactly the shards of the
-   node that left (each to its second choice) and nothing else. The key comes from the
-   dataset's fingerprint, not the seed or epoch: a node keeps its shards every epoch.
-2. **Samples to nodes**: each sample of the global batch goes to its shard's owner. A node
-   whose count exceeds what its ranks take (its surplus) releases samples picked by a hash
-   of their position (spread over its shards, so a node reading another's rows needs few
-   rows of any one shard at a time: small range reads); each released sample goes to its
-   shard's second choice if that node is short of samples (so a shard's overflow tends to
-   land on one node, the one that would own it if its owner left, which then reads that
-   shard's footer once), else to the lowest node still short. Only surplus samples move:
-   the fewest moves that balance the nodes.
+1. **Pieces to nodes.** The shards are cut into pieces (:mod:`streamcache.plan.units`: runs of
+   chunks, or whole shards where a shard is not cut). The pieces of a shard are dealt to the
+   nodes round-robin from an offset drawn per shard (a hash of the dataset key and the shard):
+   any run of ``N`` consecutive pieces of a shard has one piece on every node, so every
+   shuffle window, which reads a run of a shard's rows, is shared evenly by the nodes.
+2. **Samples to nodes.** Every sample of the global batch goes to its piece's owner. A node
+   whose count exceeds what its ranks take (its surplus) releases the samples of its lowest
+   *chunk* priority (a hash of the sample's chunk): step after step, the samples released
+   come from the same few chunks, which the receiving node then holds (it installs a chunk
+   it reads once, and reads its later rows from its cache). Each released sample goes to its
+   chunk's backup node if that node is short of samples (so a chunk's released rows tend to
+   land on one node), else to the lowest node still short. Only surplus samples move: the
+   fewest moves that balance the nodes.
 3. **Samples to ranks** within a node: the node's slots in batch order, cut into its ranks'
    parts in rank order (ranks of a node are contiguous, as torchrun numbers them).
 
-Everything is a pure function of (key, node count, the order's shards at the batch's
-positions, part sizes): every rank computes the same split without talking. It touches the
-order only through ``num_samples``, ``locate`` and ``samples_at``, so it also works for a
-mixture's order (a combined shard index space). Pure; no I/O.
+Everything is a pure function of (key, node count, layout, the order's shards and rows at the
+batch's positions, part sizes): every rank computes the same split without talking. It
+touches the order only through ``num_samples``, ``locate`` and ``samples_at``, so it also
+works for a mixture's order (a combined shard index space). Pure; no I/O.
 """
 
 from __future__ import annotations
@@ -36,15 +36,20 @@ from typing import Any, Protocol
 import numpy as np
 
 from ._util import PlanError, check_int
-from .bijection import MASK64, counter_hash, derive_key, derive_keys, mix64_array
+from .bijection import MASK64, counter_hash, derive_key
+from .flows import FLOW_MAX_NODES, flexible_moves
+from .units import UnitLayout
 
-TAG_NODES = 5  # domain tag of the node keys (see bijection's tags)
-TAG_RELEASE = 6  # domain tag of the release priority of a position
+TAG_NODES = 5  # domain tag of the per-shard offsets (see bijection's tags)
+TAG_RELEASE = 6  # domain tag of the chunk priorities
+TAG_DUAL = 7  # domain tag of the pieces held by two nodes, and their backups
+_WEYL_SIZE = 1 << 32
+_WEYL_MASK = np.uint64(_WEYL_SIZE - 1)
+_GOLDEN = np.uint64(0x9E3779B9)  # 2**32 / golden ratio: the Weyl sequence's step
 #: Nodes an assignment can spread a batch over (a node index takes 11 bits of a sort key).
 MAX_NODES = (1 << 11) - 1
 _PRIORITY_BITS = 20
-_NODE_MASK = np.int64(MAX_NODES)
-_SLOT_MASK = np.int64((1 << 32) - 1)
+_MAX_SLOT_BITS = 31
 
 
 class ShardPositions(Protocol):
@@ -55,76 +60,111 @@ class ShardPositions(Protocol):
 
     def locate(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]: ...
 
+    def samples(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+
     def samples_at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 
 
 def locality_key(fingerprint: str) -> int:
-    """The 64-bit key of the shard-to-node assignment of a dataset (or mixture) fingerprint:
+    """The 64-bit key of the piece-to-node assignment of a dataset (or mixture) fingerprint:
     the same on every node and every epoch."""
     digest = hashlib.blake2b(fingerprint.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 
-def shard_scores(key: int, shards: np.ndarray, num_nodes: int) -> np.ndarray:
-    """Rendezvous scores, a ``(len(shards), num_nodes)`` uint64 array: the score of (shard,
-    node) depends on nothing else, so adding or removing nodes leaves the others' unchanged."""
-    shard_words = derive_keys(derive_key(key, TAG_NODES), np.asarray(shards, dtype=np.int64))
-    node_words = derive_keys(derive_key(key, TAG_NODES, 1), np.arange(num_nodes, dtype=np.int64))
-    return mix64_array(shard_words[:, None] ^ node_words[None, :])
+def shard_offsets(key: int, shards: np.ndarray, num_nodes: int) -> np.ndarray:
+    """The node that owns piece 0 of each shard (int64); piece ``j`` is on
+    ``(offset + j) % num_nodes``."""
+    shards = np.asarray(shards, dtype=np.int64)
+    if num_nodes == 1:
+        return np.zeros(shards.shape, dtype=np.int64)
+    hashed = counter_hash(derive_key(key, TAG_NODES), shards)
+    return (hashed % np.uint64(num_nodes)).astype(np.int64)
 
 
-def shard_owners(key: int, shards: np.ndarray | Sequence[int], num_nodes: int) -> np.ndarray:
-    """The node (int64) that owns each shard: its highest rendezvous score.
+def piece_owners(key: int, layout: UnitLayout, shards: np.ndarray, rows: np.ndarray,
+                 num_nodes: int) -> np.ndarray:
+    """The node (int64) that owns the piece holding each (shard, row).
 
     Raises:
         PlanError: ``num_nodes`` below 1.
     """
     check_int("num_nodes", num_nodes, minimum=1)
     shards = np.asarray(shards, dtype=np.int64)
-    if num_nodes == 1:
-        return np.zeros(shards.shape, dtype=np.int64)
-    return np.argmax(shard_scores(key, shards.ravel(), num_nodes), axis=1).reshape(shards.shape)
+    pieces = layout.piece_index(shards, rows)
+    return (shard_offsets(key, shards, num_nodes) + pieces) % num_nodes
+
+
+def dual_fraction(num_nodes: int, global_batch: int | None) -> float:
+    """The fraction of pieces held by two nodes (their owner and a backup).
+
+    None with two nodes or fewer: the chunks a node reads of the other's pieces, which it
+    keeps, do that job (the released samples come from the same few chunks). None beyond
+    :data:`~streamcache.plan.flows.FLOW_MAX_NODES` nodes, where the flow that uses them would
+    cost more per step than the split may. Between, enough that a step's imbalance, about
+    ``sqrt(B/N)`` samples a node, can mostly move at no cost: ``2.3 / sqrt(B/N)`` (the best of
+    those simulated at 128 and 32 samples a node: docs/multinode.md), at most 0.6.
+    """
+    if num_nodes <= 2 or num_nodes > FLOW_MAX_NODES or not global_batch:
+        return 0.0
+    return min(0.6, 2.3 / float(np.sqrt(max(1.0, global_batch / num_nodes))))
 
 
 class LocalityAssignment:
     """A :class:`~streamcache.plan.steps.RankAssignment` that gives each node's ranks the
-    batch's samples of that node's shards (see the module docstring for the rule).
+    batch's samples of that node's pieces (see the module docstring for the rule).
 
     Args:
         num_nodes: nodes the ranks are spread over; ranks ``[n * L, (n + 1) * L)`` are node
             ``n``'s, with ``L = world_size // num_nodes`` (the world size is
             ``len(part_sizes)`` of each call and must be a multiple of ``num_nodes``).
         key: the assignment's key, e.g. :func:`locality_key` of the dataset's fingerprint.
+        layout: how the shards are cut into pieces and chunks (default: every shard one
+            piece, its chunk priority the shard's).
 
     Thread safety: ``slots`` may be called from any thread; the last batch's split is kept
     (every rank of a process, and :meth:`EpochSegment.check_assignment`, ask for the same one).
     """
 
-    def __init__(self, num_nodes: int, key: int) -> None:
+    def __init__(self, num_nodes: int, key: int, layout: UnitLayout | None = None,
+                 global_batch: int | None = None) -> None:
         check_int("num_nodes", num_nodes, minimum=1, maximum=MAX_NODES)
         self.num_nodes = num_nodes
         self.key = key & MASK64
+        self.layout = layout
+        self.global_batch = global_batch
+        self.dual = dual_fraction(num_nodes, global_batch)
+        self._dual_threshold = np.uint64(min(_WEYL_SIZE - 1, int(self.dual * _WEYL_SIZE)))
         self._release_key = derive_key(self.key, TAG_RELEASE)
+        dual_key = derive_key(self.key, TAG_DUAL)
+        self._weyl_shard = np.uint64(dual_key % _WEYL_SIZE | 1)  # (per dataset)
+        self._weyl_group = np.uint64((dual_key >> 32) % _WEYL_SIZE | 1)
         self._last: tuple[Any, int, tuple[int, ...], np.ndarray, np.ndarray] | None = None
         self._lock = threading.Lock()
-        # per shard index: second choice << 16 | owner (-1: not computed yet)
-        self._table = np.full(0, -1, dtype=np.int64)
+        self._chunk_table: tuple[np.ndarray, np.ndarray] | None = None
+        # each shard's offset: all of the layout's at once, else filled as shards are first seen
+        self._offsets = np.full(0, -1, dtype=np.int64) if layout is None else shard_offsets(
+            self.key, np.arange(layout.num_shards, dtype=np.int64), num_nodes)
 
     def __repr__(self) -> str:
-        return f"LocalityAssignment(num_nodes={self.num_nodes}, key={self.key:#x})"
+        return (f"LocalityAssignment(num_nodes={self.num_nodes}, key={self.key:#x}, "
+                f"dual={self.dual:.3f})")
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, LocalityAssignment) and other.num_nodes == self.num_nodes
-                and other.key == self.key)
+                and other.key == self.key and other.layout == self.layout
+                and other.global_batch == self.global_batch)
 
     def __hash__(self) -> int:
-        return hash((self.num_nodes, self.key))
+        return hash((self.num_nodes, self.key, self.layout, self.global_batch))
 
-    def __getstate__(self) -> dict[str, int]:
-        return {"num_nodes": self.num_nodes, "key": self.key}
+    def __getstate__(self) -> dict[str, Any]:
+        return {"num_nodes": self.num_nodes, "key": self.key, "layout": self.layout,
+                "global_batch": self.global_batch}
 
-    def __setstate__(self, state: dict[str, int]) -> None:
-        self.__init__(state["num_nodes"], state["key"])  # type: ignore[misc]
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["num_nodes"], state["key"], state["layout"],  # type: ignore[misc]
+                      state["global_batch"])
 
     # ------------------------------------------------------------ the RankAssignment
 
@@ -135,19 +175,93 @@ class LocalityAssignment:
         by_rank, starts = self._split(order, batch_start, sizes)
         return by_rank[starts[rank]:starts[rank + 1]]
 
+    def slots_many(self, order: ShardPositions, batch_starts: Sequence[int],
+                   part_sizes: Sequence[int], rank: int) -> np.ndarray:
+        """:meth:`slots` of several whole batches with the same part sizes, one row each
+        (``(len(batch_starts), part_sizes[rank])``, ascending), computed together."""
+        return self.batches_many(order, batch_starts, part_sizes, rank)[0]
+
+    def batches_many(self, order: ShardPositions, batch_starts: Sequence[int],
+                     part_sizes: Sequence[int], rank: int,
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Rank ``rank``'s slots of several whole batches with the same part sizes, and the
+        sample id, shard and row at each: four ``(len(batch_starts), part_sizes[rank])``
+        arrays. Consecutive batches inside the epoch are read with one ``samples`` call, and
+        the rank's samples come from it (not looked up again)."""
+        sizes = tuple(map(int, part_sizes))
+        length = sum(sizes)
+        firsts = np.asarray(batch_starts, dtype=np.int64)
+        targets = self._node_targets(sizes)
+        if firsts.size == 0:
+            empty = np.zeros((0, sizes[rank]), dtype=np.int64)
+            return empty, empty, empty, empty
+        ids, shards, rows = _samples_of_batches(order, firsts, length)
+        nodes = self._nodes(shards, rows, targets)
+        slots = _rank_slots(nodes, sizes, rank, self.num_nodes)
+        return (slots, np.take_along_axis(ids, slots, axis=1),
+                np.take_along_axis(shards, slots, axis=1), np.take_along_axis(rows, slots, axis=1))
+
     def node_of_slots(self, order: ShardPositions, batch_start: int,
                       part_sizes: Sequence[int]) -> np.ndarray:
         """The node (int64) that reads each slot of the global batch at ``batch_start``."""
         sizes = tuple(map(int, part_sizes))
-        shards = batch_shards(order, batch_start, sum(sizes))
-        return self._nodes(shards, self._node_targets(sizes), batch_start)
+        _, shards, rows = _samples_of_batches(order, np.array([batch_start]), sum(sizes))
+        return self._nodes(shards, rows, self._node_targets(sizes))[0]
 
-    def owners(self, shards: np.ndarray | Sequence[int]) -> np.ndarray:
-        """The node (int64) that owns each shard (as :func:`shard_owners`, from the table)."""
+    def owners(self, shards: np.ndarray | Sequence[int],
+               rows: np.ndarray | Sequence[int] | None = None) -> np.ndarray:
+        """The node (int64) that owns the piece of each (shard, row) (row 0 by default)."""
         shards = np.asarray(shards, dtype=np.int64)
+        rows = np.zeros_like(shards) if rows is None else np.asarray(rows, dtype=np.int64)
         if self.num_nodes == 1 or shards.size == 0:
             return np.zeros(shards.shape, dtype=np.int64)
-        return (self._lookup(shards.ravel()) & _NODE_MASK).reshape(shards.shape)
+        pieces = 0 if self.layout is None else self.layout.piece_index(shards, rows)
+        return (self._offset(shards) + pieces) % self.num_nodes
+
+    def backups(self, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The node that also holds the piece of each (shard, row), -1 where only its owner
+        does (a fraction :attr:`dual` of the pieces has a backup)."""
+        shards = np.asarray(shards, dtype=np.int64)
+        rows = np.asarray(rows, dtype=np.int64)
+        if self.dual == 0 or shards.size == 0:
+            return np.full(shards.shape, -1, dtype=np.int64)
+        piece = self._piece_index(shards, rows)
+        dual, backup = self._held_twice(shards, piece, self.owners(shards, rows))
+        return np.where(dual, backup, -1)
+
+    def _held_twice(self, shards: np.ndarray, piece: np.ndarray, owners: np.ndarray,
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """Whether each piece (shard, index in it) is held twice, and its backup node.
+
+        Both are low-discrepancy sequences over a shard's pieces, not hashes, so every node
+        holds as many: a piece is held twice where ``(j * golden + shard * w) mod 2**32`` is
+        below the fraction (a Weyl sequence: the held-twice pieces are spread evenly over the
+        pieces, and over each node's); the backup is the owner plus a distance that is the
+        same for the ``N`` pieces of a round of the deal, so each node backs one of them."""
+        count = self.num_nodes
+        weyl = (piece.astype(np.uint64) * _GOLDEN + shards.astype(np.uint64) * self._weyl_shard)
+        dual = (weyl & _WEYL_MASK) < self._dual_threshold
+        rounds = (piece // count).astype(np.uint64) * self._weyl_group + shards.astype(
+            np.uint64) * _GOLDEN
+        distance = 1 + ((rounds >> np.uint64(32)) % np.uint64(count - 1)).astype(np.int64)
+        return dual, (owners + distance) % count
+
+    def holds(self, shards: np.ndarray, rows: np.ndarray, node: int) -> np.ndarray:
+        """Whether ``node`` holds the piece of each (shard, row): its owner or its backup."""
+        return (self.owners(shards, rows) == node) | (self.backups(shards, rows) == node)
+
+    def unit_owners(self, units: np.ndarray) -> np.ndarray:
+        """The node (int64) that owns each piece unit of :attr:`layout` (chunk units: their
+        piece's owner)."""
+        if self.layout is None:
+            raise PlanError("unit owners need a unit layout")
+        layout = self.layout
+        units = np.asarray(units, dtype=np.int64)
+        shards = layout.shard_of_units(units)
+        is_piece = units < layout.num_pieces
+        first = np.where(is_piece, (units - layout.piece_base[shards]) * layout.piece_rows[
+            shards], (units - layout.chunk_base[shards]) * np.maximum(layout.chunk_rows[shards], 1))
+        return self.owners(shards, first)
 
     # ------------------------------------------------------------ the split
 
@@ -171,96 +285,215 @@ class LocalityAssignment:
         if len(sizes) % self.num_nodes:
             raise PlanError(f"world size {len(sizes)} is not a multiple of {self.num_nodes} "
                             "nodes: every node must run the same number of ranks")
-        if sum(sizes) > _SLOT_MASK:
+        if sum(sizes) >= 1 << _MAX_SLOT_BITS:
             raise PlanError(f"a global batch of {sum(sizes)} is too large to split by node "
-                            f"(at most {int(_SLOT_MASK)})")
+                            f"(at most {(1 << _MAX_SLOT_BITS) - 1})")
         return np.asarray(sizes, dtype=np.int64).reshape(self.num_nodes, -1).sum(axis=1)
 
-    def _nodes(self, shards: np.ndarray, targets: np.ndarray, batch_start: int) -> np.ndarray:
-        """The node of each slot: its shard's owner, balanced to ``targets`` with the fewest
-        moves."""
-        if self.num_nodes == 1:
-            return np.zeros(shards.size, dtype=np.int64)
-        entries = self._lookup(shards)
-        nodes = entries & _NODE_MASK
-        surplus = np.bincount(nodes, minlength=self.num_nodes) - targets
-        if not surplus.any():
-            return nodes
-        released = self._released(nodes, batch_start, surplus)
-        nodes[released] = self._receivers(entries[released], np.maximum(0, -surplus))
-        return nodes
+    def _nodes(self, shards: np.ndarray, rows: np.ndarray, targets: np.ndarray) -> np.ndarray:
+        """The node of each slot of ``(steps, batch)`` arrays: its piece's owner, balanced to
+        ``targets`` in every step: first by samples of pieces held by two nodes (free), then
+        by the fewest other moves."""
+        count = self.num_nodes
+        if count == 1:
+            return np.zeros(shards.shape, dtype=np.int64)
+        steps, width = shards.shape
+        shards, rows = shards.ravel(), rows.ravel()
+        piece = self._piece_index(shards, rows)
+        nodes = self._offset(shards) + piece
+        nodes %= count
+        step_of = np.arange(shards.size, dtype=np.int64) // width
+        surplus = np.bincount(nodes + step_of * count, minlength=steps * count).reshape(
+            steps, count) - targets
+        if surplus.any() and self.dual > 0:
+            self._move_flexible(shards, rows, piece, nodes, surplus, step_of)
+        if surplus.any():
+            self._move_paid(shards, rows, nodes, surplus, step_of, width)
+        return nodes.reshape(steps, width)
 
-    def _lookup(self, shards: np.ndarray) -> np.ndarray:
-        """Each shard's table entry, ``second choice << 16 | owner``, from a table filled as
-        shards are first seen (a shard is in many consecutive batches, and a table lookup is
-        much cheaper than hashing)."""
-        table = self._table
+    def _move_flexible(self, shards: np.ndarray, rows: np.ndarray, piece: np.ndarray,
+                       nodes: np.ndarray, surplus: np.ndarray, step_of: np.ndarray) -> None:
+        """Move samples of pieces held by two nodes from owner to backup where that balances
+        the step (:func:`~streamcache.plan.flows.flexible_moves`); ``nodes`` and ``surplus``
+        are updated."""
+        twice, backup = self._held_twice(shards, piece, nodes)
+        dual = np.flatnonzero(twice)
+        if dual.size == 0:
+            return
+        owners = nodes[dual]
+        backups = backup[dual]
+        priority = counter_hash(self._release_key, self._chunk_keys(shards[dual], rows[dual]))
+        moved = dual[flexible_moves(step_of[dual], owners, backups,
+                                    (priority >> np.uint64(64 - _PRIORITY_BITS)).astype(
+                                        np.int64), surplus)]
+        count = self.num_nodes
+        surplus -= np.bincount(step_of[moved] * count + nodes[moved],
+                               minlength=surplus.size).reshape(surplus.shape)
+        nodes[moved] = backups[np.searchsorted(dual, moved)]
+        surplus += np.bincount(step_of[moved] * count + nodes[moved],
+                               minlength=surplus.size).reshape(surplus.shape)
+
+    def _move_paid(self, shards: np.ndarray, rows: np.ndarray, nodes: np.ndarray,
+                   surplus: np.ndarray, step_of: np.ndarray, width: int) -> None:
+        """Balance what is left: each node with a surplus gives the samples of its lowest
+        chunk priority (:func:`_released`) to their chunk's backup while it is short, else to
+        the lowest node still short (:meth:`_receivers`). ``nodes`` is updated."""
+        count = self.num_nodes
+        candidate = np.flatnonzero(surplus.ravel()[step_of * count + nodes] > 0)
+        hashed = counter_hash(self._release_key,
+                              self._chunk_keys(shards[candidate], rows[candidate]))
+        released, hashed = _released(candidate, nodes[candidate], hashed, width, surplus)
+        nodes[released] = self._receivers(nodes[released], hashed, step_of[released],
+                                          np.maximum(0, -surplus))
+
+    def _piece_index(self, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Each row's piece within its shard (0 without a layout)."""
+        if self.layout is None:
+            return np.zeros(shards.shape, dtype=np.int64)
+        return rows // self.layout.piece_rows[shards]
+
+    def _chunk_keys(self, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Each row's chunk unit, or its piece unit in a shard that is not cut (its shard
+        without a layout)."""
+        if self.layout is None:
+            return shards
+        base, divisor = self._chunk_tables()
+        return base[shards] + rows // divisor[shards]
+
+    def _chunk_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per shard: the first unit of its chunk keys and the rows a key covers (its chunk
+        units; its one piece where it is not cut)."""
+        tables = self._chunk_table
+        if tables is None:
+            layout = self.layout
+            assert layout is not None
+            cut = layout.cut
+            tables = (np.where(cut, layout.chunk_base[:-1], layout.piece_base[:-1]),
+                      np.where(cut, layout.chunk_rows, np.iinfo(np.int64).max))
+            self._chunk_table = tables
+        return tables
+
+    def _offset(self, shards: np.ndarray) -> np.ndarray:
+        """Each shard's offset, from a table filled as shards are first seen (a shard is in
+        many consecutive batches, and a table lookup is cheaper than hashing)."""
+        table = self._offsets
         if shards.size and int(shards.max()) < table.size:
-            entries = table[shards]
-            if not (entries < 0).any():
-                return entries
+            found = table[shards]
+            if not (found < 0).any():
+                return found
         with self._lock:
-            self._fill(shards)
-            return self._table[shards]
+            size = self._offsets.size
+            if shards.size and int(shards.max()) >= size:
+                grown = np.full(max(int(shards.max()) + 1, 2 * size), -1, dtype=np.int64)
+                grown[:size] = self._offsets
+                self._offsets = grown
+            missing = np.unique(shards[self._offsets[shards] < 0])
+            self._offsets[missing] = shard_offsets(self.key, missing, self.num_nodes)
+            return self._offsets[shards]
 
-    def _fill(self, shards: np.ndarray) -> None:
-        """Add the shards missing from the table (lock held)."""
-        size = self._table.size
-        if shards.size and int(shards.max()) >= size:
-            grown = max(int(shards.max()) + 1, 2 * size)
-            table = np.full(grown, -1, dtype=np.int64)
-            table[:size] = self._table
-            self._table = table
-        missing = np.unique(shards[self._table[shards] < 0])
-        if missing.size:
-            scores = shard_scores(self.key, missing, self.num_nodes)
-            owner = np.argmax(scores, axis=1)
-            scores[np.arange(missing.size), owner] = 0
-            second = np.argmax(scores, axis=1) if self.num_nodes > 1 else owner
-            self._table[missing] = (second << 16) | owner
-
-    def _released(self, nodes: np.ndarray, batch_start: int,
-                  surplus: np.ndarray) -> np.ndarray:
-        """The slots each node with a surplus gives away: its samples with the lowest
-        release priority (a hash of the position), then by slot."""
-        slots = np.arange(nodes.size, dtype=np.int64)
-        priority = counter_hash(self._release_key, slots + batch_start)
-        # one int64 key orders by (node, priority, slot): 11 + 20 + 32 bits
-        keys = (nodes << np.int64(52)) | (
-            (priority >> np.uint64(64 - _PRIORITY_BITS)).astype(np.int64) << np.int64(32))
-        keys |= slots
-        keys.sort()
-        nodes = keys >> np.int64(52)
-        rank_in_node = np.arange(keys.size) - np.searchsorted(nodes, nodes, side="left")
-        return keys[rank_in_node < surplus[nodes]] & _SLOT_MASK
-
-    def _receivers(self, entries: np.ndarray, deficit: np.ndarray) -> np.ndarray:
-        """The node each released sample (given in slot order) goes to: its shard's second
-        choice, which takes its askers in slot order while it is short; the rest fill the
-        remaining deficits in node order."""
-        count = entries.size
-        # (second choice, sample) in one key: the askers of each node, in slot order
-        asks = ((entries >> np.int64(16)) & _NODE_MASK) << np.int64(32)
-        asks |= np.arange(count, dtype=np.int64)
-        asks.sort()
-        wanted = asks >> np.int64(32)
-        accept = np.arange(count) - np.searchsorted(wanted, wanted) < deficit[wanted]
-        receiver = np.empty(count, dtype=np.int64)
-        receiver[asks[accept] & _SLOT_MASK] = wanted[accept]
-        room = deficit - np.bincount(wanted[accept], minlength=self.num_nodes)
-        receiver[np.sort(asks[~accept] & _SLOT_MASK)] = np.repeat(
-            np.arange(self.num_nodes), room)
+    def _receivers(self, owners: np.ndarray, hashed: np.ndarray, steps: np.ndarray,
+                   deficit: np.ndarray) -> np.ndarray:
+        """The node each released sample (given in (step, slot) order) goes to: its chunk's
+        backup (another node, from the chunk's hash) while that node is short in that step,
+        in slot order; the rest fill the step's remaining deficits in node order."""
+        count = self.num_nodes
+        backup = (owners + 1 + (hashed % np.uint64(count - 1)).astype(np.int64)) % count
+        group = steps * count + backup
+        order = np.argsort(group, kind="stable")
+        grouped = group[order]
+        accept_sorted = np.arange(grouped.size) - np.searchsorted(grouped, grouped) < \
+            deficit.ravel()[grouped]
+        accept = np.empty(grouped.size, dtype=bool)
+        accept[order] = accept_sorted
+        receiver = np.empty(owners.size, dtype=np.int64)
+        receiver[accept] = backup[accept]
+        room = deficit.ravel() - np.bincount(group[accept], minlength=deficit.size)
+        # (the rest, in (step, slot) order, meet each step's remaining room in node order)
+        receiver[~accept] = np.repeat(np.tile(np.arange(count), deficit.shape[0]), room)
         return receiver
+
+
+def _released(candidate: np.ndarray, owners: np.ndarray, hashed: np.ndarray, width: int,
+              surplus: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The samples each node gives away in each step, as flat indices (ascending) with their
+    hashes: of the ``candidate`` samples (flat indices, ascending, on nodes with a surplus,
+    ``owners`` theirs), as many as the node's surplus, lowest chunk priority first, then by
+    slot.
+
+    Only the samples whose priority is below a bound that their group (step, node) almost
+    surely needs are sorted (a few times its surplus); a group that the bound leaves short
+    is ranked whole. The result is the same either way."""
+    count = surplus.shape[1]
+    group = (candidate // width) * count + owners
+    need = surplus.ravel()
+    size = np.bincount(group, minlength=need.size)
+    priority = (hashed >> np.uint64(64 - _PRIORITY_BITS)).astype(np.int64)
+    wanted = 2 * need + 4  # (the lowest `need` of a group are almost surely below this)
+    bound = np.minimum(1 << _PRIORITY_BITS, (wanted << _PRIORITY_BITS) // np.maximum(size, 1))
+    low = priority < bound[group]
+    short = np.bincount(group[low], minlength=need.size) < need
+    if short.any():  # (rare: this group's lowest priorities came out high; rank it whole)
+        low |= short[group]
+    picked = np.flatnonzero(low)
+    ranked, ranked_group = _sorted_by(group[picked], priority[picked], _PRIORITY_BITS)
+    ranked = picked[ranked]
+    rank_in_group = np.arange(ranked.size) - np.searchsorted(ranked_group, ranked_group)
+    chosen = np.sort(ranked[rank_in_group < need[ranked_group]])
+    return candidate[chosen], hashed[chosen]
+
+
+def _sorted_by(major: np.ndarray, minor: np.ndarray, minor_bits: int,
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """The indices that sort by (major, minor, index), non-negative int64 arrays with
+    ``minor < 2**minor_bits``, and ``major`` in that order: a sort of packed keys (cheaper
+    than an argsort) where they fit 63 bits, else a lexsort."""
+    index_bits = max(1, int(major.size).bit_length())
+    if int(major.max(initial=0)).bit_length() + minor_bits + index_bits <= 63:
+        keys = (major << np.int64(minor_bits + index_bits)) | (minor << np.int64(index_bits))
+        keys |= np.arange(major.size, dtype=np.int64)
+        keys.sort()
+        return keys & np.int64((1 << index_bits) - 1), keys >> np.int64(minor_bits + index_bits)
+    order = np.lexsort((np.arange(major.size), minor, major))
+    return order, major[order]
+
+
+def _samples_of_batches(order: ShardPositions, firsts: np.ndarray, length: int,
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sample ids, shards and rows, ``(len(firsts), length)``, of the batches starting at
+    ``firsts`` (positions past ``num_samples`` are PAD's wrapped ones). Consecutive whole
+    batches inside the epoch are read with one ``samples``."""
+    total = order.num_samples
+    count = firsts.size
+    start = int(firsts[0])
+    if start + count * length <= total and np.array_equal(
+            firsts, start + length * np.arange(count, dtype=np.int64)):
+        found = order.samples(start, start + count * length)
+    else:
+        positions = (firsts[:, None] + np.arange(length, dtype=np.int64)).ravel() % total
+        found = order.samples_at(positions)
+    ids, shards, rows = (np.asarray(a, dtype=np.int64).reshape(count, length) for a in found)
+    return ids, shards, rows
+
+
+def _rank_slots(nodes: np.ndarray, sizes: tuple[int, ...], rank: int,
+                num_nodes: int) -> np.ndarray:
+    """Rank ``rank``'s slots in each row of ``nodes``: its node's slots in slot order, from
+    where the node's earlier ranks' parts end."""
+    per_node = len(sizes) // num_nodes
+    node = rank // per_node
+    first_rank = node * per_node
+    lo = sum(sizes[first_rank:rank])
+    hi = lo + sizes[rank]
+    mine = nodes == node
+    within = np.cumsum(mine, axis=1) - 1
+    take = mine & (within >= lo) & (within < hi)
+    return np.nonzero(take)[1].reshape(nodes.shape[0], sizes[rank])
 
 
 def batch_shards(order: ShardPositions, batch_start: int, length: int) -> np.ndarray:
     """The shard of each slot of the batch ``[batch_start, batch_start + length)``
     (positions past ``num_samples`` are PAD's wrapped ones)."""
-    total = order.num_samples
-    if batch_start + length <= total:
-        return np.asarray(order.locate(batch_start, batch_start + length)[0], dtype=np.int64)
-    positions = np.arange(batch_start, batch_start + length, dtype=np.int64) % total
-    return np.asarray(order.samples_at(positions)[1], dtype=np.int64)
+    return _samples_of_batches(order, np.array([batch_start]), length)[1][0]
 
 
 __all__ = [
@@ -268,6 +501,6 @@ __all__ = [
     "ShardPositions",
     "batch_shards",
     "locality_key",
-    "shard_owners",
-    "shard_scores",
+    "piece_owners",
+    "shard_offsets",
 ]

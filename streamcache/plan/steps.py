@@ -258,7 +258,12 @@ class EpochSegment:
     def _assigned_batches(self, order: EpochOrder, steps: list[int], rank: int,
                           assignment: RankAssignment) -> list[RankBatch]:
         """:meth:`rank_batch` of several steps with one lookup of all their samples (the
-        assignment still decides each step's slots on its own)."""
+        assignment decides each step's slots on its own, or the whole steps together where it
+        has ``batches_many``)."""
+        together = self._assigned_together(order, steps, rank, assignment)
+        if together:  # (the whole steps came with their samples; the others, one by one)
+            return [together[step] if step in together else
+                    self.rank_batch(order, step, rank, assignment) for step in steps]
         virtual = [self._assigned(order, step, rank, assignment) for step in steps]
         bounds = np.cumsum([0] + [len(v) for v in virtual])
         joined = np.concatenate(virtual)
@@ -266,6 +271,31 @@ class EpochSegment:
                   joined >= self.num_samples)
         return [RankBatch(step, *(a[bounds[i]:bounds[i + 1]] for a in arrays))
                 for i, step in enumerate(steps)]
+
+    def _assigned_together(self, order: EpochOrder, steps: list[int], rank: int,
+                           assignment: RankAssignment) -> dict[int, RankBatch]:
+        """The rank's batches of the whole steps among ``steps``, from the assignment's
+        ``batches_many`` (one call for all of them: slots, and the ids, shards and rows the
+        assignment read to choose them), checked; {} where it has none."""
+        many = getattr(assignment, "batches_many", None)
+        full = [step for step in steps if self._is_full(step)]
+        if many is None or len(full) < 2:
+            return {}
+        sizes = self.part_sizes(full[0])
+        firsts = np.array([self.step_span(step)[0] for step in full], dtype=np.int64)
+        slots, ids, shards, rows = (np.asarray(a, dtype=np.int64) for a in many(
+            order, firsts, sizes, rank))
+        shape = (len(full), sizes[rank])
+        if any(a.shape != shape for a in (slots, ids, shards, rows)) or (slots.size and (
+                slots.min() < 0 or slots.max() >= sum(sizes)
+                or (np.diff(slots, axis=1) <= 0).any())):
+            raise PlanError(f"rank assignment returned slots of shape {slots.shape} for rank "
+                            f"{rank}; expected {sizes[rank]} ascending distinct slots in "
+                            f"[0, {sum(sizes)}) for each of {len(full)} steps")
+        positions = firsts[:, None] + slots
+        padding = np.zeros(sizes[rank], dtype=bool)
+        return {step: RankBatch(step, positions[i], ids[i], shards[i], rows[i], padding)
+                for i, step in enumerate(full)}
 
     def _is_full(self, step: int) -> bool:
         """Whether a step is a whole batch inside the epoch (only the last step may not be)."""
