@@ -226,25 +226,27 @@ class LocalityAssignment:
         if self.dual == 0 or shards.size == 0:
             return np.full(shards.shape, -1, dtype=np.int64)
         piece = self._piece_index(shards, rows)
-        dual, backup = self._held_twice(shards, piece, self.owners(shards, rows))
-        return np.where(dual, backup, -1)
+        backup = self._backup(shards, piece, self.owners(shards, rows))
+        return np.where(self._twice(shards, piece), backup, -1)
 
-    def _held_twice(self, shards: np.ndarray, piece: np.ndarray, owners: np.ndarray,
-                    ) -> tuple[np.ndarray, np.ndarray]:
-        """Whether each piece (shard, index in it) is held twice, and its backup node.
+    def _twice(self, shards: np.ndarray, piece: np.ndarray) -> np.ndarray:
+        """Whether each piece (shard, index in it) is held twice.
 
-        Both are low-discrepancy sequences over a shard's pieces, not hashes, so every node
-        holds as many: a piece is held twice where ``(j * golden + shard * w) mod 2**32`` is
-        below the fraction (a Weyl sequence: the held-twice pieces are spread evenly over the
-        pieces, and over each node's); the backup is the owner plus a distance that is the
+        A low-discrepancy sequence over a shard's pieces, not a hash, so that every node holds
+        as many: where ``(j * golden + shard * w) mod 2**32`` is below the fraction (a Weyl
+        sequence: spread evenly over the pieces, and over each node's)."""
+        weyl = piece.astype(np.uint64) * _GOLDEN
+        weyl += shards.astype(np.uint64) * self._weyl_shard
+        return (weyl & _WEYL_MASK) < self._dual_threshold
+
+    def _backup(self, shards: np.ndarray, piece: np.ndarray, owners: np.ndarray) -> np.ndarray:
+        """The backup node of each piece held twice: its owner plus a distance that is the
         same for the ``N`` pieces of a round of the deal, so each node backs one of them."""
         count = self.num_nodes
-        weyl = (piece.astype(np.uint64) * _GOLDEN + shards.astype(np.uint64) * self._weyl_shard)
-        dual = (weyl & _WEYL_MASK) < self._dual_threshold
-        rounds = (piece // count).astype(np.uint64) * self._weyl_group + shards.astype(
-            np.uint64) * _GOLDEN
+        rounds = (piece // count).astype(np.uint64) * self._weyl_group
+        rounds += shards.astype(np.uint64) * _GOLDEN
         distance = 1 + ((rounds >> np.uint64(32)) % np.uint64(count - 1)).astype(np.int64)
-        return dual, (owners + distance) % count
+        return (owners + distance) % count
 
     def holds(self, shards: np.ndarray, rows: np.ndarray, node: int) -> np.ndarray:
         """Whether ``node`` holds the piece of each (shard, row): its owner or its backup."""
@@ -316,12 +318,11 @@ class LocalityAssignment:
         """Move samples of pieces held by two nodes from owner to backup where that balances
         the step (:func:`~streamcache.plan.flows.flexible_moves`); ``nodes`` and ``surplus``
         are updated."""
-        twice, backup = self._held_twice(shards, piece, nodes)
-        dual = np.flatnonzero(twice)
+        dual = np.flatnonzero(self._twice(shards, piece))
         if dual.size == 0:
             return
         owners = nodes[dual]
-        backups = backup[dual]
+        backups = self._backup(shards[dual], piece[dual], owners)
         priority = counter_hash(self._release_key, self._chunk_keys(shards[dual], rows[dual]))
         moved = dual[flexible_moves(step_of[dual], owners, backups,
                                     (priority >> np.uint64(64 - _PRIORITY_BITS)).astype(
@@ -428,7 +429,9 @@ def _released(candidate: np.ndarray, owners: np.ndarray, hashed: np.ndarray, wid
     need = surplus.ravel()
     size = np.bincount(group, minlength=need.size)
     priority = (hashed >> np.uint64(64 - _PRIORITY_BITS)).astype(np.int64)
-    wanted = 2 * need + 4  # (the lowest `need` of a group are almost surely below this)
+    # (the lowest `need` of a group are below this more often than not; a group left short
+    # is ranked whole below)
+    wanted = need + 2 * np.sqrt(np.maximum(need, 0)).astype(np.int64) + 2
     bound = np.minimum(1 << _PRIORITY_BITS, (wanted << _PRIORITY_BITS) // np.maximum(size, 1))
     low = priority < bound[group]
     short = np.bincount(group[low], minlength=need.size) < need
@@ -483,11 +486,10 @@ def _rank_slots(nodes: np.ndarray, sizes: tuple[int, ...], rank: int,
     node = rank // per_node
     first_rank = node * per_node
     lo = sum(sizes[first_rank:rank])
-    hi = lo + sizes[rank]
-    mine = nodes == node
-    within = np.cumsum(mine, axis=1) - 1
-    take = mine & (within >= lo) & (within < hi)
-    return np.nonzero(take)[1].reshape(nodes.shape[0], sizes[rank])
+    # (every step gives the node exactly its target: its slots, step by step, are one block)
+    target = sum(sizes[first_rank:first_rank + per_node])
+    slots = np.flatnonzero(nodes.ravel() == node).reshape(nodes.shape[0], target)
+    return slots[:, lo:lo + sizes[rank]] % nodes.shape[1]
 
 
 def batch_shards(order: ShardPositions, batch_start: int, length: int) -> np.ndarray:
