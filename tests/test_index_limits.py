@@ -319,3 +319,15 @@ def test_a_side_file_over_the_decoded_cap_is_refused_before_decoding(large_datas
     with pytest.raises(IndexFormatError, match=r"would decode to more than 100 bytes \(9 "
                                                r"shards\), over the cap"):
         load_index(large_dataset)
+
+
+def test_per_shard_columns_without_an_arrow_table() -> None:
+    infos = [ShardInfo(f"s{k}.arrow", "arrow", 10, 100, None if k % 2 else f"xxh64:{k:016x}",
+                       None if k % 3 else "zstd", None, *((5, 20, f"xxh64:{k:016x}")
+                                                          if k < 2 else (None,) * 3))
+             for k in range(6)]
+    table = ShardTable.from_infos(infos)
+    assert table.chunk_row_counts.tolist() == [5, 5, 0, 0, 0, 0]
+    assert table.checksummed.tolist() == [True, False, True, False, True, False]
+    assert table.compressed.tolist() == [True, False, False, True, False, False]
+    assert table.checksummed is table.checksummed and not table.compressed.flags.writeable

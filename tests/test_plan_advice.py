@@ -137,3 +137,19 @@ def test_horizon_scans_in_small_chunks_agree(monkeypatch, chunk: int) -> None:
     truth = _next_uses(order, 100)
     shards, _ = ShardAdvice(order, stride=1).upcoming(100, 8)
     assert shards.tolist() == sorted(truth, key=lambda s: (truth[s], s))[:8]
+
+
+def test_the_answer_kept_for_a_stride_is_the_answer_computed_again() -> None:
+    order = EpochOrder(np.full(200, 640), 5, 0, ShuffleOptions(window=5000))
+    advice = ShardAdvice(order)  # stride 10: the positions of a stride share their shards
+    reused = 0
+    for position in range(3000, 3400, 3):
+        before = advice._last
+        got = advice.upcoming(position, 30)
+        reused += advice._last is before
+        horizon = advice._horizon
+        assert horizon is not None
+        want = horizon.upcoming(position, 30, advice.stride)
+        assert want is not None
+        assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+    assert reused > 50  # (most calls were answered from the kept answer)

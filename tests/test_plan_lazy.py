@@ -66,6 +66,8 @@ def test_many_groups_of_slots_with_empty_shards(monkeypatch, unit: str, window: 
 def test_a_resume_in_the_middle_reads_no_table_of_every_shard(monkeypatch) -> None:
     # Positions far into the epoch are found first (as a resume does), then earlier ones.
     monkeypatch.setattr(stream_module, "_EXTEND_GROUPS", 2)
+    monkeypatch.setattr(stream_module, "GROUP_BITS", 4)  # groups of 16 slots
+    monkeypatch.setattr(stream_module, "GROUP", 16)
     rows = np.random.default_rng(3).integers(1, 50, 5000)
     order = EpochOrder(rows, 11, 1, ShuffleOptions(window=300))
     eager = EagerOrder(rows, 11, 1, ShuffleOptions(window=300))
@@ -74,7 +76,8 @@ def test_a_resume_in_the_middle_reads_no_table_of_every_shard(monkeypatch) -> No
         positions = np.arange(start, start + 300, dtype=np.int64)
         assert np.array_equal(order.samples_at(positions)[0], eager.samples_at(positions)[0])
     stream = order._stream
-    assert len(stream._groups) <= stream._kept  # the groups in use, not all of them
+    assert len(stream._spans) <= stream_module._SPANS_KEPT  # runs of slots, not all of them
+    assert max(span.shards.size for span in stream._spans) <= 200  # of 5,000
 
 
 def test_a_window_unit_of_shards_costs_no_pass_without_empty_shards(monkeypatch) -> None:

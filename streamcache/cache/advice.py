@@ -60,24 +60,35 @@ class ShardAdvice:
         self.num_samples = order.num_samples
         self._lock = threading.Lock()
         self._horizon: _Horizon | None = None
+        self._last: tuple[Any, ...] | None = None  # the last answer (see upcoming)
         self._usage: ShardUsage | None = None
         self._working_set_shards: int | None = working_set_shards
 
     def upcoming(self, position: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Up to ``count`` shards read at ``position`` or later, in order of next use, with
         that next use (shards already in use come first, with next use ``position``)."""
+        # First and last reads are sampled at multiples of the stride, so the shards (and
+        # which of them are in use) are the same for every position of ((k-1)s, ks]: the
+        # last answer is reused, its in-use next uses moved to `position` (a step is a few
+        # hundred positions, a stride often more).
+        interval = (position + self.stride - 1) // self.stride
         with self._lock:
-            horizon = self._horizon
-        if horizon is not None:
+            horizon, last = self._horizon, self._last
+        if last is not None and last[0] is horizon and last[1:3] == (interval, count):
+            shards, next_use, in_use = last[3:]
+            next_use = next_use.copy()
+            next_use[:in_use] = position
+            return shards, next_use
+        answer = None if horizon is None else horizon.upcoming(position, count, self.stride)
+        if answer is None:
+            horizon = _Horizon.scan(self.order, position, count * _HORIZON_SHARDS, self.stride)
             answer = horizon.upcoming(position, count, self.stride)
-            if answer is not None:
-                return answer
-        horizon = _Horizon.scan(self.order, position, count * _HORIZON_SHARDS, self.stride)
+            assert answer is not None  # a horizon scanned from `position` answers for it
+        shards, next_use, in_use = answer
         with self._lock:
             self._horizon = horizon
-        answer = horizon.upcoming(position, count, self.stride)
-        assert answer is not None  # a horizon scanned from `position` answers for it
-        return answer
+            self._last = (horizon, interval, count, shards, next_use, in_use)
+        return shards, next_use.copy()
 
     def working_set_shards(self) -> int:
         """The most shards in use at once in any epoch: :func:`working_set_bound` with one
@@ -136,21 +147,21 @@ class _Horizon:
         return cls(start, stop, shards, first, last, complete=stop >= total)
 
     def upcoming(self, position: int, count: int, stride: int,
-                 ) -> tuple[np.ndarray, np.ndarray] | None:
-        """The answer of :meth:`ShardAdvice.upcoming`, or None when this horizon cannot
-        give it (``position`` before it, or too few of its shards left)."""
+                 ) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """The answer of :meth:`ShardAdvice.upcoming` and how many of its shards are in use
+        (they come first), or None when this horizon cannot give it (``position`` before
+        it, or too few of its shards left)."""
         if position < self.start:
             return None
         begin = int(np.searchsorted(self.first, position, side="left"))
-        back = np.arange(begin)
-        in_use = back[self.last[:begin] >= position - stride]
+        in_use = np.flatnonzero(self.last[:begin] >= position - stride)
         ahead = np.arange(begin, min(begin + count, self.first.size))
         chosen = np.concatenate([in_use, ahead])[:count]
         if chosen.size < count and not self.complete:
             return None  # shards beyond the horizon could come next
         next_use = np.concatenate([np.full(in_use.size, position, dtype=np.int64),
                                    self.first[ahead]])[:count]
-        return self.shards[chosen], next_use
+        return self.shards[chosen], next_use, min(int(in_use.size), count)
 
 
 def _merge(shards: np.ndarray, first: np.ndarray, last: np.ndarray, more: np.ndarray,

@@ -198,11 +198,10 @@ class ShardTable(Sequence[ShardInfo]):
     Thread safety: immutable; any thread may read.
     """
 
-    __slots__ = ("_checksums", "_chunk_rows", "_compressions", "_counts", "_digest",
-                 "_formats", "_histogram", "_keepalive", "_offsets", "_paths", "_point",
-                 "_points", "_raw_bytes", "_reopen", "_strings", "_tail_bytes",
-                 "_tail_checksums",
-                 "nbytes", "paths_outside", "rows", "total_rows")
+    __slots__ = ("_checksums", "_chunk_rows", "_columns_made", "_compressions", "_counts",
+                 "_digest", "_formats", "_histogram", "_keepalive", "_offsets", "_paths",
+                 "_point", "_points", "_raw_bytes", "_reopen", "_strings", "_tail_bytes",
+                 "_tail_checksums", "nbytes", "paths_outside", "rows", "total_rows")
 
     def __init__(self, paths: pa.Array, formats: np.ndarray, rows: np.ndarray,
                  nbytes: np.ndarray, checksums: pa.Array, compressions: pa.Array,
@@ -240,6 +239,7 @@ class ShardTable(Sequence[ShardInfo]):
         self._reopen: tuple[Any, ...] | None = None
         self._point: Any = None  # reads one shard's entry without mapping it (node copies)
         self._points: OrderedDict[int, ShardInfo] = OrderedDict()
+        self._columns_made: dict[str, np.ndarray] = {}  # derived columns, made when asked
         #: How many paths are absolute, URLs or climb with '..' (None: not counted yet).
         self.paths_outside: int | None = None
         self._strings = tuple(_StringColumn(c) for c in (
@@ -373,6 +373,34 @@ class ShardTable(Sequence[ShardInfo]):
             from ..plan.shards import ShardCounts
             self._counts = ShardCounts(self.rows, self.offsets, self.row_histogram())
         return self._counts
+
+    @property
+    def chunk_row_counts(self) -> np.ndarray:
+        """Each shard's rows per chunk, 0 where its chunk layout is not recorded (int64,
+        read-only; made once per table: 8 bytes a shard in this process)."""
+        return self._derived("chunk_row_counts", lambda: np.where(
+            self._chunk_rows == _UNKNOWN, 0, self._chunk_rows))
+
+    @property
+    def checksummed(self) -> np.ndarray:
+        """Whether each shard records a checksum (bool, read-only; made once per table)."""
+        return self._derived("checksummed", lambda: np.ones(len(self), bool)
+                             if not self._checksums.null_count else ~null_mask(self._checksums))
+
+    @property
+    def compressed(self) -> np.ndarray:
+        """Whether each shard records a compression (bool, read-only; made once per table)."""
+        return self._derived("compressed", lambda: np.ones(len(self), bool)
+                             if not self._compressions.null_count
+                             else ~null_mask(self._compressions))
+
+    def _derived(self, name: str, make: Any) -> np.ndarray:
+        found = self._columns_made.get(name)
+        if found is None:
+            found = np.ascontiguousarray(make())
+            found.setflags(write=False)
+            self._columns_made[name] = found
+        return found
 
     def raw_or_stored_bytes(self) -> np.ndarray:
         """Each shard's uncompressed size where the index records it, else its stored size."""

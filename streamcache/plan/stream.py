@@ -5,18 +5,21 @@ covers the stream indices ``[starts[k], starts[k + 1])`` where ``starts`` sums t
 shards in slot order. Stream index ``v`` of slot ``k`` is row ``v - starts[k]`` of its shard,
 sample id ``offsets[shard] + v - starts[k]``.
 
-Nothing here is O(shards) in memory: ``starts`` is known at every :data:`GROUP`-th slot
-("coarse", extended as far as the stream is read, one pass over the slots it passes), and
-inside the groups that positions touch ("fine": the group's shards and starts, computed on
-demand and kept in a small cache that grows with the groups one call touches, so a shuffle
-window's groups stay cached). A position costs a binary search in the coarse table and one
-in its group; resuming in the middle of an epoch costs one pass over the slots before it.
+Nothing here is O(shards) in memory unless the positions asked for are (a full shuffle):
+
+- ``starts`` is known at every :data:`GROUP`-th slot ("coarse"), extended as far as the
+  positions asked for reach, one pass over the slots they pass;
+- positions are resolved in a *span*: the slots of a run of groups around them, with their
+  shards, starts and a bucket table (one entry per ``2**shift`` stream indices, ``2**shift``
+  at most the mean shard's rows, so about one a shard) that gives a slot to start from, a
+  step or two forward finding the right one (a bucket of many tiny shards falls back to a
+  binary search). A span reaches a run of groups ahead of the ones asked for, so a reader
+  moving forward builds one every few windows; the last few are kept.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 
 import numpy as np
 
@@ -24,9 +27,43 @@ from .bijection import TAG_SHARDS, derive_key, permute
 from .shards import ShardCounts
 
 GROUP_BITS = 10
-GROUP = 1 << GROUP_BITS  # slots per group of the stream's starts
-_EXTEND_GROUPS = 64  # groups summed per pass when the coarse table is extended
-_MIN_KEPT_GROUPS = 64
+GROUP = 1 << GROUP_BITS  # slots per group: the coarse table's step
+_EXTEND_GROUPS = 16  # groups summed per pass when the coarse table is extended
+_SPANS_KEPT = 3  # spans kept (a reader's, the prefetch advice's, one more)
+_FORWARD_STEPS = 3  # forward steps from the bucket's slot before the binary search
+
+
+class _Span:
+    """Slots ``[first, first + count)`` with their shards, their starts (and the end), and a
+    bucket table from stream indices to slots. Immutable."""
+
+    def __init__(self, first: int, shards: np.ndarray, starts: np.ndarray) -> None:
+        self.first = first
+        self.shards = shards
+        self.starts = starts  # count + 1 values
+        self.low, self.high = int(starts[0]), int(starts[-1])
+        count = shards.size
+        self.shift = max(0, ((self.high - self.low) // max(1, count)).bit_length() - 1)
+        first_bucket = (starts - self.low + ((1 << self.shift) - 1)) >> self.shift
+        self.bucket_slot = np.repeat(np.arange(count, dtype=np.int32), np.diff(first_bucket))
+
+    def covers(self, low: int, high: int) -> bool:
+        return self.low <= low and high < self.high
+
+    def place(self, stream: np.ndarray) -> np.ndarray:
+        """The span-local slot of each stream index (each inside the span)."""
+        slot = self.bucket_slot[(stream - self.low) >> self.shift].astype(np.int64)
+        starts = self.starts
+        for _ in range(_FORWARD_STEPS):
+            behind = starts[slot + 1] <= stream
+            if not behind.any():
+                return slot
+            slot += behind
+        behind_at = np.flatnonzero(starts[slot + 1] <= stream)
+        if behind_at.size:
+            # side="right" skips empty shards, whose start equals the next shard's start
+            slot[behind_at] = np.searchsorted(starts, stream[behind_at], side="right") - 1
+        return slot
 
 
 class ShardStream:
@@ -36,8 +73,9 @@ class ShardStream:
         counts: the shards' row counts (at least one sample).
         shuffled: permute the shards by ``(seed, epoch)``; otherwise keep index order.
 
-    Memory: ``16 * shards / GROUP`` bytes of coarse starts plus the groups in use (16 KB
-    each). Thread safety: every method may be called from several threads at once.
+    Memory: ``8 * shards / GROUP`` bytes of coarse starts, plus the spans kept (about 20
+    bytes a slot of the runs of groups read lately: a few windows; every shard for a full
+    shuffle). Thread safety: every method may be called from several threads at once.
     """
 
     def __init__(self, counts: ShardCounts, seed: int, epoch: int, shuffled: bool) -> None:
@@ -48,8 +86,7 @@ class ShardStream:
         self._key = derive_key(seed, epoch, TAG_SHARDS) if shuffled else None
         self.num_groups = -(-self.num_shards // GROUP)
         self._coarse = np.zeros(1, dtype=np.int64)  # starts of groups 0..m, m groups summed
-        self._groups: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self._kept = _MIN_KEPT_GROUPS
+        self._spans: list[_Span] = []
         self._lock = threading.Lock()
         self._extend_lock = threading.Lock()
 
@@ -71,27 +108,17 @@ class ShardStream:
             return stream.copy(), shards
         if stream.size == 0:
             return stream.copy(), stream.copy()
-        _, shards, starts, at = self._place(stream)
-        shard = shards[at]
-        return stream - starts[at] + self.shard_offsets[shard], shard
+        span = self._span(int(stream.min()), int(stream.max()))
+        local = span.place(stream)
+        shard = span.shards[local]
+        return stream - span.starts[local] + self.shard_offsets[shard], shard
 
     def slots_of(self, stream: np.ndarray) -> np.ndarray:
         """The slot holding each stream index (int64, each in ``[0, total)``)."""
         if self._key is None or stream.size == 0:
             return np.searchsorted(self.shard_offsets, stream, side="right") - 1
-        first, _, _, at = self._place(stream)
-        sizes = np.minimum(GROUP, self.num_shards - (first << GROUP_BITS))
-        ends = np.cumsum(sizes)
-        which = np.searchsorted(ends, at, side="right")  # the touched group of each place
-        return (first[which] << GROUP_BITS) + at - (ends[which] - sizes[which])
-
-    def _place(self, stream: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
-                                                  np.ndarray]:
-        """(touched groups, their shards and starts concatenated, the place of each stream
-        index in them)."""
-        first, shards, starts = self._touched(self._groups_of(stream))
-        # side="right": an empty shard's start equals the next one's, so it holds no index
-        return first, shards, starts, np.searchsorted(starts, stream, side="right") - 1
+        span = self._span(int(stream.min()), int(stream.max()))
+        return span.place(stream) + span.first
 
     def starts_at(self, slots: np.ndarray) -> np.ndarray:
         """The first stream index of each slot (``total`` for slot ``num_shards``)."""
@@ -103,26 +130,22 @@ class ShardStream:
         if self._key is None:
             out[inside] = self.shard_offsets[slots[inside]]
             return out
-        groups = slots[inside] >> GROUP_BITS
-        self._extend_to_group(int(groups.max()) + 1)
-        first, _, starts = self._touched(groups)
-        # the touched groups' slots, concatenated in group order: find each slot's place
-        sizes = np.minimum(GROUP, self.num_shards - (first << GROUP_BITS))
-        base = np.cumsum(sizes) - sizes
-        place = base[np.searchsorted(first, groups)] + (slots[inside] & (GROUP - 1))
-        out[inside] = starts[place]
+        wanted = slots[inside]
+        low, high = int(wanted.min()) >> GROUP_BITS, int(wanted.max()) >> GROUP_BITS
+        self._extend_to_group(high + 1)
+        span = self._span_of_groups(low, high + 1)
+        out[inside] = span.starts[wanted - span.first]
         return out
 
     # ------------------------------------------------------------ the coarse table
 
-    def _groups_of(self, stream: np.ndarray) -> np.ndarray:
-        """The group holding each stream index (extending the coarse table to cover them)."""
-        top = int(stream.max()) if stream.size else 0
+    def _group_of(self, index: int) -> int:
+        """The group holding stream index ``index`` (extending the coarse table to it)."""
         coarse = self._coarse
-        while coarse[-1] <= top and coarse.size - 1 < self.num_groups:
+        while coarse[-1] <= index and coarse.size - 1 < self.num_groups:
             self._extend_to_group(coarse.size - 1 + _EXTEND_GROUPS)
             coarse = self._coarse
-        return np.searchsorted(coarse, stream, side="right") - 1
+        return int(np.searchsorted(coarse, index, side="right")) - 1
 
     def _extend_to_group(self, group: int) -> None:
         """Sum the rows of the groups up to ``group`` (exclusive) into the coarse table."""
@@ -141,43 +164,35 @@ class ShardStream:
             grown[known + 1:] += self._coarse[-1]
             self._coarse = grown  # (replaced whole: readers hold the old one meanwhile)
 
-    # ------------------------------------------------------------ the groups in use
+    # ------------------------------------------------------------ spans
 
-    def _touched(self, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The distinct groups of ``groups`` (ascending), and the shards and starts of their
-        slots, concatenated in group order."""
-        low, high = int(groups.min()), int(groups.max())
-        if high - low < 4 * groups.size:
-            first = np.flatnonzero(np.bincount(groups - low, minlength=high - low + 1)) + low
-        else:
-            first = np.unique(groups)
-        parts = [self._group(int(g)) for g in first.tolist()]
+    def _span(self, low: int, high: int) -> _Span:
+        """A span holding stream indices ``low`` to ``high`` (a kept one, or a new one that
+        also reaches as far ahead as it is long)."""
         with self._lock:
-            self._kept = max(self._kept, 4 * len(parts))
-        if len(parts) == 1:
-            return first, *parts[0]
-        return (first, np.concatenate([p[0] for p in parts]),
-                np.concatenate([p[1] for p in parts]))
+            for span in self._spans:
+                if span.covers(low, high):
+                    return span
+        first, last = self._group_of(low), self._group_of(high)
+        return self._span_of_groups(first, last + 1 + max(2, last - first + 1))
 
-    def _group(self, group: int) -> tuple[np.ndarray, np.ndarray]:
-        """(shards, starts) of the slots of one group (cached)."""
+    def _span_of_groups(self, first: int, stop: int) -> _Span:
+        """A span of groups ``[first, stop)`` (a kept one that holds them, or a new one)."""
+        stop = min(stop, self.num_groups)
         with self._lock:
-            found = self._groups.get(group)
-            if found is not None:
-                self._groups.move_to_end(group)
-                return found
-        start = int(self._coarse[group])
-        slots = np.arange(group << GROUP_BITS,
-                          min(self.num_shards, (group + 1) << GROUP_BITS), dtype=np.int64)
+            for span in self._spans:
+                if span.first <= first << GROUP_BITS and \
+                        min(self.num_shards, stop << GROUP_BITS) <= span.first + span.shards.size:
+                    return span
+        self._extend_to_group(stop)
+        slots = np.arange(first << GROUP_BITS, min(self.num_shards, stop << GROUP_BITS),
+                          dtype=np.int64)
         shards = self.slot_shard(slots)
-        starts = np.empty(slots.size, dtype=np.int64)
-        starts[0] = start
-        np.cumsum(self.counts.rows[shards[:-1]], out=starts[1:])
-        starts[1:] += start
-        shards.setflags(write=False)
-        starts.setflags(write=False)
+        starts = np.empty(slots.size + 1, dtype=np.int64)
+        starts[0] = self._coarse[first]
+        np.cumsum(self.counts.rows[shards], out=starts[1:])
+        starts[1:] += starts[0]
+        span = _Span(int(slots[0]), shards, starts)
         with self._lock:
-            self._groups[group] = (shards, starts)
-            while len(self._groups) > self._kept:
-                self._groups.popitem(last=False)
-        return shards, starts
+            self._spans = [span, *self._spans][:_SPANS_KEPT]
+        return span
