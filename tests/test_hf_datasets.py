@@ -168,10 +168,9 @@ def test_images_by_path_only_are_refused_with_a_reason(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     with ipc.new_stream(str(tmp_path / "data" / "part.arrow"), table.schema) as writer:
         writer.write_table(table)
-    assert build_index(str(tmp_path / "data")).schema["image"].kind == "bytes"
-    with DatasetReader(str(tmp_path / "data"), local_dir=str(tmp_path / "c")) as reader, \
-            pytest.raises(SchemaError, match="refers to 1 files by path only; embed their bytes"):
-        reader[0]
+    with pytest.raises(SchemaError, match="refers to 1 files by path only; embed their bytes"):
+        build_index(str(tmp_path / "data"))  # (refused when indexed, as nulls are)
+    assert build_index(str(tmp_path / "data"), fields=["id"]).num_samples == 2
 
 
 def test_convert_skips_the_json_side_files(tmp_path: Path) -> None:
@@ -181,3 +180,44 @@ def test_convert_skips_the_json_side_files(tmp_path: Path) -> None:
     assert report.samples == 25
     with DatasetReader(str(tmp_path / "out"), local_dir=str(tmp_path / "c")) as reader:
         assert sorted(reader.read_batch(np.arange(25))["id"].tolist()) == list(range(25))
+
+
+def test_a_data_file_linked_out_of_the_folder_is_neither_indexed_nor_served(
+        tmp_path: Path, capsys: Any) -> None:
+    # #21 item 8: a save_to_disk folder whose data file is a symbolic link to a file
+    # elsewhere (another user's data) was indexed and served: the rule checked names only
+    folder, elsewhere = tmp_path / "saved", tmp_path / "elsewhere"
+    _hf(40).save_to_disk(str(folder), num_shards=2)
+    _hf(40).save_to_disk(str(elsewhere), num_shards=2)
+    planted = folder / "data-00001-of-00002.arrow"
+    planted.unlink()
+    planted.symlink_to(elsewhere / "data-00001-of-00002.arrow")
+    assert cli_main(["index", str(folder)]) != 0
+    assert "is a link to" in capsys.readouterr().err
+    with pytest.raises(SourceError, match="outside the folder being indexed"):
+        build_index(str(folder))
+    # an index made before the link was planted does not follow it either
+    planted.unlink()
+    os.link(elsewhere / "data-00001-of-00002.arrow", planted)  # (a real file, for now)
+    build_index(str(folder))
+    planted.unlink()
+    planted.symlink_to(elsewhere / "data-00001-of-00002.arrow")
+    dataset = StreamDataset(str(folder), batch_size=8, rank=0, world_size=1,
+                            cache_dir=str(tmp_path / "cache"))
+    from streamcache.errors import IndexFormatError
+    with pytest.raises(IndexFormatError, match="outside the dataset's folder"), \
+            StreamLoader(dataset) as loader:
+        list(loader)
+
+
+def test_nulls_in_a_saved_dataset_are_refused_when_indexed(tmp_path: Path,
+                                                           capsys: Any) -> None:
+    # #27: refused at indexing with the column named (they were refused at the first batch)
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_dict({"id": [0, 1, 2, 3], "text": ["a", None, "c", "d"]}) \
+        .save_to_disk(str(folder), num_shards=2)
+    assert cli_main(["index", str(folder)]) != 0
+    error = capsys.readouterr().err
+    assert "column 'text' holds 1 nulls" in error and "--fields" in error
+    assert not (folder / "index.json").exists()
+    assert build_index(str(folder), fields=["id"]).num_samples == 4

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -12,6 +13,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
 
+import streamcache.format.index as index_module
 from streamcache.errors import (
     ChecksumMismatchError,
     EmptyDatasetError,
@@ -111,13 +113,46 @@ def test_unsupported_column_type(tmp_path) -> None:
     assert build_index(str(tmp_path), fields=["x"]).schema.names == ["x"]
 
 
-def test_nulls_are_refused_when_read(tmp_path) -> None:
-    pq.write_table(pa.table({"x": pa.array([1, None, 3], pa.int64())}), tmp_path / "a.parquet")
+def test_nulls_are_refused_when_indexed(tmp_path, monkeypatch) -> None:
+    # #27: the README says so; they were refused only at the first batch
+    pq.write_table(pa.table({"x": pa.array([1, None, 3], pa.int64()), "y": [1, 2, 3]}),
+                   tmp_path / "a.parquet")
+    with pytest.raises(SchemaError, match=r"a\.parquet: column 'x' holds 1 nulls.*--fields"):
+        build_index(str(tmp_path))
+    assert not (tmp_path / "index.json").exists()
+    assert build_index(str(tmp_path), fields=["y"]).num_samples == 3
+    # an index written without the check (an older streamcache) is refused when read
+    monkeypatch.setattr(index_module, "check_nulls", lambda *args: None)
     build_index(str(tmp_path))
     with DatasetReader(str(tmp_path), local_dir=str(tmp_path / "c")) as reader, pytest.raises(
         SchemaError, match="holds 1 nulls"
     ):
         reader[0]
+
+
+@pytest.mark.parametrize("table, statistics, nulls", [
+    ({"x": pa.array([1, None, 3], pa.int64())}, False, 1),  # no statistics: the column read
+    ({"t": pa.array([[1], None, [2, 3]], pa.list_(pa.int32()))}, True, 1),
+    ({"t": pa.array([[1], [None, 4], []], pa.list_(pa.int32()))}, True, 1),
+    ({"t": pa.array([[1], [], [2, 3]], pa.list_(pa.int32()))}, True, 0),  # empty is no null
+    ({"s": pa.array(["a", None, "c"])}, True, 1),
+])
+def test_nulls_the_footer_cannot_rule_out_are_counted(tmp_path, table: dict[str, Any],
+                                                      statistics: bool, nulls: int) -> None:
+    pq.write_table(pa.table(table), tmp_path / "a.parquet", write_statistics=statistics)
+    if nulls:
+        with pytest.raises(SchemaError, match=rf"holds {nulls} nulls"):
+            build_index(str(tmp_path))
+    else:
+        assert build_index(str(tmp_path)).num_samples == 3
+
+
+def test_nulls_in_arrow_files_are_refused_when_indexed(tmp_path) -> None:
+    table = pa.table({"x": pa.array([1, 2, None], pa.int64())})
+    with ipc.new_file(str(tmp_path / "a.arrow"), table.schema) as writer:
+        writer.write_table(table)
+    with pytest.raises(SchemaError, match="column 'x' holds 1 nulls"):
+        build_index(str(tmp_path))
 
 
 def test_no_files_and_empty_files(tmp_path) -> None:

@@ -1,5 +1,6 @@
 """Shard paths in an index stay under the dataset's folder: a remote index never names a
-local file, ``..`` never climbs out, and files elsewhere need ``allow_external_paths``."""
+local file, ``..`` never climbs out, a symbolic link never leads out (#21 item 8), and files
+elsewhere need ``allow_external_paths``."""
 
 from __future__ import annotations
 
@@ -149,3 +150,64 @@ def test_an_index_is_not_written_where_it_could_not_name_its_files(tmp_path: Pat
     assert cli_main(["index", folder, "--output", str(tmp_path / "idx")]) == 0
     assert "read it with allow_external_paths=True" in capsys.readouterr().out
     assert load_index(str(tmp_path / "idx"), allow_external_paths=True).num_samples == 20
+
+
+# ---------------------------------------------------------------- links out of the folder
+
+
+def test_a_shard_that_links_out_of_the_folder_is_not_served(tmp_path: Path,
+                                                            local_secret: dict[str, Any]
+                                                            ) -> None:
+    # Uncompressed local shards are read in place: a link planted in the dataset's folder
+    # in place of a shard would serve whatever it points to. Names are inside; links are
+    # resolved when the shard is opened.
+    folder = tmp_path / "ds"
+    _write(str(folder), 0)
+    name = load_index(str(folder)).shards[0].path
+    (folder / name).unlink()
+    (folder / name).symlink_to(local_secret["path"])
+    rewrite_index(str(folder), lambda obj: obj["shards"][0].update(
+        bytes=local_secret["bytes"], checksum=local_secret["checksum"],
+        rows=local_secret["rows"]))
+    dataset = StreamDataset(str(folder), batch_size=4, shuffle=False, rank=0, world_size=1,
+                            cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(IndexFormatError, match=r"is a link to .*outside the dataset's "
+                                               r"folder"), StreamLoader(dataset) as loader:
+        list(loader)
+    with DatasetReader(str(folder), local_dir=str(tmp_path / "c")) as reader, \
+            pytest.raises(IndexFormatError, match="allow_external_paths=True"):
+        reader.read_batch(np.arange(4))
+    # the user may choose to follow links
+    with DatasetReader(str(folder), local_dir=str(tmp_path / "c2"),
+                       allow_external_paths=True) as reader:
+        assert reader.read_batch(np.arange(1))["x"].tolist() == [SECRET]
+
+
+def test_links_that_stay_inside_the_folder_are_followed(tmp_path: Path) -> None:
+    folder = tmp_path / "ds"
+    _write(str(folder), 0)
+    name = load_index(str(folder)).shards[1].path
+    (folder / "real").mkdir()
+    os.rename(folder / name, folder / "real" / name)
+    (folder / name).symlink_to(Path("real") / name)
+    with DatasetReader(str(folder), local_dir=str(tmp_path / "c")) as reader:
+        assert reader.read_batch(np.arange(20))["x"].tolist() == list(range(20))
+    linked = tmp_path / "linked-root"
+    linked.symlink_to(folder)  # the dataset's folder itself may be a link
+    with DatasetReader(str(linked), local_dir=str(tmp_path / "c2")) as reader:
+        assert reader.read_batch(np.arange(20))["x"].tolist() == list(range(20))
+
+
+def test_a_folder_with_a_link_out_is_not_indexed(tmp_path: Path,
+                                                 local_secret: dict[str, Any],
+                                                 capsys: Any) -> None:
+    folder = tmp_path / "files"
+    _write(str(folder), 0)
+    os.remove(folder / "index.json")
+    (folder / "planted.arrow").symlink_to(local_secret["path"])
+    with pytest.raises(SourceError, match=r"planted\.arrow is a link to .*outside the folder "
+                                          r"being indexed"):
+        build_index(str(folder))
+    assert cli_main(["index", str(folder)]) != 0
+    assert "is a link to" in capsys.readouterr().err
+    assert not (folder / "index.json").exists()

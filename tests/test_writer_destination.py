@@ -8,6 +8,7 @@ and removes the old one after; a failed overwrite that leaves the old dataset as
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -299,3 +300,24 @@ def test_overwrite_never_removes_files_the_writer_did_not_make(tmp_path: Path) -
     write_dataset(({"x": i} for i in range(5)), str(folder), overwrite=True)
     assert (folder / "part-0.parquet").exists()
     assert _ids(str(folder), None) == list(range(5))
+
+
+def test_a_store_without_credentials_is_one_clear_error(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    # #27: ShardWriter("s3://...") without credentials raised botocore's NoCredentialsError
+    # (59 lines of traceback); the endpoint is a closed port on loopback: nothing leaves
+    # the machine, and the error comes before any connection
+    from servers import free_port
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/dev/null")
+    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"},
+               "config_kwargs": {"retries": {"max_attempts": 1}}}
+    with pytest.raises(DestinationError) as caught:
+        ShardWriter("s3://no-credentials/ds", storage_options=options)
+    message = str(caught.value)
+    assert len(message.splitlines()) == 1
+    assert "s3://no-credentials/ds" in message and "NoCredentialsError" in message
+    assert "AWS_ACCESS_KEY_ID" in message  # what to do

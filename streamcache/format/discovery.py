@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import posixpath
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -27,6 +28,7 @@ from .checksum import checksum_bytes, checksum_file
 from .columns import field_from_arrow
 from .index_format import read_capped
 from .schema import Schema
+from .shard_paths import local_escape
 from .shard_table import ShardInfo
 
 _PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
@@ -36,7 +38,9 @@ HF_DATASET_DICT = "dataset_dict.json"  # beside the split folders of a saved Dat
 HF_SIDE_FILES = (HF_STATE, "dataset_info.json", HF_DATASET_DICT)  # never data
 _MAX_SIDE_JSON_BYTES = 16 << 20
 
-FooterInfo = tuple[ShardInfo, pa.Schema, str]  # (the shard, its Arrow schema, its URL)
+#: (the shard, its Arrow schema, its URL, the nulls of each column: a count, or None when
+#: the footer cannot tell and the column must be read to know)
+FooterInfo = tuple[ShardInfo, pa.Schema, str, dict[str, int | None]]
 
 
 def _shard_format(path: str) -> str | None:
@@ -74,7 +78,22 @@ def discover_files(url: str, storage_options: Mapping[str, Any] | None = None,
     files = sorted(p for p in found if _shard_format(p) and not _hidden(p[len(root):]))
     if not files:
         raise SourceError(f"no Parquet or Arrow IPC files found at {url}")
+    if storage.is_local(fs):
+        _check_links(files, root)
     return fs, root, files
+
+
+def _check_links(files: Sequence[str], root: str) -> None:
+    """Refuse a data file that is a symbolic link (or lies below one) leading outside the
+    folder being indexed: the index would name a file of the folder and the loader would
+    read wherever the link points (e.g. another user's file)."""
+    for path in files:
+        outside = local_escape(path, root)
+        if outside is not None:
+            raise SourceError(
+                f"{path} is a link to {outside}, outside the folder being indexed ({root}): "
+                "streamcache indexes the files of the folder itself (links resolved); put "
+                "the file itself there, or index the folder it lives in")
 
 
 def _saved_by_hf_datasets(fs: Any, root: str, url: str) -> list[str] | None:
@@ -116,7 +135,9 @@ def _saved_by_hf_datasets(fs: Any, root: str, url: str) -> list[str] | None:
 
 
 def footer_info(fs: Any, path: str, root: str) -> FooterInfo:
-    """One file's shard entry (its path relative to ``root``), Arrow schema and URL.
+    """One file's shard entry (its path relative to ``root``), Arrow schema, URL and the
+    nulls of its columns (from a Parquet file's statistics; counted in the batches of an
+    Arrow file or stream, which are read anyway).
 
     Raises:
         SourceError: the file is unreadable.
@@ -131,31 +152,116 @@ def footer_info(fs: Any, path: str, root: str) -> FooterInfo:
                 rows, arrow_schema = meta.num_rows, meta.schema.to_arrow_schema()
                 raw = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
                 compression = _parquet_compression(meta)
+                nulls = _parquet_nulls(meta, arrow_schema)
             else:
-                fmt, rows, arrow_schema, raw = _arrow_rows(f)
+                fmt, rows, arrow_schema, raw, nulls = _arrow_rows(f)
                 compression = None
         except (pa.ArrowInvalid, OSError) as exc:
             raise SourceError(
                 f"{storage.unstrip(fs, path)} is not a readable {fmt} file: {exc}"
             ) from exc
     info = ShardInfo(relative, str(fmt), rows, size, None, compression, raw)
-    return info, arrow_schema, storage.unstrip(fs, path)
+    return info, arrow_schema, storage.unstrip(fs, path), nulls
 
 
-def _arrow_rows(f: Any) -> tuple[str, int, pa.Schema, int | None]:
-    """(format, rows, schema, raw bytes or None) of an Arrow IPC file, or of a footer-less IPC
-    stream such as Hugging Face ``save_to_disk`` writes (no footer: its batches are read)."""
+def _arrow_rows(f: Any) -> tuple[str, int, pa.Schema, int | None, dict[str, int | None]]:
+    """(format, rows, schema, raw bytes or None, nulls per column) of an Arrow IPC file, or
+    of a footer-less IPC stream such as Hugging Face ``save_to_disk`` writes (no footer: its
+    batches are read)."""
     try:
         reader = ipc.open_file(f)
     except pa.ArrowInvalid:
         f.seek(0)
         stream = ipc.open_stream(f)
         rows = raw = 0
+        nulls = dict.fromkeys(stream.schema.names, 0)
         for batch in stream:
             rows, raw = rows + batch.num_rows, raw + batch.nbytes
-        return "arrow_stream", rows, stream.schema, raw
-    rows = sum(reader.get_record_batch(i).num_rows for i in range(reader.num_record_batches))
-    return "arrow", rows, reader.schema, None
+            _count_nulls(nulls, batch)
+        return "arrow_stream", rows, stream.schema, raw, dict(nulls)
+    rows = 0
+    nulls = dict.fromkeys(reader.schema.names, 0)
+    for i in range(reader.num_record_batches):
+        batch = reader.get_record_batch(i)
+        rows += batch.num_rows
+        _count_nulls(nulls, batch)
+    return "arrow", rows, reader.schema, None, dict(nulls)
+
+
+def refused_nulls(array: pa.Array | pa.ChunkedArray) -> int:
+    """The values of a column that no field may hold: nulls, null elements of its lists, and
+    (Hugging Face Image/Audio) files referred to by path only, without their bytes."""
+    if isinstance(array, pa.ChunkedArray):
+        return sum(refused_nulls(chunk) for chunk in array.chunks)
+    if isinstance(array, pa.ExtensionArray):
+        array = array.storage
+    if pa.types.is_struct(array.type) and array.type.get_field_index("bytes") >= 0:
+        # the bytes with the struct's own nulls applied: null where no bytes are embedded
+        return int(array.flatten()[array.type.get_field_index("bytes")].null_count)
+    count = array.null_count
+    if isinstance(array, (pa.ListArray, pa.LargeListArray, pa.FixedSizeListArray)):
+        count += array.flatten().null_count
+    return int(count)
+
+
+def _count_nulls(nulls: dict[str, int], batch: pa.RecordBatch) -> None:
+    for name, column in zip(batch.schema.names, batch.columns, strict=True):
+        nulls[name] += refused_nulls(column)
+
+
+def _parquet_nulls(meta: Any, arrow_schema: pa.Schema) -> dict[str, int | None]:
+    """The nulls of each column from a Parquet footer's statistics: a count for a flat
+    column with statistics; None where they cannot tell (no statistics, or a list column,
+    whose statistics count its empty lists too): the column is read to know."""
+    nulls: dict[str, int | None] = dict.fromkeys(arrow_schema.names, 0)
+    for group in range(meta.num_row_groups):
+        row_group = meta.row_group(group)
+        for column in range(row_group.num_columns):
+            chunk = row_group.column(column)
+            name, _, nested = chunk.path_in_schema.partition(".")
+            stats = chunk.statistics
+            if name not in nulls or nulls[name] is None:
+                continue
+            if stats is None or not stats.has_null_count:
+                nulls[name] = None
+            elif stats.null_count:
+                nulls[name] = None if nested else (nulls[name] or 0) + stats.null_count
+    return nulls
+
+
+def check_nulls(fs: Any, infos: Sequence[FooterInfo], names: Sequence[str],
+                threads: int) -> None:
+    """Refuse a file whose columns ``names`` hold nulls (reading the columns whose footer
+    could not tell).
+
+    Raises:
+        SchemaError: naming the file, the column and the count.
+    """
+    unknown = [(url, name) for _, _, url, nulls in infos for name in names
+               if nulls.get(name, 0) is None]
+
+    def count(item: tuple[str, str]) -> tuple[str, str, int]:
+        url, name = item
+        with fs.open(url, "rb") as f:
+            return url, name, refused_nulls(pq.ParquetFile(f).read(columns=[name]).column(0))
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        counted = {(url, name): n for url, name, n in pool.map(count, unknown)}
+    for _, arrow_schema, url, nulls in infos:
+        for name in names:
+            found = counted.get((url, name), nulls.get(name, 0))
+            if not found:
+                continue
+            kind = arrow_schema.field(name).type
+            if pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0:
+                raise SchemaError(
+                    f"{url}: column {name!r} refers to {found} files by path only; embed their "
+                    "bytes in the dataset before indexing (or leave the column out with "
+                    "--fields)")
+            raise SchemaError(
+                f"{url}: column {name!r} holds {found} nulls (or null list elements); "
+                "streamcache fields cannot be null: fill or drop them, or leave the column "
+                "out with --fields")
 
 
 def _parquet_compression(meta: Any) -> str | None:
@@ -179,9 +285,9 @@ def common_schema(infos: Sequence[FooterInfo], fields: Sequence[str] | None) -> 
     Raises:
         SchemaError: files disagree on the schema, or a column type is unsupported.
     """
-    _, first_schema, first_url = infos[0]
+    _, first_schema, first_url, _ = infos[0]
     schema = _schema_of(first_schema, fields, first_url)
-    for _, arrow_schema, where in infos[1:]:
+    for _, arrow_schema, where, _ in infos[1:]:
         other = _schema_of(arrow_schema, schema.names, where)
         if other != schema:
             diff = [f"{a.name}: {a.kind} {a.dtype} {list(a.shape)} vs {b.kind} {b.dtype} "

@@ -19,6 +19,7 @@ Face ``save_to_disk`` writes) by anyone, reading only their footers (in parallel
 
 from __future__ import annotations
 
+import contextlib
 import json
 import posixpath
 import time
@@ -36,7 +37,7 @@ from ..remote import storage
 from ..remote.capped import read_capped as fetch_capped
 from ..remote.options import FetchOptions
 from .checksum import checksum_bytes
-from .discovery import common_schema, discover_files, footer_info, with_checksum
+from .discovery import check_nulls, common_schema, discover_files, footer_info, with_checksum
 from .index_format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -54,7 +55,7 @@ from .index_format import (
     uses_side_table,
 )
 from .schema import Schema
-from .shard_paths import check_same_filesystem, check_shard_paths
+from .shard_paths import check_same_filesystem, check_shard_paths, local_escape
 from .shard_table import SHARD_FORMATS, ShardInfo, ShardTable
 
 INDEX_NAME = "index.json"
@@ -75,6 +76,8 @@ class DatasetIndex:
     fingerprint: str = ""
     url: str = ""
     created: float = field(default=0.0, compare=False)
+    #: Whether shard paths may lead outside the index's folder (``allow_external_paths``).
+    external_paths: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.shards, ShardTable):
@@ -105,8 +108,26 @@ class DatasetIndex:
         return posixpath.dirname(self.url) if self.url.endswith(INDEX_NAME) else self.url
 
     def shard_url(self, shard: int | ShardInfo) -> str:
+        """The URL of a shard (its path joined to :attr:`root`).
+
+        Raises:
+            IndexFormatError: a local shard named by a relative path is a symbolic link (or
+                lies below one) that leads outside the index's folder, unless
+                :attr:`external_paths` (a link planted in a shared folder must not make the
+                loader read and serve another file; see
+                :func:`~streamcache.format.shard_paths.local_escape`).
+        """
         info = self.shards[shard] if isinstance(shard, int) else shard
-        return storage.join(self.root, info.path)
+        url = storage.join(self.root, info.path)
+        if not self.external_paths and not storage.is_absolute_url(info.path):
+            outside = local_escape(url, self.root)
+            if outside is not None:
+                raise IndexFormatError(
+                    f"{url} is a link to {outside}, outside the dataset's folder {self.root}: "
+                    "shards are read from inside the index's folder only (links resolved); "
+                    "put the file itself there, or pass allow_external_paths=True to follow "
+                    "the link")
+        return url
 
     @property
     def has_side_table(self) -> bool:
@@ -172,7 +193,8 @@ def parse_index(raw: bytes, url: str, *, allow_external_paths: bool = False,
     else:  # (the table's digest is recorded with a node copy: no pass over the columns)
         shards = open_side_table(obj, url, schema, recorded, read, table_cache)
         actual = fingerprint_table(schema, shards)
-    index = DatasetIndex(schema, shards, fingerprint=recorded, url=url, created=created)
+    index = DatasetIndex(schema, shards, fingerprint=recorded, url=url, created=created,
+                         external_paths=allow_external_paths)
     check_fingerprint(url, recorded, actual)
     stated = obj.get("num_samples", index.num_samples)
     if stated != index.num_samples or type(stated) is not int:
@@ -231,6 +253,7 @@ def save_index(index: DatasetIndex, url: str, storage_options: Mapping[str, Any]
     target = index_url(url)
     fs, path = storage.filesystem(target, storage_options)
     side: dict[str, Any] | None = None
+    side_path: str | None = None  # a side file this call adds (removed if nothing uses it)
     if index.has_side_table:
         sink = pa.BufferOutputStream()
         pq.write_table(index.shard_table.to_arrow(), sink, compression="zstd",
@@ -238,11 +261,33 @@ def save_index(index: DatasetIndex, url: str, storage_options: Mapping[str, Any]
         data = sink.getvalue().to_pybytes()
         checksum = checksum_bytes(data)
         name = f"{SHARD_TABLE_PREFIX}{checksum.partition(':')[2]}.parquet"
+        side_path = storage.join(posixpath.dirname(path), name)
+        if fs.exists(side_path):  # the same table published before (re-indexing): keep it
+            side_path = None
         storage.publish_bytes(fs, storage.join(posixpath.dirname(path), name), data)
         side = {"path": name, "bytes": len(data), "checksum": checksum,
                 "shards": len(index.shards)}
-    storage.publish_bytes(fs, path, index.dumps(side))
+    document = index.dumps(side)
+    try:
+        storage.publish_bytes(fs, path, document)
+    except BaseException:
+        # not published (the index there is another, or none): the side file it added is
+        # nobody's
+        if side_path is not None and _holds(fs, path, document) is False:
+            with contextlib.suppress(Exception):
+                fs.rm_file(side_path)
+        raise
     return storage.unstrip(fs, path)
+
+
+def _holds(fs: Any, path: str, document: bytes) -> bool | None:
+    """Whether ``path`` holds ``document`` now (None: it cannot be read)."""
+    try:
+        return bytes(fs.cat_file(path)) == document
+    except FileNotFoundError:
+        return False
+    except Exception:
+        return None
 
 
 def build_index(url: str, *, fields: Sequence[str] | None = None, checksums: bool = False,
@@ -257,13 +302,16 @@ def build_index(url: str, *, fields: Sequence[str] | None = None, checksums: boo
 
     Raises:
         SourceError: no files, or a file is unreadable.
-        SchemaError: files disagree on the schema, or a column type is unsupported.
+        SchemaError: files disagree on the schema, a column type is unsupported, or a
+            column holds nulls (found in the footers' statistics, or by reading the columns
+            whose statistics cannot tell).
     """
     fs, root, files = discover_files(url, storage_options)
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         infos = list(pool.map(lambda p: footer_info(fs, p, root), files))
     schema = common_schema(infos, fields)
-    shards = [info for info, _, _ in infos]
+    check_nulls(fs, infos, schema.names, threads)
+    shards = [info for info, _, _, _ in infos]
     target = output or storage.unstrip(fs, root)
     if output is not None and storage.filesystem(output, storage_options)[1].rstrip("/") != root:
         # the index lives elsewhere: name every file by its full URL

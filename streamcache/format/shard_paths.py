@@ -9,6 +9,7 @@ local file. :func:`check_same_filesystem` applies the same rule when an index is
 
 from __future__ import annotations
 
+import os
 import posixpath
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -63,6 +64,27 @@ def check_shard_paths(index: DatasetIndex, *, allow_external_paths: bool = False
                 f"{root_protocol}://; an index may name external shards on its own filesystem "
                 "only, even with allow_external_paths=True: copy the shards beside the index"
             )
+
+
+def local_escape(url: str, root: str) -> str | None:
+    """Where a local file ``url`` really is, links resolved, when that is outside the local
+    folder ``root`` (links resolved too); None when it is inside, or either is not local.
+
+    Names are checked when an index is loaded (:func:`check_shard_paths`); links only on the
+    disk they are on, when a shard is opened: a file of a dataset folder may be a symbolic
+    link to any other file of the machine.
+    """
+    path, folder = _local(url), _local(root)
+    if path is None or folder is None:
+        return None
+    real, real_folder = os.path.realpath(path), os.path.realpath(folder)
+    return None if _under(real, real_folder) else real
+
+
+def _local(url: str) -> str | None:
+    if url.startswith("file://"):
+        return url.removeprefix("file://")
+    return None if "://" in url else url
 
 
 def count_outside(paths: Any) -> int:

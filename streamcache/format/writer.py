@@ -33,7 +33,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from ..errors import DestinationError, EmptyDatasetError, SchemaError, StreamcacheError
+from ..errors import (
+    DestinationError,
+    EmptyDatasetError,
+    IndexFormatError,
+    IndexNotFoundError,
+    SchemaError,
+    StreamcacheError,
+)
 from ..remote import storage
 from .checksum import checksum_bytes, checksum_file
 from .chunks import DEFAULT_CHUNK_SIZE, chunk_digest, chunk_rows_for, footer_metadata, tail_size
@@ -140,7 +147,9 @@ class ShardWriter:
     def _prepare_destination(self, overwrite: bool) -> None:
         where = storage.unstrip(self._fs, self._root)
         index_path = storage.join(self._root, INDEX_NAME)
-        try:
+        # (the first requests to the store: no credentials, a wrong endpoint or a full disk
+        # show here, as one DestinationError line)
+        with storage.destination_errors(self._fs, self._root):
             if storage.is_local(self._fs):
                 os.makedirs(self._root, exist_ok=True)
                 if not os.access(self._root, os.W_OK | os.X_OK):
@@ -154,12 +163,6 @@ class ShardWriter:
             except BaseException:
                 self._lease.release()
                 raise
-        except PermissionError as exc:
-            raise DestinationError(
-                f"cannot write to {where}: permission denied; choose a writable destination"
-            ) from exc
-        except OSError as exc:
-            raise DestinationError(f"cannot write to {where}: {exc}") from exc
         if exists and not overwrite:
             self._lease.release()
             raise DestinationError(
@@ -333,7 +336,10 @@ class ShardWriter:
         try:
             url, index, replaced = self._publish(shards)
         except BaseException:
-            if not self._publishing:  # after a failed PUT the index may be there: keep all
+            # A failed publish (a full disk, a dropped PUT) may still have published: the
+            # index there is read back; only when it is not this writer's are the shards
+            # removed (when it cannot be read, they are kept: it may be)
+            if not self._publishing or self._published(shards) is False:
                 self._remove_own_shards()
             self._lease.release()
             raise
@@ -358,6 +364,19 @@ class ShardWriter:
         self._lease.confirm()  # the conditional publish: only while the destination is ours
         self._publishing = True
         return save_index(index, folder, self._storage_options), index, replaced
+
+    def _published(self, shards: list[ShardInfo]) -> bool | None:
+        """Whether the index at the destination is the one this writer was publishing (its
+        shards, which carry this writer's token); None when it cannot be read (a store
+        that fails reads too)."""
+        folder = storage.unstrip(self._fs, self._root)
+        try:
+            found = load_index(folder, self._storage_options)
+        except (IndexNotFoundError, IndexFormatError):
+            return False  # none, or not a whole one: ours was not published
+        except (StreamcacheError, OSError, ValueError):
+            return None
+        return [s.path for s in found.shards] == [s.path for s in shards]
 
     def _current_index(self, folder: str) -> DatasetIndex | None:
         """The index about to be replaced, if there is a readable one."""

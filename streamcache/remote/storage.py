@@ -15,7 +15,7 @@ from typing import IO, Any
 
 from fsspec.core import url_to_fs
 
-from ..errors import DestinationError, StorageError, UnknownProtocolError
+from ..errors import DestinationError, StorageError, StreamcacheError, UnknownProtocolError
 
 
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
@@ -165,9 +165,12 @@ def create_exclusive(fs: Any, path: str, data: bytes) -> bool:
 
 @contextlib.contextmanager
 def destination_errors(fs: Any, path: str) -> Iterator[None]:
-    """Turn an OS error while writing ``path`` into one clear :class:`DestinationError`."""
+    """Turn an error of the store while writing ``path`` (an OS error, or a cloud client's:
+    no credentials, an unreachable endpoint) into one clear :class:`DestinationError`."""
     try:
         yield
+    except StreamcacheError:
+        raise
     except PermissionError as exc:
         raise DestinationError(
             f"cannot write {unstrip(fs, path)}: permission denied; choose a writable destination"
@@ -175,6 +178,15 @@ def destination_errors(fs: Any, path: str) -> Iterator[None]:
     except OSError as exc:
         raise DestinationError(
             f"cannot write {unstrip(fs, path)}: {exc} (is the disk full?)"
+        ) from exc
+    except Exception as exc:  # botocore, gcsfs, adlfs... raise their own classes
+        names = {cls.__name__ for cls in type(exc).__mro__}
+        hint = ("set the store's credentials (e.g. AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                "AWS_PROFILE, or storage_options)" if any("Credential" in n for n in names)
+                else "check the URL, the endpoint and the credentials")
+        message = " ".join(str(exc).split())
+        raise DestinationError(
+            f"cannot write {unstrip(fs, path)}: {type(exc).__name__}: {message}; {hint}"
         ) from exc
 
 
