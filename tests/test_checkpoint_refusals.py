@@ -9,6 +9,8 @@
   refused before DCP opens a file, even under a resealed (self-consistent) marker.
 - The allow-list unpickler of ``.metadata`` answers crafted gadgets and fuzzed pickles with
   :class:`CheckpointUnsafeError` only.
+- A commit marker that lists names outside the step, has fields of the wrong types, or is a
+  symlink, huge or deeply nested, makes its checkpoint incomplete: the previous one loads.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def reseal(directory: Path) -> None:
                                           files).to_json())
 
 
-def two_steps(root: Path) -> tuple[Path, Path, torch.nn.Module]:
+def two_steps(root: Path) -> tuple[Path, Path, torch.nn.Linear]:
     """Steps 10 and 20 of different weights; returns their directories and step 10's model."""
     torch.manual_seed(10)
     model_10 = torch.nn.Linear(4, 4)
@@ -287,3 +289,59 @@ def test_fuzzed_metadata_pickles_are_refused_or_confined(tmp_path: Path) -> None
             raise AssertionError(f"STREAMCACHE_FUZZ_SEED={seed}, attempt {attempt}: "
                                  f"{type(exc).__name__}: {exc}") from exc
     assert outcomes["refused"] > 300, (seed, outcomes)
+
+
+# ------------------------------------------------------------------ commit markers
+
+def _remark(directory: Path, edit: Any) -> None:
+    """Rewrite the marker with ``edit(body)`` applied, its own checksum made to match."""
+    import json
+
+    from streamcache.format.checksum import checksum_bytes
+
+    marker_path = directory / layout.MARKER_NAME
+    body = json.loads(marker_path.read_bytes())["body"]
+    edit(body)
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    marker_path.write_text(json.dumps({"body": body, "checksum": checksum_bytes(canonical)}))
+
+
+def _rename_file(body: dict[str, Any], new: str) -> None:
+    name = next(n for n in body["files"] if n.endswith(".distcp"))
+    body["files"][new] = body["files"].pop(name)
+
+
+MARKERS: dict[str, Any] = {
+    "dot-dot name": lambda body: _rename_file(body, "../elsewhere.distcp"),
+    "absolute name": lambda body: _rename_file(body, "/etc/hostname"),
+    "negative size": lambda body: next(iter(body["files"].values())).update(size=-1),
+    "size a bool": lambda body: next(iter(body["files"].values())).update(size=True),
+    "size a string": lambda body: next(iter(body["files"].values())).update(size="12"),
+    "world size 0": lambda body: body.update(world_size=0),
+    "step a float": lambda body: body.update(step=20.0),
+    "files a list": lambda body: body.update(files=[]),
+}
+
+
+@pytest.mark.parametrize("case", [*sorted(MARKERS), "symlink", "huge", "deep nesting"])
+def test_a_marker_that_is_not_truthful_is_never_loaded(tmp_path: Path, case: str) -> None:
+    root = tmp_path / "root"
+    _, step_20, model_10 = two_steps(root)
+    marker = step_20 / layout.MARKER_NAME
+    if case == "symlink":  # a valid marker elsewhere, linked in
+        target = tmp_path / "marker-elsewhere.json"
+        marker.rename(target)
+        marker.symlink_to(target)
+    elif case == "huge":
+        with open(marker, "ab") as f:
+            f.truncate(layout.MARKER_LIMIT + 10)
+    elif case == "deep nesting":
+        marker.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        _remark(step_20, MARKERS[case])
+    target_model = torch.nn.Linear(4, 4)
+    with Checkpointer(root, async_mode="sync") as ckpt:
+        latest = ckpt.latest()
+        assert latest is not None and latest.step == 10  # step 20 is not complete
+        assert ckpt.load({"model": target_model}) == 10
+    assert torch.equal(target_model.weight, model_10.weight)
