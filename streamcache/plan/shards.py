@@ -84,6 +84,11 @@ class ShardCounts:
     def num_shards(self) -> int:
         return int(self.rows.size)
 
+    def rows_of(self, shards: np.ndarray) -> np.ndarray:
+        """The row counts of ``shards``, from the offsets (the plan reads one column of a
+        mapped table, not two: its pages are what each process maps)."""
+        return self.offsets[shards + 1] - self.offsets[shards]
+
     def histogram(self) -> tuple[np.ndarray, np.ndarray]:
         """``(values, counts)``: each distinct row count, ascending, and its number of shards."""
         if self._histogram is None:

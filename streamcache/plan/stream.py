@@ -156,7 +156,7 @@ class ShardStream:
                 return
             slots = np.arange(known << GROUP_BITS, min(self.num_shards, stop << GROUP_BITS),
                               dtype=np.int64)
-            rows = self.counts.rows[self.slot_shard(slots)]
+            rows = self.counts.rows_of(self.slot_shard(slots))
             sums = np.add.reduceat(rows, np.arange(0, slots.size, GROUP))
             grown = np.empty(stop + 1, dtype=np.int64)
             grown[:known + 1] = self._coarse
@@ -190,7 +190,7 @@ class ShardStream:
         shards = self.slot_shard(slots)
         starts = np.empty(slots.size + 1, dtype=np.int64)
         starts[0] = self._coarse[first]
-        np.cumsum(self.counts.rows[shards], out=starts[1:])
+        np.cumsum(self.counts.rows_of(shards), out=starts[1:])
         starts[1:] += starts[0]
         span = _Span(int(slots[0]), shards, starts)
         with self._lock:

@@ -111,7 +111,7 @@ class ShardWindows:
         sums = []
         for first in range(0, self.stream.num_shards, chunk):
             slots = np.arange(first, min(self.stream.num_shards, first + chunk), dtype=np.int64)
-            rows = self.stream.counts.rows[self.stream.slot_shard(slots)]
+            rows = self.stream.counts.rows_of(self.stream.slot_shard(slots))
             sums.append(np.add.reduceat(rows, np.arange(0, slots.size, self.width)))
         out = np.concatenate(sums)
         if out.size > self.raw_count:  # the short last window, merged into the one before
