@@ -35,7 +35,7 @@ def torchrun_env(monkeypatch: pytest.MonkeyPatch):
     for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
 
-    def set_env(**values: int) -> None:
+    def set_env(**values: int | str) -> None:
         for name, value in values.items():
             monkeypatch.setenv(name, str(value))
     return set_env
@@ -69,12 +69,16 @@ def test_an_environment_of_another_job_is_not_used(torchrun_env) -> None:
     (dict(RANK=2, WORLD_SIZE=8, LOCAL_WORLD_SIZE=4, GROUP_RANK=1), "GROUP_RANK=1 but rank 2"),
     (dict(RANK=2, WORLD_SIZE=8, LOCAL_WORLD_SIZE=4, NODE_RANK=1), "NODE_RANK=1 but rank 2"),
     (dict(RANK=2, WORLD_SIZE=8, LOCAL_WORLD_SIZE=4, LOCAL_RANK=0), "LOCAL_RANK=0 but rank 2"),
+    (dict(RANK=2, WORLD_SIZE=8, LOCAL_WORLD_SIZE=0), "LOCAL_WORLD_SIZE=0 does not divide"),
+    (dict(RANK=2, WORLD_SIZE=8, LOCAL_WORLD_SIZE=-4), "LOCAL_WORLD_SIZE=-4 does not divide"),
+    (dict(RANK=2, WORLD_SIZE=8, LOCAL_WORLD_SIZE="four"), "LOCAL_WORLD_SIZE='four' is not an"),
+    (dict(RANK=2, WORLD_SIZE=8, LOCAL_WORLD_SIZE=4, GROUP_RANK="1.0"), "GROUP_RANK='1.0' is not"),
 ])
 def test_inconsistent_environments_are_refused(torchrun_env, env, message) -> None:
     torchrun_env(**env)
     with pytest.raises(PlanError, match=message) as error:
         resolve_nodes(env["RANK"], env["WORLD_SIZE"])
-    assert "nodes=" in str(error.value)
+    assert "nodes=" in str(error.value) or "is not an integer" in str(error.value)
 
 
 def test_impossible_node_counts_are_refused() -> None:
