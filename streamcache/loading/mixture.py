@@ -279,7 +279,7 @@ def _load_indexes(sources: Sequence[Source], storage: Sequence[Mapping[str, Any]
             return source.url
         return load_index(source.url, storage_options,
                           allow_external_paths=options.allow_external_paths,
-                          fetch=options.fetch)
+                          fetch=options.fetch, table_cache=default_cache_dir(options.cache_dir))
 
     if len(sources) == 1:
         return [load(sources[0], storage[0])]
