@@ -177,6 +177,7 @@ def test_pieces_held_twice_only_between_three_and_sixteen_nodes() -> None:
     assert dual_fraction(FLOW_MAX_NODES + 1, 1024) == 0
     assert dual_fraction(8, 1024) == pytest.approx(2.3 / np.sqrt(128))
     assert dual_fraction(8, 64) == 0.6 and dual_fraction(8, None) == 0
+    assert dual_fraction(8, 64, chunk_rows=1) == 0  # large samples: a move costs a row
     rows = np.full(50, 200)
     layout = UnitLayout(rows, np.full(50, 10), np.full(50, 10))
     assignment = LocalityAssignment(8, KEY, layout, 1024)

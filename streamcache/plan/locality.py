@@ -95,19 +95,34 @@ def piece_owners(key: int, layout: UnitLayout, shards: np.ndarray, rows: np.ndar
     return (shard_offsets(key, shards, num_nodes) + pieces) % num_nodes
 
 
-def dual_fraction(num_nodes: int, global_batch: int | None) -> float:
-    """The fraction of pieces held by two nodes (their owner and a backup).
+#: Rows a chunk must hold for pieces to be held twice: below, a sample read from another
+#: node's piece costs about itself (a chunk of a few rows), less than holding pieces twice.
+DUAL_MIN_CHUNK_ROWS = 4
+
+
+def dual_fraction(num_nodes: int, global_batch: int | None, chunk_rows: int = 64) -> float:
+    """The fraction of pieces held by two nodes (their owner and a backup), for chunks of
+    ``chunk_rows`` rows (the layout's typical).
 
     None with two nodes or fewer: the chunks a node reads of the other's pieces, which it
     keeps, do that job (the released samples come from the same few chunks). None beyond
     :data:`~streamcache.plan.flows.FLOW_MAX_NODES` nodes, where the flow that uses them would
-    cost more per step than the split may. Between, enough that a step's imbalance, about
-    ``sqrt(B/N)`` samples a node, can mostly move at no cost: ``2.3 / sqrt(B/N)`` (the best of
-    those simulated at 128 and 32 samples a node: docs/multinode.md), at most 0.6.
+    cost more per step than the split may, nor with chunks of fewer than
+    :data:`DUAL_MIN_CHUNK_ROWS` rows (large samples). Else enough that a step's imbalance,
+    about ``sqrt(B/N)`` samples a node, can mostly move at no cost: ``2.3 / sqrt(B/N)`` (the
+    best of those simulated at 128 and 32 samples a node: docs/multinode.md), at most 0.6.
     """
-    if num_nodes <= 2 or num_nodes > FLOW_MAX_NODES or not global_batch:
+    if (num_nodes <= 2 or num_nodes > FLOW_MAX_NODES or not global_batch
+            or chunk_rows < DUAL_MIN_CHUNK_ROWS):
         return 0.0
     return min(0.6, 2.3 / float(np.sqrt(max(1.0, global_batch / num_nodes))))
+
+
+def typical_chunk_rows(layout: UnitLayout | None) -> int:
+    """The median rows per chunk of a layout's cut shards (0: none is cut)."""
+    if layout is None or not layout.cut.any():
+        return 0
+    return int(np.median(layout.chunk_rows[layout.cut]))
 
 
 class LocalityAssignment:
@@ -133,7 +148,7 @@ class LocalityAssignment:
         self.key = key & MASK64
         self.layout = layout
         self.global_batch = global_batch
-        self.dual = dual_fraction(num_nodes, global_batch)
+        self.dual = dual_fraction(num_nodes, global_batch, typical_chunk_rows(layout))
         self._dual_threshold = np.uint64(min(_WEYL_SIZE - 1, int(self.dual * _WEYL_SIZE)))
         self._release_key = derive_key(self.key, TAG_RELEASE)
         dual_key = derive_key(self.key, TAG_DUAL)
