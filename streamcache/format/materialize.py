@@ -43,8 +43,10 @@ def decode_shard(data: Any, fmt: str, schema: Schema, *, where: str,
         else:
             table = ipc.open_file(source).read_all()
         # offsets in order and inside their values, strings UTF-8: what the casts below and
-        # the reader of the installed copy rely on
+        # the reader of the installed copy rely on; the names decoded inside this check
         table.validate(full=True)
+        if len(set(table.column_names)) != table.num_columns:
+            raise ShardCorruptError(f"{where} names a column twice")
     except SchemaError:
         raise
     except pa.ArrowKeyError as exc:

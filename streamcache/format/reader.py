@@ -164,6 +164,10 @@ class ShardReader:
                     schema=self.schema.arrow_schema())
             batch = reader.get_batch(0)
             batch.validate(full=True)
+            # the names are decoded here, inside this check (a flipped bit may leave one that
+            # is not UTF-8, or two alike)
+            if len(set(batch.schema.names)) != batch.num_columns:
+                raise ShardCorruptError(f"{self.path} names a column twice")
             return batch
         except (pa.ArrowException, OSError, ValueError) as exc:
             # any pyarrow error: a flipped bit may read as an unknown type or a huge length
