@@ -49,6 +49,7 @@ import pyarrow as pa
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
+from dist import torchrun_environment  # noqa: E402
 from servers import FaultServer  # noqa: E402
 
 from streamcache import ShardWriter, StreamDataset, StreamLoader, load_index  # noqa: E402
@@ -132,13 +133,10 @@ def run_node(node: int, nodes: int, per_node: int, url: str, cache: str, global_
              scratch: str, nodes_arg: int | None) -> list[np.ndarray]:
     """The ranks of one node, forked with torchrun's environment; their ids per step."""
     context = mp.get_context("fork")
-    world = nodes * per_node
     outs, processes = [], []
     for local in range(per_node):
-        rank = node * per_node + local
-        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
-               "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(node)}
-        out = os.path.join(scratch, f"rank-{rank}.npy")
+        env = torchrun_environment(node, local, per_node, nodes)
+        out = os.path.join(scratch, f"rank-{env['RANK']}.npy")
         outs.append(out)
         processes.append(context.Process(target=_rank_main, args=(
             env, url, cache, global_batch, nodes_arg, out)))

@@ -51,7 +51,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RankError", "RankGroup", "RankResult", "free_port", "run_ranks"]
+__all__ = ["RankError", "RankGroup", "RankResult", "free_port", "run_ranks",
+           "torchrun_environment"]
 
 
 @dataclass
@@ -73,6 +74,13 @@ class RankResult:
 
 class RankError(AssertionError):
     """One or more ranks failed, died or timed out; the message holds each rank's story."""
+
+
+def torchrun_environment(node: int, local: int, per_node: int, nodes: int) -> dict[str, str]:
+    """The variables torchrun sets for local rank ``local`` of node ``node`` in a job of
+    ``nodes`` nodes of ``per_node`` ranks (simulated multi-node jobs fork ranks with them)."""
+    return {"RANK": str(node * per_node + local), "WORLD_SIZE": str(nodes * per_node),
+            "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(node)}
 
 
 def free_port() -> int:

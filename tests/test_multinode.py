@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+from dist import torchrun_environment
 from loader_helpers import ids_of, make_dataset
 from servers import FaultServer
 
@@ -116,13 +117,10 @@ def run_node(node: int, nodes: int, per_node: int, url: Any, cache: Path, global
              ) -> list[dict[str, Any]]:
     """Run the ranks of one node (forked processes, torchrun's environment) to the end."""
     context = mp.get_context("fork")
-    world = nodes * per_node
     outs, processes = [], []
     for local in range(per_node):
-        rank = node * per_node + local
-        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
-               "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(node)}
-        out = str(tmp / f"rank-{nodes}-{rank}.json")
+        env = torchrun_environment(node, local, per_node, nodes)
+        out = str(tmp / f"rank-{nodes}-{env['RANK']}.json")
         outs.append(out)
         processes.append(context.Process(target=_rank_main, args=(
             env, url, str(cache), global_batch, steps, state, out)))
