@@ -27,7 +27,7 @@ from streamcache.loading.batching import to_torch
 SCHEMA = Schema([Field.tensor("x", np.float32, (3,)), Field.sequence("tokens", np.int32),
                  Field("blob", "bytes"), Field("caption", "str")])
 ROWS = 40
-CASES = 80  # per form (stored, installed)
+CASES = 300  # per form (stored, installed)
 
 
 def _sample(i: int) -> dict[str, object]:
