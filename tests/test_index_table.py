@@ -451,3 +451,26 @@ def test_a_builder_killed_mid_write_leaves_nothing_that_is_served(large: str,
     assert list(load_index(large, table_cache=cache).shards) == expected
     assert len(builds) == count + 1
     assert not list(folder.glob(".*"))  # the killed builder's leftover is gone
+
+
+def test_a_full_cache_disk_loads_the_table_in_memory(large: str, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import io
+
+    from streamcache.format import node_table
+    original = node_table.LayoutWriter.finish
+
+    def full(self: Any, *args: Any) -> None:
+        if not isinstance(self._sink, io.BytesIO):  # the copy's file, not a table in memory
+            raise OSError(errno.ENOSPC, "No space left on device")
+        original(self, *args)
+
+    monkeypatch.setattr(node_table.LayoutWriter, "finish", full)
+    cache = tmp_path / "cache"
+    index = load_index(large, table_cache=str(cache))
+    assert list(index.shards) == _expected(large) and index.shard_table._point is None
+    folder = cache / TABLES / str(os.geteuid())
+    assert not list(folder.glob("*.table")) and not list(folder.glob(".*"))
+    monkeypatch.setattr(node_table.LayoutWriter, "finish", original)
+    assert load_index(large, table_cache=str(cache)).shard_table._point is not None

@@ -114,7 +114,10 @@ def open_node_table(cache_dir: str, key: TableKey, build: Build) -> ShardTable |
         with _locked(folder, name):
             table = _open(folder, cache_dir, name, key)
             if table is None:
-                _build(folder, name, key, build)
+                try:
+                    _build(folder, name, key, build)
+                except OSError:  # the cache's disk is full (or fails): load in memory
+                    return None
                 table = _open(folder, cache_dir, name, key)
         if table is None:
             raise IndexFormatError(f"the node copy of the shard table {name} in {cache_dir} "
@@ -215,7 +218,10 @@ def _open(folder: int, cache_dir: str, name: str, key: TableKey) -> ShardTable |
         if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
                 or st.st_mode & 0o222 or _read_stamp(folder, name) != _stamp(st, key)):
             return None
-        mapping = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
+        try:
+            mapping = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):  # (empty, or a file system that cannot map)
+            return None
         where = os.path.join(cache_dir, TABLES, str(os.geteuid()), name + SUFFIX)
         try:
             header, columns = open_layout(mapping, where)
