@@ -8,9 +8,10 @@ One save runs in five phases; only the first two block the training loop:
 2. *stage* (caller's thread, async modes): copy tensors into reused host buffers, so later
    writes to the live tensors never reach the checkpoint (opt-in: model and optimizer
    tensors in the writer thread, see ``background_staging``);
-3. *write* (background): DCP writes each rank's files to a local directory;
-4. *upload* (background, tiered or remote roots): each rank checksums its files and copies
-   them to ``root``;
+3. *write* (background): DCP writes each rank's files to a local directory through the
+   one-pass writer (``writer.py``: direct I/O, checksummed while written), whose CPU work
+   yields to a busy training thread (``pace.py``);
+4. *upload* (background, tiered or remote roots): each rank copies its files to ``root``;
 5. *commit* (background, collective on the checkpointer's own gloo group): rank 0 gathers
    every rank's file list, checks it against DCP's metadata and publishes ``COMMIT.json``
    last; any failure anywhere publishes nothing, and every rank raises it at its next
@@ -256,8 +257,9 @@ class Checkpointer:
             CheckpointWriteError: the *previous* async save failed on some rank (nothing was
                 published for it); this save was not started.
             CheckpointError: a global state differs between ranks or is not JSON-able, a
-                raw optimizer cannot be paired with exactly one module of ``state``, or
-                another live job holds (or took over) the lease on ``root``.
+                raw optimizer cannot be paired with exactly one module of ``state``, another
+                live job holds the lease on ``root``, or this job lost it (another job took
+                the root over while this one stalled: every later save fails too).
         """
         self._check_open()
         self._ensure_lease()
@@ -357,8 +359,10 @@ class Checkpointer:
         are abandoned: kept, not loaded by a plain ``load``, not counted by retention).
         Every file is verified against the marker's checksums first (transient read errors
         are retried); a proven-damaged newest checkpoint is refused and the previous complete
-        one is loaded instead. Nothing is applied unless ``state`` and the checkpoint hold
-        the same values. All ranks call it.
+        one is loaded instead. Everything is checked before anything is applied (keys,
+        shapes, each global state against its object's ``validate_state_dict``, every
+        non-tensor value, RNG states), so a refusal leaves ``state`` as it was. All ranks
+        call it.
 
         Returns:
             The step loaded, or None when ``root`` holds no complete checkpoint (and ``step``
@@ -369,7 +373,10 @@ class Checkpointer:
             CheckpointCorruptError: every candidate failed verification.
             CheckpointError: the state and the checkpoint do not hold the same values, reads
                 kept failing, or (a rollback) another job holds the lease on ``root``.
-            CheckpointUnsafeError: a pickle in the checkpoint is more than plain values.
+            CheckpointUnsafeError: a pickle in the checkpoint is more than plain values, or
+                its metadata reads files the commit marker does not list.
+            CursorMismatchError: (from the StreamLoader) the loader state is another
+                dataset's.
         """
         self._check_open()
         self.wait()
