@@ -190,8 +190,9 @@ def test_opening_a_dataset_never_imports_pandas(large_dataset: str, tmp_path: Pa
             "    dataset = StreamDataset(url, batch_size=4, rank=0, world_size=1)\n"
             "    assert dataset.index.fingerprint and len(dataset.index.shards) > 1\n"
             "print('pandas' in sys.modules)")
+    env = {**os.environ, "STREAMCACHE_CACHE_DIR": str(tmp_path / "cache")}  # (the copy's)
     result = subprocess.run([sys.executable, "-c", code, small, large_dataset],
-                            capture_output=True, text=True, check=True)
+                            capture_output=True, text=True, check=True, env=env)
     assert _side_file(large_dataset).exists()
     assert result.stdout.strip() == "False"
 
