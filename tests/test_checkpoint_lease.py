@@ -31,16 +31,18 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 TTL_S = 1.0
 
 # Job A: saves step 10, then step 20 with a pause point before the commit's lease check
-# (the test stops the process there), then tries step 30. Prints what happened to each.
+# (the test stops the process there, and lets it go on only after SIGCONT), then tries step
+# 30. Prints what happened to each.
 _JOB_A = """
-import sys, time, torch
+import os, sys, time, torch
 from streamcache.checkpoint import Checkpointer, CheckpointError, commit
-root, at_commit = sys.argv[1], sys.argv[2]
+root, at_commit, go = sys.argv[1], sys.argv[2], sys.argv[4]
 publish = commit.Committer._publish
 def paused_publish(self, job, gathered):
     if job.step == 20:
         open(at_commit, "w").write("ready")
-        time.sleep(1.0)  # the test sends SIGSTOP during this sleep
+        while not os.path.exists(go):  # the test sends SIGSTOP while this waits
+            time.sleep(0.01)
     return publish(self, job, gathered)
 commit.Committer._publish = paused_publish
 state = {"model": torch.nn.Linear(4, 4)}
@@ -64,10 +66,10 @@ def saved(root: Path) -> list[int]:
 def test_a_paused_holder_whose_root_was_taken_over_publishes_nothing_more(
     tmp_path: Path,
 ) -> None:
-    root, at_commit = tmp_path / "root", tmp_path / "at-commit"
+    root, at_commit, go = tmp_path / "root", tmp_path / "at-commit", tmp_path / "go"
     job_a = subprocess.Popen([sys.executable, "-c", _JOB_A, str(root), str(at_commit),
-                              str(TTL_S)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+                              str(TTL_S), str(go)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 240  # a loaded machine takes long to import torch
         while not at_commit.exists():
@@ -84,6 +86,7 @@ def test_a_paused_holder_whose_root_was_taken_over_publishes_nothing_more(
             job_b.save(12, state)
         assert not (root / lease.LEASE_NAME).exists()  # B released it on close
     finally:
+        go.touch()  # A goes on with step 20's commit once it runs again
         with contextlib.suppress(ProcessLookupError):
             os.kill(job_a.pid, signal.SIGCONT)
     output, _ = job_a.communicate(timeout=240)
