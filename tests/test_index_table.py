@@ -387,10 +387,15 @@ def test_a_planted_tables_folder_is_refused(large: str, tmp_path: Path) -> None:
         load_index(large, table_cache=str(cache))
     assert not list(target.iterdir())
     (cache / TABLES).unlink()
-    (cache / TABLES / str(os.geteuid())).mkdir(parents=True, mode=0o777)
-    os.chmod(cache / TABLES / str(os.geteuid()), 0o777)
-    with pytest.raises(CacheError, match="open to others"):
-        load_index(large, table_cache=str(cache))
+    ours = cache / TABLES / str(os.geteuid())
+    ours.mkdir(parents=True)
+    os.chmod(ours, 0o777)  # open to others: made private again before anything is written
+    assert load_index(large, table_cache=str(cache)).shard_table._point is not None
+    assert stat.S_IMODE(ours.stat().st_mode) == 0o700
+    if os.geteuid() == 0:  # (only root can give a folder away)
+        os.chown(ours, 12345, 12345)
+        with pytest.raises(CacheError, match="belongs to uid 12345"):
+            load_index(large, table_cache=str(cache))
 
 
 def test_a_cache_folder_that_cannot_hold_copies_loads_in_memory(large: str,

@@ -146,7 +146,8 @@ def reopen_node_table(cache_dir: str, key: TableKey) -> ShardTable:
 
 def _folder(cache_dir: str) -> int:
     """A descriptor of ``cache_dir/tables/<uid>``, made if missing (0700), refused if it or
-    ``tables`` is a link, or it is not this user's own and private."""
+    ``tables`` is a link or it is another user's (CacheError), made private if it is open to
+    others (an OSError where it cannot be: no copies on that file system)."""
     uid = os.geteuid()
     os.makedirs(cache_dir, exist_ok=True)
     fd = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -163,12 +164,15 @@ def _folder(cache_dir: str) -> int:
             os.close(fd)
             fd = child
         st = os.fstat(fd)
-        if st.st_uid != uid or st.st_mode & 0o077:
+        if st.st_uid != uid:
             raise CacheError(
-                f"{os.path.join(cache_dir, TABLES, str(uid))} belongs to uid {st.st_uid} or "
-                f"is open to others (mode {stat.S_IMODE(st.st_mode):o}); the node copies of "
-                "shard tables are kept in a private folder of their user: remove it (or use "
-                "another cache_dir)")
+                f"{os.path.join(cache_dir, TABLES, str(uid))} belongs to uid {st.st_uid}; the "
+                "node copies of shard tables are kept in a private folder of their user: "
+                "remove it (or use another cache_dir)")
+        if st.st_mode & 0o077:  # ours, but open to others: made private, where it can be
+            os.fchmod(fd, 0o700)
+            if os.fstat(fd).st_mode & 0o077:
+                raise PermissionError("a private folder cannot be made here")
         return fd
     except BaseException:
         os.close(fd)
