@@ -163,6 +163,12 @@ def create_exclusive(fs: Any, path: str, data: bytes) -> bool:
     return True
 
 
+# Packages whose exceptions are a store's answer (credentials, endpoint, throttling), not a bug.
+_STORE_CLIENTS = frozenset({
+    "botocore", "aiobotocore", "boto3", "s3fs", "gcsfs", "google", "adlfs", "azure", "aiohttp",
+    "requests", "urllib3", "fsspec", "ocifs", "huggingface_hub"})
+
+
 @contextlib.contextmanager
 def destination_errors(fs: Any, path: str) -> Iterator[None]:
     """Turn an error of the store while writing ``path`` (an OS error, or a cloud client's:
@@ -180,6 +186,8 @@ def destination_errors(fs: Any, path: str) -> Iterator[None]:
             f"cannot write {unstrip(fs, path)}: {exc} (is the disk full?)"
         ) from exc
     except Exception as exc:  # botocore, gcsfs, adlfs... raise their own classes
+        if type(exc).__module__.split(".")[0] not in _STORE_CLIENTS:
+            raise  # a bug of ours or the caller's is not a store's error
         names = {cls.__name__ for cls in type(exc).__mro__}
         hint = ("set the store's credentials (e.g. AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
                 "AWS_PROFILE, or storage_options)" if any("Credential" in n for n in names)
