@@ -126,3 +126,27 @@ def test_reading_the_rank_before_the_process_group_says_what_is_fine(
     message = str(caught.value)
     assert "dataset.rank" in message and "setup()" in message
     assert "Making the dataset and loader before the group exists is fine" in message
+
+
+def test_worker_processes_under_a_too_long_tmpdir_are_refused_not_hung(
+        data: tuple[str, str], tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker hands its shared memory over a Unix socket in TMPDIR; a path too long for
+    one failed only in the worker's queue thread and the loop waited forever (a TMPDIR deep
+    in a job's scratch folder did it). Now: a ConfigError that says what to do, at iter()."""
+    import tempfile
+
+    from streamcache.errors import ConfigError
+
+    url, cache = data
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setenv("TMPDIR", str(deep))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    with loader(url, cache, global_batch_size=8, seed=1, workers=2) as it, \
+            pytest.raises(ConfigError, match="set TMPDIR to a shorter folder"):
+        iter(it)
+    with loader(url, cache, global_batch_size=8, seed=1, workers=0) as it:
+        assert len(list(it)) == STEPS_PER_EPOCH // 4  # reader threads need no socket
+    monkeypatch.undo()  # the session's own temp folder again
+    with loader(url, cache, global_batch_size=8, seed=1, workers=2) as it:
+        assert len(list(it)) == STEPS_PER_EPOCH // 4

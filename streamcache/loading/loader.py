@@ -20,6 +20,8 @@ from __future__ import annotations
 import collections
 import multiprocessing.context
 import numbers
+import os
+import tempfile
 import threading
 import time
 import warnings
@@ -204,11 +206,37 @@ class _Arrays:
         self.arrays = arrays
 
 
+# multiprocessing's socket for passing file descriptors: <tmp>/pymp-XXXXXXXX/listener-XXXXXXXX
+_SOCKET_SUFFIX = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+_SUN_PATH = 108  # bytes of sockaddr_un.sun_path on Linux (CPython refuses longer paths)
+
+
+def check_socket_folder() -> None:
+    """Refuse worker processes that could not hand their batches over.
+
+    With torch's default sharing strategy (``file_descriptor``) a worker passes its shared
+    memory to the loop over a Unix socket that multiprocessing makes in the temporary
+    folder. When ``TMPDIR`` is too long for a socket path, that fails in the worker's queue
+    thread, which only prints it: the batch never arrives and the loop waits forever.
+    """
+    if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+        return
+    folder = tempfile.gettempdir()
+    if len(os.fsencode(folder)) + _SOCKET_SUFFIX > _SUN_PATH:
+        raise ConfigError(
+            f"worker processes cannot hand batches to the training loop: the temporary folder "
+            f"{folder} ({len(os.fsencode(folder))} bytes) is too long for the Unix socket "
+            f"torch passes shared memory through (at most {_SUN_PATH - _SOCKET_SUFFIX} bytes); "
+            "set TMPDIR to a shorter folder, or call "
+            "torch.multiprocessing.set_sharing_strategy('file_system'), or use num_workers=0")
+
+
 class _WorkerBatches:
     """Steps made by worker processes (torch's DataLoader machinery), in step order; their
     tensors arrive in shared slots set up once per worker (:mod:`.shared_batches`)."""
 
     def __init__(self, loader: StreamLoader, schedule: Schedule) -> None:
+        check_socket_folder()
         self._pin = loader.pin_memory
         self._slots = SlotReader()
         torch_loader = DataLoader(
