@@ -70,17 +70,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.environ["TMPDIR"] = previous_env
     for name in os.listdir(root):
         if not name.startswith("pymp-"):
-            path = os.path.join(root, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+            _remove(os.path.join(root, name))
     multiprocessing.util.Finalize(None, shutil.rmtree, args=(root,),
                                   kwargs={"ignore_errors": True}, exitpriority=-101)
 
 
 _TEMP_ROOT = pytest.StashKey[tuple[str, "str | None", "str | None"]]()
+
+
+def _remove(path: str) -> None:
+    """Remove a file, a link or a folder with everything in it."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _temp_entries() -> set[str]:
@@ -100,12 +104,7 @@ def _leaves_no_temp_files(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     root = tempfile.gettempdir()
     for name in left:
-        path = os.path.join(root, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        _remove(os.path.join(root, name))
     pytest.fail(f"{request.node.nodeid} left files in the temp folder: {left} (use tmp_path, "
                 "or remove them)", pytrace=False)
 

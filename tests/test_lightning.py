@@ -167,7 +167,10 @@ def _done(tmp: str, tag: str) -> list[dict[str, int]]:
     return results
 
 
-@pytest.mark.timeout(600)  # three jobs of two processes; about a minute on an idle machine
+# Three jobs of two processes, about a minute: slow (.ci/run runs it); the default suite
+# stops and resumes Lightning DDP in examples/lightning_train.py (test_examples.py).
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_lightning_ddp_killed_mid_epoch_resumes_exactly(tmp_path) -> None:
     from loader_helpers import make_dataset
 

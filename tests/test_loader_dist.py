@@ -67,6 +67,8 @@ def _global(results: list[Any]) -> list[np.ndarray]:
     return [np.concatenate([rank[t] for rank in per_rank]) for t in range(len(per_rank[0]))]
 
 
+@pytest.mark.slow  # 30 s; .ci/run runs it. The default suite resumes on other world sizes in
+# test_checkpoint_loader.py and test_plan_steps.py (every schedule, with workers)
 def test_elastic_resume_4_2_3_ranks_with_workers(tmp_path) -> None:
     url = make_dataset(str(tmp_path), [37, 50, 13, 60, 40])
     cache = str(tmp_path / "cache")
@@ -171,7 +173,8 @@ def _progress(ckpt: str) -> int:
         return 0
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.slow  # 25 s; .ci/run runs it. The default suite SIGKILLs training ranks in
+@pytest.mark.timeout(240)  # test_checkpoint_crash.py
 def test_sigkilled_training_resumes_to_the_same_weights(tmp_path) -> None:
     url = make_dataset(str(tmp_path), [37, 50, 13, 60, 40], seq=False)
     cache = str(tmp_path / "cache")
