@@ -1,54 +1,35 @@
-"""Checkpoint cost: blocked time, time to durable and cost to a training loop, per save mode.
+"""Checkpoint cost, quiet and under a competing CPU load: blocked time, call to durable, and
+the training loop's cost of one save, for the Checkpointer against DCP in the same run.
 
-Run (from the repository root):
+Run (from the repository root, under the team's bench lock):
 
-    python benchmarks/bench_checkpoint.py                 # 1 GiB of state per rank, 2 ranks
-    python benchmarks/bench_checkpoint.py --gib-per-rank 0.25 --repeats 2   # a quick look
+    flock /work/team/bench.lock python benchmarks/bench_checkpoint.py             # ~1 GB a rank
+    python benchmarks/bench_checkpoint.py --size 256MiB --repeats 1               # a smoke run
 
-Each of 2 gloo ranks on this machine holds an FSDP2-sharded model (``--gib-per-rank`` of
-float32 parameters per rank, so each rank writes its own shard) and saves it with every
-method below, interleaved, ``--repeats`` times. For each save it measures, as the maximum
-over ranks:
+Each of 2 gloo ranks holds an FSDP2-sharded model and its AdamW state (``--size`` of
+float32 weights and Adam moments per rank, about 1 GB by default) and saves it with every
+method below, interleaved, ``--repeats`` times, in two conditions: *quiet* (nothing else of
+ours runs) and *busy* (two processes that spin on the CPU the whole time, as a loader's
+workers or another job would). For each save, the maximum over the ranks of:
 
 - ``blocked``: time until the save call returns;
-- ``safe``: time until the training loop may change the state again (equal to ``blocked``
-  except with background staging, where the optimizer step waits for the copy);
-- ``durable``: time until the checkpoint is on disk (fsync'ed) and, for streamcache,
-  committed;
-- ``durable in loop``: time from the save call to durable when it is issued inside that
-  loop (the background work competes with the loop for the cores);
-- ``loop cost``: extra wall time of a loop of fake training steps (matrix products on all
-  cores, ``wait_staged`` where the optimizer step would be) that issues one save at its
-  start, against the same loop without a save, run right before it (paired).
+- ``durable``: time from the call until the checkpoint is on disk (fsync'ed) and, for the
+  Checkpointer, committed (marker published);
+- ``loop cost``: extra wall time of a loop of fake training steps (matrix products, one
+  thread per rank: the ranks keep both cores busy) that saves once at its start, against the
+  same loop without a save run right before it (paired); the loop lasts ``--loop-s`` seconds
+  so that the save becomes durable inside it.
 
-Beside them the same script measures the machine's limits with the same amount of data:
-``memcpy`` (copy into a preallocated buffer) and ``disk`` (write + fsync), both ranks at once.
+Beside them, in each condition: ``copy`` (one copy of the state's tensors into reused
+buffers: the floor of a blocking snapshot) and ``disk`` (writing the state's bytes and
+fsync, both ranks at once). The goals of issue #28 are checked against the same run.
 
-Methods: ``torch.save`` (rank 0 only, no fsync), DCP ``save`` (synchronous, durable),
-DCP ``async_save`` with defaults (a fresh stager per call), DCP ``async_save`` with a reused
-``DefaultStager`` and async staging, and streamcache's Checkpointer in ``sync``, ``thread``
-(background staging, the default), ``thread`` with blocking staging, and ``process`` modes.
-The table is printed and written as JSON to ``benchmarks/out/``.
+Methods: DCP ``save`` (synchronous); DCP ``async_save`` with a reused ``DefaultStager``
+(blocking staging), and with a reused stager and async staging (a staging future, only
+``staging_completion`` blocks the step); the Checkpointer's defaults (``sc``), with
+``writer_nice=19`` (the default before), in ``sync`` mode, and with background staging.
 
-Last results (2026-11-29 10:32 UTC, ``python benchmarks/bench_checkpoint.py``: 1 GiB per rank,
-2 ranks, 3 repeats, medians; 2 cores, no GPU, torch 2.13.0; other jobs on the machine, load
-average 2-4; "sc-thread" is the Checkpointer's defaults):
-
-    method                     blocked s  safe s  durable s  loop cost s  durable vs dcp-sync
-    torch.save (rank 0)            0.989   0.989      1.180        0.907        0.44x
-    dcp-sync                       2.055   2.055      2.654        2.204        1.00x
-    dcp-async-default              0.596   0.596      4.160        2.314        1.57x
-    dcp-async-reused-stager        0.018   0.317      2.767        1.812        1.04x
-    sc-sync                        2.587   2.587      2.589        3.190        0.98x
-    sc-thread (defaults)           0.006   0.298      3.387        0.091        1.28x
-    sc-thread-nice0                0.009   0.331      3.253        2.073        1.23x
-    sc-thread-nice19               0.009   0.282      3.320        0.295        1.25x
-    sc-thread-blocking-staging     0.322   0.322      2.966        0.236        1.12x
-    sc-process                     0.547   0.547      4.120        2.140        1.55x
-    limits: memcpy 0.201 s/GiB, disk write+fsync 1.037 s/GiB per rank (both ranks at once)
-
-Two earlier runs under heavier load (load average 6-10) are in docs/checkpoint.md.
-Discussion and the defaults chosen from it: docs/checkpoint.md, "Measurements and defaults".
+Last results: docs/checkpoint.md, "Measurements"; JSON in ``benchmarks/out/``.
 """
 
 from __future__ import annotations
@@ -58,7 +39,9 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -71,37 +54,50 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from dist import RankGroup  # the project's multi-process helper
 
+from streamcache.units import size_argument
+
 METHODS = [
-    "torch.save",
     "dcp-sync",
-    "dcp-async-default",
-    "dcp-async-reused-stager",
+    "dcp-async-stager",
+    "dcp-async-stager+async-staging",
+    "sc",
+    "sc-nice19",
     "sc-sync",
-    "sc-thread",
-    "sc-thread-nice0",
-    "sc-thread-nice19",
-    "sc-thread-blocking-staging",
-    "sc-process",
+    "sc-background-staging",
 ]
+DEFAULT_METHODS = [m for m in METHODS if m != "sc-background-staging"]
+CONDITIONS = ["quiet", "busy"]
+_SPIN = "while True:\n    pass\n"
 
 
-def _model(gib: float, world: int) -> torch.nn.Module:
+def _model(state_bytes: int, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """An FSDP2 model whose weights and Adam moments take ``state_bytes`` on each rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     layers, width = 16, 1024
-    rows = max(1, int(gib * world * (1 << 30) / 4 / layers / width))
+    params_per_rank = state_bytes // (4 * 3)  # float32 weight + exp_avg + exp_avg_sq
+    rows = max(1, params_per_rank * world // layers // width)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, rows, bias=False)
                                   for _ in range(layers)])
+    mesh = init_device_mesh("cpu", (world,))
     for layer in model:
-        fully_shard(layer, mesh=init_device_mesh("cpu", (world,)))
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    return model
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # the Adam moments exist
+    optimizer.zero_grad()
+    return model, optimizer
 
 
-def _fake_step(a: torch.Tensor) -> None:
-    for _ in range(4):
-        a = torch.tanh(a @ a)
+def _local_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[Any]:
+    tensors = [p.to_local() for p in model.parameters()]  # type: ignore[attr-defined]
+    for state in optimizer.state.values():
+        tensors += [v.to_local() if hasattr(v, "to_local") else v for v in state.values()
+                    if isinstance(v, torch.Tensor) and v.numel() > 1]
+    return tensors
 
 
 def _max_over_ranks(value: float) -> float:
@@ -110,72 +106,70 @@ def _max_over_ranks(value: float) -> float:
     return float(tensor.item())
 
 
-def _nice(method: str) -> dict[str, int]:
-    """The writer niceness a method asks for; none means the Checkpointer's default."""
-    return {"writer_nice": int(method.rsplit("nice", 1)[1])} if "nice" in method else {}
+def _fake_step(a: torch.Tensor) -> None:
+    for _ in range(4):
+        a = torch.tanh(a @ a)
 
 
 class Saver:
-    """One method: ``start(step)`` returns after the blocking part; then ``safe``/``durable``."""
+    """One method: ``start(step)`` returns when the caller may go on; ``durable()`` waits."""
 
-    def __init__(self, method: str, model: torch.nn.Module, base: Path, rank: int) -> None:
+    def __init__(self, method: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 base: Path, rank: int) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
         from streamcache.checkpoint import Checkpointer, ModelState
 
-        self.method, self.model, self.base, self.rank = method, model, base / method, rank
-        self.state = {"train": ModelState(model)}
+        self.method, self.base, self.rank = method, base / method, rank
+        self.state = {"train": ModelState(model, optimizer)}
         self.pending: Any = None
         self.ckpt: Any = None
         self.stager: Any = None
         self.group = dist.new_group(backend="gloo")
-        if method.startswith("sc-"):
-            mode = {"sc-sync": "sync", "sc-process": "process"}.get(method, "thread")
-            self.ckpt = Checkpointer(self.base, async_mode=mode, keep_last=1,
-                                     background_staging=method != "sc-thread-blocking-staging",
-                                     **_nice(method))
-        if method == "dcp-async-reused-stager":
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            self.stager = DefaultStager(StagingOptions(False, False, True, False))
-
-    def sd(self) -> dict[str, Any]:
-        return {"train": self.state["train"].state_dict()}
+        if method.startswith("sc"):
+            options: dict[str, Any] = {"keep_last": 1}
+            if method == "sc-nice19":
+                options["writer_nice"] = 19
+            elif method == "sc-sync":
+                options["async_mode"] = "sync"
+            elif method == "sc-background-staging":
+                options["background_staging"] = True
+            self.ckpt = Checkpointer(self.base, **options)
+        elif method.startswith("dcp-async"):
+            self.stager = DefaultStager(StagingOptions(
+                use_pinned_memory=False, use_shared_memory=False,
+                use_async_staging=method.endswith("async-staging"), use_non_blocking_copy=False))
 
     def start(self, step: int) -> None:
         import torch.distributed.checkpoint as dcp
 
-        path = self.base / f"step-{step}"
-        if self.method == "torch.save":
-            if self.rank == 0:
-                path.mkdir(parents=True, exist_ok=True)
-                torch.save(self.model.state_dict(), path / "model.pt")
-        elif self.method == "dcp-sync":
-            dcp.save(self.sd(), checkpoint_id=str(path), process_group=self.group)
-        elif self.method == "dcp-async-default":
-            self.pending = dcp.async_save(self.sd(), checkpoint_id=str(path),
-                                          process_group=self.group)
-        elif self.method == "dcp-async-reused-stager":
-            self.pending = dcp.async_save(self.sd(), checkpoint_id=str(path),
-                                          process_group=self.group, async_stager=self.stager)
-        else:
+        if self.ckpt is not None:
             self.ckpt.save(step, self.state)
+            return
+        path = str(self.base / f"step-{step}")
+        state_dict = {"train": self.state["train"].state_dict()}
+        if self.method == "dcp-sync":
+            dcp.save(state_dict, checkpoint_id=path, process_group=self.group)
+        else:
+            self.pending = dcp.async_save(state_dict, checkpoint_id=path,
+                                          process_group=self.group, async_stager=self.stager)
 
     def safe(self) -> None:
-        if self.method == "dcp-async-reused-stager":
+        """Where a real loop's ``optimizer.step()`` waits for the snapshot."""
+        if self.method == "dcp-async-stager+async-staging":
             self.pending.staging_completion.result()
         elif self.ckpt is not None:
             self.ckpt.wait_staged()
 
     def durable(self) -> None:
-        if self.method == "dcp-async-default":
-            self.pending.result()
-        elif self.method == "dcp-async-reused-stager":
-            self.pending.upload_completion.result()
-        elif self.ckpt is not None:
+        if self.ckpt is not None:
             self.ckpt.wait()
+        elif self.pending is not None:
+            getattr(self.pending, "upload_completion", self.pending).result()
         self.pending = None
         if self.ckpt is None and self.rank == 0:
             shutil.rmtree(self.base, ignore_errors=True)  # keep the disk from filling up
-        dist.barrier()
+        dist.barrier(group=self.group)
 
     def close(self) -> None:
         if self.ckpt is not None:
@@ -189,16 +183,13 @@ def _one_save(saver: Saver, step: int) -> dict[str, float]:
     started = time.perf_counter()
     saver.start(step)
     blocked = time.perf_counter() - started
-    saver.safe()
-    safe = time.perf_counter() - started
     saver.durable()
     durable = time.perf_counter() - started
-    return {"blocked": _max_over_ranks(blocked), "safe": _max_over_ranks(safe),
-            "durable": _max_over_ranks(durable)}
+    return {"blocked": _max_over_ranks(blocked), "durable": _max_over_ranks(durable)}
 
 
 def _loop(saver: Saver | None, steps: int, step: int) -> tuple[float, float]:
-    work = torch.randn(768, 768) / 40
+    work = torch.randn(512, 512) / 25
     dist.barrier()
     started = time.perf_counter()
     for i in range(steps):
@@ -206,7 +197,7 @@ def _loop(saver: Saver | None, steps: int, step: int) -> tuple[float, float]:
             saver.start(step)
         _fake_step(work)
         if saver is not None:
-            saver.safe()  # where a real loop's optimizer.step() would wait
+            saver.safe()
     elapsed = time.perf_counter() - started
     if saver is not None:
         saver.durable()
@@ -214,118 +205,186 @@ def _loop(saver: Saver | None, steps: int, step: int) -> tuple[float, float]:
     return _max_over_ranks(elapsed), _max_over_ranks(durable)
 
 
-def _limits(gib: float) -> dict[str, float]:
-    numel = int(gib * (1 << 30) / 4)
-    source, target = torch.ones(numel), torch.zeros(numel)
+def _limits(tensors: list[torch.Tensor], buffers: list[torch.Tensor], path: Path) -> dict[str,
+                                                                                          float]:
     dist.barrier()
     started = time.perf_counter()
-    target.copy_(source)
-    memcpy = _max_over_ranks(time.perf_counter() - started)
-    del target
-    path = Path(tempfile.gettempdir()) / f"streamcache-bench-disk-{os.getpid()}"
-    data = source.numpy().view("uint8")
+    for source, target in zip(tensors, buffers, strict=True):
+        target.copy_(source)
+    copy = _max_over_ranks(time.perf_counter() - started)
     dist.barrier()
     started = time.perf_counter()
     with open(path, "wb") as f:
-        f.write(memoryview(data))
+        for tensor in buffers:
+            data: Any = tensor.reshape(-1).view(torch.uint8).numpy()
+            f.write(memoryview(data))
         f.flush()
         os.fsync(f.fileno())
     disk = _max_over_ranks(time.perf_counter() - started)
     path.unlink()
-    return {"memcpy": memcpy, "disk": disk}
+    return {"copy": copy, "disk": disk}
+
+
+def _busy(start: bool, spinners: list[subprocess.Popen[bytes]]) -> None:
+    """Rank 0 starts (or stops) the two spinning processes of the busy condition."""
+    if dist.get_rank() == 0:
+        if start:
+            spinners += [subprocess.Popen([sys.executable, "-c", _SPIN]) for _ in range(2)]
+            time.sleep(0.5)
+        else:
+            for spinner in spinners:
+                spinner.send_signal(signal.SIGKILL)
+                spinner.wait()
+            spinners.clear()
+    dist.barrier()
+
+
+def _calibrate(seconds: float) -> int:
+    work = torch.randn(512, 512) / 25
+    started, steps = time.perf_counter(), 0
+    while time.perf_counter() - started < 1.0:
+        _fake_step(work)
+        steps += 1
+    per_step = _max_over_ranks((time.perf_counter() - started) / steps)
+    return max(10, int(seconds / per_step))
 
 
 def _bench(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    torch.set_num_threads(1)  # each rank's loop keeps one of the machine's cores busy
     base = Path(args["dir"])
-    model = _model(args["gib_per_rank"], world)
-    local_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())  # type: ignore[operator]
-    savers = {m: Saver(m, model, base, rank) for m in args["methods"]}
-    results: dict[str, list[dict[str, float]]] = {m: [] for m in args["methods"]}
-    limits = []
+    model, optimizer = _model(args["size"], world)
+    tensors = _local_tensors(model, optimizer)
+    buffers = [torch.empty_like(t) for t in tensors]
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    savers = {m: Saver(m, model, optimizer, base, rank) for m in args["methods"]}
+    loop_steps = _calibrate(args["loop_s"])
+    results: dict[str, dict[str, list[dict[str, float]]]] = {
+        c: {m: [] for m in args["methods"]} for c in CONDITIONS}
+    limits: dict[str, list[dict[str, float]]] = {c: [] for c in CONDITIONS}
+    spinners: list[subprocess.Popen[bytes]] = []
     step = 0
-    for saver in savers.values():  # warm up: buffers allocated, DCP's process started
+    for saver in savers.values():  # warm up: buffers allocated, files of a first save
         step += 1
         _one_save(saver, step)
-    for _ in range(args["repeats"]):
-        limits.append(_limits(local_bytes / (1 << 30)))
-        for method, saver in savers.items():
-            step += 1
-            record = _one_save(saver, step)
-            step += 1
-            without, _ = _loop(None, args["loop_steps"], 0)
-            with_save, durable_in_loop = _loop(saver, args["loop_steps"], step)
-            record.update(loop_cost=with_save - without, loop_s=without,
-                          durable_in_loop=durable_in_loop)
-            results[method].append(record)
-            if rank == 0:
-                print(f"  {method:28} " + "  ".join(f"{k} {v:6.3f}" for k, v in record.items()),
-                      flush=True)
+    try:
+        for repeat in range(args["repeats"]):
+            for condition in CONDITIONS if repeat % 2 == 0 else reversed(CONDITIONS):
+                _busy(condition == "busy", spinners)
+                limits[condition].append(_limits(tensors, buffers, base / f"disk-{rank}"))
+                for method, saver in savers.items():
+                    step += 1
+                    record = _one_save(saver, step)
+                    step += 1
+                    without, _ = _loop(None, loop_steps, 0)
+                    with_save, durable_in_loop = _loop(saver, loop_steps, step)
+                    record.update(loop_cost=with_save - without, loop_s=without,
+                                  durable_in_loop=durable_in_loop)
+                    results[condition][method].append(record)
+                    if rank == 0:
+                        print(f"  {condition:5} {method:31} " + "  ".join(
+                            f"{k} {v:6.3f}" for k, v in record.items()), flush=True)
+                _busy(False, spinners)
+    finally:
+        _busy(False, spinners)
     for saver in savers.values():
         saver.close()
-    return {"results": results, "limits": limits, "local_bytes": local_bytes}
+    return {"results": results, "limits": limits, "state_bytes": state_bytes,
+            "loop_steps": loop_steps}
+
+
+def _medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def _table(summary: dict[str, Any]) -> str:
-    gib = summary["local_bytes"] / (1 << 30)
-    lines = [
-        f"{summary['ranks']} ranks, {gib:.2f} GiB of state per rank, {summary['repeats']} "
-        f"repeats (median; loop cost is paired against a loop of "
-        f"{summary['loop_s']:.2f} s)",
-        f"{'method':28} {'blocked s':>9} {'s/GiB':>6} {'safe s':>7} {'durable s':>9} "
-        f"{'loop cost s':>11} {'durable in loop s':>17} {'durable vs dcp-sync':>19}",
-    ]
-    sync = summary["median"].get("dcp-sync", {}).get("durable")
-    for method, m in summary["median"].items():
-        ratio = f"{m['durable'] / sync:.2f}x" if sync else "-"
-        lines.append(f"{method:28} {m['blocked']:9.3f} {m['blocked'] / gib:6.3f} "
-                     f"{m['safe']:7.3f} {m['durable']:9.3f} {m['loop_cost']:11.3f} "
-                     f"{m['durable_in_loop']:17.3f} {ratio:>19}")
-    lim = summary["limits"]
-    lines.append(f"limits: memcpy {lim['memcpy']:.3f} s ({gib / lim['memcpy']:.2f} GiB/s per "
-                 f"rank), disk write+fsync {lim['disk']:.3f} s ({gib / lim['disk']:.2f} GiB/s "
-                 "per rank), both ranks at once")
+    gb = summary["state_bytes"] / 1e9
+    lines = [f"{summary['ranks']} ranks, {gb:.2f} GB of weights and Adam moments per rank, "
+             f"{summary['repeats']} repeats (medians), load average {summary['load_before']} "
+             f"before, {summary['load_after']} after"]
+    for condition in CONDITIONS:
+        med = summary["median"][condition]
+        lim = summary["limits"][condition]
+        sync = med.get("dcp-sync", {})
+        lines += ["", f"{condition}: copy of the state {lim['copy']:.3f} s, write + fsync "
+                      f"{lim['disk']:.3f} s (both ranks at once)",
+                  f"{'method':31} {'blocked s':>9} {'/copy':>6} {'durable s':>9} "
+                  f"{'/dcp-sync':>9} {'loop cost s':>11} {'/dcp-sync':>9} {'loop s':>7} "
+                  f"{'durable in loop s':>17}"]
+        for method, m in med.items():
+            durable_ratio = m["durable"] / sync["durable"] if sync else float("nan")
+            cost_ratio = m["loop_cost"] / sync["loop_cost"] if sync else float("nan")
+            lines.append(f"{method:31} {m['blocked']:9.3f} {m['blocked'] / lim['copy']:6.2f} "
+                         f"{m['durable']:9.3f} {durable_ratio:8.2f}x {m['loop_cost']:11.3f} "
+                         f"{cost_ratio:8.3f}x {m['loop_s']:7.2f} {m['durable_in_loop']:17.3f}")
     return "\n".join(lines)
 
 
+def _goals(summary: dict[str, Any]) -> str:
+    lines = ["goals of #28 (sc = the Checkpointer's defaults):"]
+    for condition in CONDITIONS:
+        med, lim = summary["median"][condition], summary["limits"][condition]
+        if "sc" not in med or "dcp-sync" not in med:
+            continue
+        sc, sync = med["sc"], med["dcp-sync"]
+        checks = [
+            ("call to durable <= 1.1x dcp-sync", sc["durable"] / sync["durable"], 1.1),
+            ("blocked <= 1.5x one copy", sc["blocked"] / lim["copy"], 1.5),
+            ("loop cost <= 0.1x dcp-sync's save (durable)", sc["loop_cost"] / sync["durable"],
+             0.1),
+            ("loop cost <= 0.1x dcp-sync's loop cost", sc["loop_cost"] / sync["loop_cost"], 0.1),
+        ]
+        for name, ratio, bound in checks:
+            verdict = "met" if ratio <= bound else "NOT met"
+            lines.append(f"  {condition:5} {name:45} {ratio:6.3f}  {verdict}")
+    return "\n".join(lines)
+
+
+def _load_average() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gib-per-rank", type=float, default=1.0)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--size", type=size_argument, default=10**9,
+                        help="weights + Adam moments per rank (default 1GB)")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--loop-steps", type=int, default=60,
-                        help="fake steps per loop; make the loop outlast a durable save")
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--loop-s", type=float, default=8.0,
+                        help="length of the fake training loop, quiet (outlast a save)")
+    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=METHODS,
+                        help="default: all but sc-background-staging (memory: each method "
+                             "with staging holds a copy of the state)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = parser.parse_args(argv)
-    workdir = Path(args.dir or tempfile.mkdtemp(prefix="streamcache-bench-ckpt-"))
-    options = {"gib_per_rank": args.gib_per_rank, "repeats": args.repeats, "dir": str(workdir),
-               "loop_steps": args.loop_steps, "methods": args.methods}
+    workdir = Path(tempfile.mkdtemp(prefix="streamcache-bench-ckpt-", dir=args.dir))
+    options = {"size": args.size, "repeats": args.repeats, "dir": str(workdir),
+               "loop_s": args.loop_s, "methods": args.methods}
+    load_before = _load_average()
     try:
-        group = RankGroup(_bench, args.ranks, args=(options,), timeout_s=3600)
+        group = RankGroup(_bench, args.ranks, args=(options,), timeout_s=6 * 3600)
         results = group.join(check=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     value = results[0].value
-    median = {m: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-              for m, runs in value["results"].items()}
     summary = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
         "torch": torch.__version__, "cpus": os.cpu_count(), "ranks": args.ranks,
-        "repeats": args.repeats, "local_bytes": value["local_bytes"],
-        "loop_s": statistics.median(r["loop_s"] for runs in value["results"].values()
-                                    for r in runs),
-        "median": median,
-        "limits": {k: statistics.median(x[k] for x in value["limits"])
-                   for k in value["limits"][0]},
+        "repeats": args.repeats, "state_bytes": value["state_bytes"],
+        "loop_steps": value["loop_steps"], "load_before": load_before,
+        "load_after": _load_average(),
+        "median": {c: {m: _medians(runs) for m, runs in value["results"][c].items()}
+                   for c in CONDITIONS},
+        "limits": {c: _medians(value["limits"][c]) for c in CONDITIONS},
         "runs": value["results"],
     }
-    table = _table(summary)
+    table, goals = _table(summary), _goals(summary)
     print(table)
+    print(goals)
     out = Path(__file__).resolve().parent / "out"
     out.mkdir(exist_ok=True)
     path = out / f"checkpoint-{summary['date'].replace(':', '')}.json"
-    path.write_text(json.dumps({**summary, "table": table}, indent=1))
+    path.write_text(json.dumps({**summary, "table": table, "goals": goals}, indent=1))
     print(f"wrote {path}")
     return 0
 
