@@ -5,10 +5,10 @@ Run:  flock /work/team/bench.lock python benchmarks/bench_mixture.py
 
 Data (written once under benchmarks/out/mixture): N sources, each a dataset of 64 samples of
 int32[64] tokens written by ShardWriter at the defaults (zstd, default chunk and shard sizes,
-one shard a source), weights drawn from a seeded RNG in [0.5, 1.5) (ratios that need the
-longest quota period, the general case). The mixture is read at the library's defaults
-(shuffle on, tail "drop", no cache limit, num_workers 0) with a global batch of 256, one
-fresh process per measurement:
+one shard a source), weights drawn from a seeded RNG in [0.5, 1.5) with two decimals, as
+people write them (with 3,000 their ratios need the longest quota period, 65,536). The
+mixture is read at the library's defaults (shuffle on, tail "drop", no cache limit,
+num_workers 0) with a global batch of 256, infinite, one fresh process per measurement:
 
   open      StreamDataset([...Source...]) and StreamLoader (every source's index loaded)
   first     from the start of ``open`` to the first batch in hand
@@ -18,8 +18,11 @@ fresh process per measurement:
 
 ``--before SRC`` measures an exported commit too (``git archive <commit> streamcache | tar -x
 -C SRC`` plus the built ``_core`` extension copied into ``SRC/streamcache``), interleaved with
-the working tree: each repeat runs both, alternating which goes first. Medians are printed;
-benchmarks/out/bench_mixture.json has every run.
+the working tree (or ``--after SRC``, another export): each repeat runs both, alternating
+which goes first. Medians are printed; benchmarks/out/bench_mixture.json has every run.
+``--cache cold`` (default) gives every run a fresh cache folder (a job's first start: the
+shards are installed while the loader starts); ``--cache warm`` keeps one folder, with every
+source installed, between runs (a restart).
 
 Last result: see docs/mixtures.md ("Many sources").
 """
@@ -30,6 +33,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,7 +67,7 @@ def write_sources(count: int) -> None:
 def weights(count: int) -> list[float]:
     import numpy as np
 
-    return np.random.default_rng(SEED).uniform(0.5, 1.5, count).tolist()
+    return np.round(np.random.default_rng(SEED).uniform(0.5, 1.5, count), 2).tolist()
 
 
 def child(count: int, src: str | None) -> dict[str, float]:
@@ -110,6 +114,9 @@ def main() -> None:
     parser.add_argument("--sources", default="10,500,3000")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--before", default=None, help="an exported commit to compare with")
+    parser.add_argument("--after", default=None,
+                        help="an exported commit to measure instead of the working tree")
+    parser.add_argument("--cache", choices=["cold", "warm"], default="cold")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--src", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -118,13 +125,16 @@ def main() -> None:
         return
     counts = [int(c) for c in args.sources.split(",")]
     write_sources(max(counts))
-    installs = [("after", None)] + ([("before", args.before)] if args.before else [])
+    installs = [("after", args.after)] + ([("before", args.before)] if args.before else [])
     runs: list[dict[str, object]] = []
     for repeat in range(args.repeats):
         for count in counts:
             for name, src in (installs if repeat % 2 == 0 else installs[::-1]):
+                if args.cache == "cold":
+                    shutil.rmtree(os.path.join(ROOT, "cache"), ignore_errors=True)
                 result = measure(count, src)
-                runs.append({"install": name, "sources": count, "repeat": repeat, **result})
+                runs.append({"install": name, "sources": count, "repeat": repeat,
+                             "cache": args.cache, **result})
                 print(f"  {name:6} {count:5} sources  first {result['first_s']:7.2f} s  "
                       f"peak RSS {result['rss_mb']:7.0f} MB", flush=True)
     os.makedirs(OUT, exist_ok=True)
