@@ -13,8 +13,9 @@ LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK) and nothing else telling it its node; 
 a cache folder of its own; nodes run one after the other (ranks never talk: every rank
 computes the split alone), so the server's byte counters give each node's remote bytes. Each
 rank reads one whole epoch with the default options (shuffle window 2^18 samples, the
-prefetcher and the cold-start rule on), and the union of every step's parts is checked
-against the global batches of a 1-rank run (exactly once, identical batches).
+prefetcher on; a node reads its pieces, and other nodes' pieces it needs, as units), and
+the union of every step's parts is checked against the global batches of a 1-rank run
+(exactly once, identical batches).
 
 Rows: ``locality`` is the job as users run it (the node count from torchrun's environment);
 ``no locality`` is node 0 of the same job with ``nodes=1`` (every node reads every shard: the

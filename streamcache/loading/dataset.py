@@ -301,7 +301,7 @@ class StreamDataset(IterableDataset):
                 ("the loader state", f"{where} (state {state})")]
 
     def _unit_layout(self) -> Callable[[int], Any] | None:
-        """How the shards are cut into units for a node count (a mixture: whole shards)."""
+        """How the shards are cut into units for a node count."""
         return getattr(self._feed, "unit_layout", None)
 
     def _schedule(self, rank: int, world_size: int, global_batch: int) -> Schedule:
