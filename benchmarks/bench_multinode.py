@@ -26,6 +26,12 @@ job as a multiple of the dataset D, and the wall time of the job.
 Goals (issue 22): 2 nodes: job <= 1.3 D; 8 nodes: every node <= 1.3 D/8; never above 1.0 D
 per node (the no-locality row).
 
+Last run (2026-12-02, ``--sizes 100B,1KB,100KB --scale 0.1``; job x D with 2 nodes, most
+loaded node x D/8 with 8 nodes, for global batches 64 / 256 / 1024):
+100 B 1.38 / 1.22 / 1.12 and 4.16 / 2.32 / 1.49; 1 KB 1.31 / 1.15 / 1.08 and 2.63 / 1.77 / 1.53;
+100 KB 1.06 / 1.03 / 1.00 and 1.19 / 1.10 / 1.05 (no locality: 2.0x and 8.0 x D/8). The table and
+what it shows: docs/multinode.md, "Measured at the defaults".
+
 Results go to benchmarks/out/multinode.json; datasets are kept in benchmarks/out/multinode/
 (written once).
 """
