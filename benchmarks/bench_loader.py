@@ -23,7 +23,46 @@ Rates are steady state (first batch to end of epoch); "1st batch s" includes imp
 streamcache (0.5-0.7 s of it here). "vs DL-w0": ratio to the DataLoader w0 of the same data
 (and transform); "vs limit": to gather-limit of the same data; both from this run.
 
-Last result (2026-11-30 20:38-20:45 UTC, the 2-core machine shared with four engineers'
+Last result (2026-12-02 02:46-02:53 UTC, ``--repeats 2``, the 2-core machine otherwise quiet,
+load average about 2; medians; MB/s and the full rows in benchmarks/out/bench_loader.json):
+
+  data    case                    samples/s  vs DL-w0 vs DL-wN vs limit 1st batch s  RSS MB
+  tokens  gather-limit            1,536,678      7.87    7.87     1.00      0.2146     473
+  tokens  dataloader-w0             195,374      1.00    1.00     0.13      0.0212     484
+  tokens  streamcache-w0            956,340      4.89    4.89     0.62      0.4046     531
+  tokens  dataloader-w2             106,778      0.55    1.00     0.07      0.0613     653
+  tokens  streamcache-w2            792,710      4.06    7.42     0.52      0.5356     531
+  tokens  resume-0                   11,805      0.06    0.06     0.01      0.0195     304
+  tokens  resume-90                  10,870      0.06    0.06     0.01      0.0217     304
+  tokens  tf-dataloader-w0           95,944      1.00    1.00     0.06      0.0274     485
+  tokens  tf-streamcache-w0          64,230      0.67    0.67     0.04      0.4125     538
+  tokens  tf-dataloader-w2           83,474      0.87    1.00     0.05      0.0644     656
+  tokens  tf-streamcache-w2         100,358      1.05    1.20     0.07      0.4757     727
+  tokens  open                    import 0.486 s, construct 0.0033 s, first batch 0.0191 s
+  blobs   gather-limit               22,054      0.82    0.82     1.00      0.1373     476
+  blobs   dataloader-w0              26,739      1.00    1.00     1.21      0.0077     487
+  blobs   streamcache-w0             43,210      1.62    1.62     1.96      0.4436     536
+  blobs   dataloader-w2               8,784      0.33    1.00     0.40      0.0505     567
+  blobs   streamcache-w2             43,579      1.63    4.96     1.98      0.4448     535
+  blobs   resume-0                    1,311      0.05    0.05     0.06      0.0231     289
+  blobs   resume-90                   1,187      0.04    0.04     0.05      0.0255     289
+  images  gather-limit               33,162      0.79    0.79     1.00      0.2051     474
+  images  dataloader-w0              42,155      1.00    1.00     1.27      0.0064     477
+  images  streamcache-w0             39,871      0.95    0.95     1.20      0.4612     536
+  images  streamcache-offsets-w0     42,750      1.01    1.01     1.29      0.4541     536
+  images  dataloader-w2               5,786      0.14    1.00     0.17      0.0585     588
+  images  streamcache-w2             37,840      0.90    6.54     1.14      0.5554     536
+  jpegs   dataloader-w0                 237      1.00    1.00      nan      0.3253     339
+  jpegs   streamcache-w0                228      0.96    0.96      nan      0.7449     404
+  jpegs   dataloader-w2                 476      2.01    1.00      nan      0.3506     477
+  jpegs   streamcache-w2                462      1.95    0.97      nan      0.8683     594
+
+Against issue 25's goals: a light per-sample transform 0.67x the DataLoader at w0 (not met)
+and 1.20x at w2; the JPEG pipeline 0.96x and 0.97x (not met; within this run's noise of 1.0);
+80-120 KB bytes 0.95x as lists of bytes, 1.01x as values + offsets at w0; 1 KB tokens 0.62x
+(w0) and 0.52x (w2) of the page-cache gather (goal 0.7: not met).
+
+Earlier result (2026-11-30 20:38-20:45 UTC, the 2-core machine shared with four engineers'
 tests and benchmarks, load average 2-5, so a case's rate moves by up to 1.5x between runs;
 `--repeats 3`, run with --python pointing at a snapshot of commit e7d2e86, as the shared
 tree was being edited; medians):
