@@ -257,3 +257,27 @@ def test_the_interpreter_exits_cleanly_with_a_prefetcher_left_open(
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "leaving" and "Traceback" not in done.stderr
     assert not any((tmp_path / "cache" / "tmp").iterdir())
+
+
+def test_a_prefetcher_left_open_and_dropped_stops_its_threads(
+        fault_server: FaultServer, tmp_path: Path) -> None:
+    """A dataset dropped without close() kept its four download threads polling forever (a
+    test session accumulated 1,240 of them, which starved the process). Now its prefetcher is
+    collected and its threads end."""
+    import gc
+    import threading
+
+    index = serve_dataset(fault_server)
+    cache = NodeCache(index, str(tmp_path / "cache"))
+    prefetcher = Prefetcher(cache, PrefetchOptions(workers=3, poll_s=0.05))
+    prefetcher.update(list(range(4)), list(range(4)))
+    wait_until_idle(prefetcher)  # the downloads ran
+    assert all(cache.contains(shard) for shard in range(4))
+    threads = list(prefetcher._threads)
+    assert len(threads) == 3 and all(t.is_alive() for t in threads)
+    del prefetcher, cache  # never closed (the cache holds the prefetcher's eviction listener)
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(t.is_alive() for t in threads), [t.name for t in threading.enumerate()]

@@ -22,6 +22,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -160,6 +161,8 @@ class Prefetcher:
 
     def _after_fork_in_child(self) -> None:
         _abandoned.append(self._scheduler)
+        if self._finalizer is not None:
+            self._finalizer.detach()  # it would stop the parent's scheduler, unusable here
         self._reset_process_state()
 
     def _reset_process_state(self) -> None:
@@ -172,6 +175,7 @@ class Prefetcher:
         self._queued: set[int] = set()
         self._errors: dict[int, BaseException] = {}
         self._pid = os.getpid()
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     # ------------------------------------------------------------------ policy
 
@@ -315,35 +319,26 @@ class Prefetcher:
             raise PrefetchError("the prefetcher is closed")
         if self._threads:
             return
+        # A prefetcher that nobody closes (its dataset dropped) is still collected: the threads
+        # hold it only while they install a shard, and collecting it stops them.
+        self._finalizer = weakref.finalize(self, _stop, self._scheduler, self._open)
         for number in range(self.options.workers):
-            thread = threading.Thread(target=self._work, args=(self._scheduler,),
+            thread = threading.Thread(target=_download_loop,
+                                      args=(weakref.ref(self), self._scheduler),
                                       name=f"streamcache-prefetch-{number}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
-    def _work(self, scheduler: Scheduler) -> None:
-        while True:
-            if not self._open.is_set():  # held by a cold reader (bounded: see hold())
-                left = self._held_until - time.monotonic()
-                if left > 0:
-                    self._open.wait(min(left, self.options.poll_s))
-                    if scheduler.stopped():
-                        return
-                    continue
-                self._open.set()
-            shard = scheduler.next_task(self.options.poll_s)
-            if shard == TASK_STOPPED:
-                return
-            if shard == TASK_TIMEOUT:
-                continue
-            try:
-                fetched = self.cache.install(shard)
-            except Exception as error:  # carried to the reader that waits for this shard
-                self._errors[shard] = error
-                scheduler.complete(shard, False, 0, f"{type(error).__name__}: {error}")
-            else:
-                self._errors.pop(shard, None)
-                scheduler.complete(shard, True, fetched, "")
+    def _install(self, shard: int, scheduler: Scheduler) -> None:
+        """Install ``shard`` for a download thread and tell the scheduler how it went."""
+        try:
+            fetched = self.cache.install(shard)
+        except Exception as error:  # carried to the reader that waits for this shard
+            self._errors[shard] = error
+            scheduler.complete(shard, False, 0, f"{type(error).__name__}: {error}")
+        else:
+            self._errors.pop(shard, None)
+            scheduler.complete(shard, True, fetched, "")
 
     def _evicted(self, shard: int, nbytes: int) -> None:
         self._scheduler.forget(shard, nbytes)
@@ -357,6 +352,46 @@ class Prefetcher:
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _download_loop(ref: weakref.ReferenceType[Prefetcher], scheduler: Scheduler) -> None:
+    """A download thread: take the scheduler's next shard and install it, until stopped.
+
+    It holds its prefetcher (``ref``) only to read its settings and to install a shard, never
+    while it blocks, so that a prefetcher left open is collected (and stops its threads).
+    """
+    while True:
+        prefetcher = ref()
+        if prefetcher is None:
+            return
+        opened, poll_s = prefetcher._open, prefetcher.options.poll_s
+        if not opened.is_set():  # held by a cold reader (bounded: see hold())
+            left = prefetcher._held_until - time.monotonic()
+            if left <= 0:
+                opened.set()
+        del prefetcher
+        if not opened.is_set():
+            opened.wait(min(left, poll_s))
+            if scheduler.stopped():
+                return
+            continue
+        shard = scheduler.next_task(poll_s)
+        if shard == TASK_STOPPED:
+            return
+        if shard == TASK_TIMEOUT:
+            continue
+        prefetcher = ref()
+        if prefetcher is None:
+            scheduler.complete(shard, False, 0, "the prefetcher was closed")
+            return
+        prefetcher._install(shard, scheduler)
+        del prefetcher
+
+
+def _stop(scheduler: Scheduler, opened: threading.Event) -> None:
+    """What collecting a prefetcher left open does: its download threads end."""
+    scheduler.stop()
+    opened.set()
 
 
 # Schedulers a forked child inherited: never used there (a parent's thread may have held their
