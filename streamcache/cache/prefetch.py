@@ -365,13 +365,14 @@ def _download_loop(ref: weakref.ReferenceType[Prefetcher], scheduler: Scheduler)
         if prefetcher is None:
             return
         opened, poll_s = prefetcher._open, prefetcher.options.poll_s
+        held_s = 0.0
         if not opened.is_set():  # held by a cold reader (bounded: see hold())
-            left = prefetcher._held_until - time.monotonic()
-            if left <= 0:
+            held_s = prefetcher._held_until - time.monotonic()
+            if held_s <= 0:
                 opened.set()
         del prefetcher
-        if not opened.is_set():
-            opened.wait(min(left, poll_s))
+        if held_s > 0:
+            opened.wait(min(held_s, poll_s))
             if scheduler.stopped():
                 return
             continue
