@@ -5,6 +5,7 @@ worker processes, and two real gloo ranks."""
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import os
 import shutil
@@ -102,13 +103,20 @@ def test_a_mixture_resumes_exactly_from_any_point(urls, tmp_path):
     check_resume(lambda: MixtureSubject(mixture(urls, tmp_path)), steps_per_epoch=steps)
 
 
+def _passes(loader: StreamLoader) -> Iterator[dict[str, Any]]:
+    """``loader``'s batches pass after pass (epoch after epoch), as a training loop reads."""
+    while True:
+        read = 0
+        for batch in loader:
+            read += 1
+            yield batch
+        assert read, "a pass of the loader read no step"
+
+
 def _steps(loader: StreamLoader, count: int) -> list[list[tuple[int, int]]]:
-    out = []
-    for batch in loader:
-        out.append(pairs(batch))
-        if len(out) == count:
-            break
-    return out
+    """The next ``count`` steps of ``loader`` (this rank's part of each), read on into the
+    next epoch as a training loop does."""
+    return [pairs(batch) for batch in itertools.islice(_passes(loader), count)]
 
 
 def test_resume_on_another_world_size_worker_count_and_batch_size(urls, tmp_path):
@@ -316,6 +324,54 @@ def test_set_epoch_of_an_infinite_mixture_starts_where_an_uninterrupted_run_reac
     assert _steps(jumped, 1) == [steps[per_epoch]]
     jumped.set_epoch(3)
     assert _steps(jumped, 1) == [steps[3 * per_epoch]]
+
+
+def _split_tail_parts(urls: list[str], cache: Any, *, world: int, steps: int, restart: int,
+                      **options: Any) -> list[list[dict[str, Any]]]:
+    """Each rank's first ``steps`` batches of ``issue_mixture`` with ``tail="split"`` and a
+    global batch of ``world`` (every rank's own loader, one after the other), restarted from
+    the rank's state after ``restart`` steps. Returns ``parts[rank][step]``."""
+    parts = []
+    for rank in range(world):
+        def make(rank: int = rank) -> StreamLoader:
+            return issue_mixture(urls, cache, world, rank=rank, world=world, tail="split",
+                                 **options)
+
+        with make() as before:
+            head = list(itertools.islice(_passes(before), restart))
+            state = before.state_dict()
+        with make() as after:
+            after.load_state_dict(state)
+            rest = list(itertools.islice(_passes(after), steps - restart))
+        parts.append(head + rest)
+    return parts
+
+
+@pytest.mark.parametrize("infinite", [False, True])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_split_tail_with_an_empty_part_on_a_rank_reads_every_sample_once(
+        issue_urls, tmp_path, workers, infinite):
+    """Weights 0.7/0.2/0.1 over 50/30/20 samples make an epoch of 71 positions; read in global
+    batches of 3 by 3 ranks, its last step has 2 samples and rank 0's part is empty. Rank 0
+    raised ValueError (zip() argument 2 is longer than argument 1) after a step, as the
+    producer plans ahead, and again after every restart."""
+    per_epoch = -(-71 // 3)
+    parts = _split_tail_parts(issue_urls, tmp_path, world=3, steps=2 * per_epoch, restart=5,
+                              infinite=infinite, workers=workers)
+    empty = parts[0][per_epoch - 1]
+    full = parts[0][0]  # the documented empty batch: a full one's structure, no rows
+    assert {k: v.dtype for k, v in empty.items()} == {k: v.dtype for k, v in full.items()}
+    assert all(len(value) == 0 for value in empty.values())
+    read = [[p for rank in parts for p in pairs(rank[t])] for t in range(2 * per_epoch)]
+    assert [len(step) for step in read] == ([3] * (per_epoch - 1) + [2]) * 2
+    model = issue_model(issue_mixture(issue_urls, tmp_path, 3))
+    assert model.epoch_length() == 71
+    expected = model.sequence(2 * 71) if infinite else \
+        model.finite_epoch(0) + model.finite_epoch(1)
+    assert [p for step in read for p in step] == expected
+    first = [p for step in read[:per_epoch] for p in step]
+    assert sorted(i for s, i in first if s == 0) == list(range(50))  # each sample once
+    assert len(set(first)) == len(first)
 
 
 @pytest.mark.parametrize("kind", ["transform", "batch_transform"])

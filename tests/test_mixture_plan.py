@@ -19,6 +19,7 @@ from streamcache.plan.mixture import (
     Quota,
     SourceOrders,
     SourceShape,
+    groups,
     shares_of,
     source_seed,
 )
@@ -349,3 +350,41 @@ def test_a_small_source_reads_its_order_from_a_table_with_the_same_answers(rows,
     evaluated = SourceOrders(shape, 5, SHUFFLE).samples_at(k)
     for a, b in zip(tabled, evaluated, strict=True):
         assert (a == b).all()
+
+
+# ---------------------------------------------------------------- a split tail with empty parts
+
+ISSUE_ROWS = [[20, 30], [15, 15], [12, 8]]  # 50, 30 and 20 samples (issue 33, item 8)
+
+
+def test_groups_of_no_keys_is_empty():
+    assert list(groups(np.zeros(0, dtype=np.int64))) == []
+    assert [(k, ix.tolist()) for k, ix in groups(np.asarray([2, 0, 2]))] == \
+        [(0, [1]), (2, [0, 2])]
+
+
+@pytest.mark.parametrize("infinite", [False, True])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_split_tail_whose_part_is_empty_on_a_rank_reads_every_sample_once(infinite,
+                                                                           workers):
+    """Weights 0.7/0.2/0.1 over 50/30/20 samples: an epoch of 71 positions, read in global
+    batches of 3 by 3 ranks, ends with a step of 2 in which rank 0's part is empty; that
+    part has no positions, so no phase, source or pass to look up (it raised ValueError)."""
+    model = MixtureModel(ISSUE_ROWS, (7, 2, 1), 3, SHUFFLE)
+    length = model.epoch_length()
+    assert length % 3 == 2  # the last step: parts of 0, 1 and 1
+    fresh, orders = make(ISSUE_ROWS, (7, 2, 1), infinite=infinite)
+    per_epoch = -(-length // 3)
+    read, after = run(fresh, orders, 2 * per_epoch, 3, world=3, workers=workers,
+                      tail=TailPolicy.SPLIT)
+    assert [len(step) for step in read] == ([3] * (per_epoch - 1) + [2]) * 2
+    assert (after.epoch, after.samples_consumed) == (2, 0)
+    if infinite:  # with a split tail an infinite epoch is L positions
+        expected = model.sequence(2 * length)
+    else:
+        expected = model.finite_epoch(0) + model.finite_epoch(1)
+    base = np.cumsum([0, *(sum(rows) for rows in ISSUE_ROWS)])
+    assert flat(read) == [int(base[s]) + i for s, i in expected]
+    first = per_source(flat(read)[:length], [sum(rows) for rows in ISSUE_ROWS])
+    assert sorted(first[0]) == list(range(50))  # the limiting source, each sample once
+    assert all(len(set(ids)) == len(ids) for ids in first)

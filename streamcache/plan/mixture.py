@@ -385,14 +385,16 @@ class SourceOrders:
 
 def groups(keys: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
     """``(key, the indices holding it)`` for each distinct key, in key order: one sort, so
-    O(n log n) for n keys however many are distinct (a mask per key would be O(n x keys))."""
-    if keys.size and keys[0] == keys[-1] and (keys == keys[0]).all():
+    O(n log n) for n keys however many are distinct (a mask per key would be O(n x keys)).
+    No keys (a rank's empty part of a split tail) yield nothing."""
+    if not keys.size:
+        return
+    if keys[0] == keys[-1] and (keys == keys[0]).all():
         yield int(keys[0]), np.arange(keys.size)  # one key (the usual within a source)
         return
     order = np.argsort(keys, kind="stable")
     ordered = keys[order]
-    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]]) if keys.size else \
-        np.zeros(0, dtype=np.int64)
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
     for start, stop in zip(starts.tolist(), [*starts[1:].tolist(), keys.size], strict=True):
         yield int(ordered[start]), order[start:stop]
 
