@@ -8,7 +8,9 @@ import collections
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
+from loader_helpers import loader, make_dataset
 
 from streamcache.loading.shared_batches import SharedBatch, SlotReader, SlotWriter
 
@@ -96,6 +98,16 @@ def test_tensors_that_share_memory_travel_torchs_way_and_still_share_it() -> Non
                       SharedBatch)
 
 
+def test_a_first_batch_without_bytes_travels_as_it_is_and_later_ones_get_slots() -> None:
+    """A worker whose first batch is a split tail's empty part has no segment yet."""
+    writer, reader = SlotWriter(slots=2), SlotReader()
+    empty = {"x": torch.empty(0, dtype=torch.int64), "t": torch.empty(0, 0, dtype=torch.int32)}
+    assert _equal(reader.unpack(writer.pack(empty)), empty)
+    full = {"x": torch.arange(3), "t": torch.ones(3, 2, dtype=torch.int32)}
+    assert isinstance(writer.pack(full), SharedBatch)
+    assert _equal(reader.unpack(writer.pack(empty)), empty)
+
+
 def _ids(batch: Any) -> list[int]:
     return batch["__id__"].tolist()
 
@@ -125,3 +137,33 @@ def test_worker_processes_send_batches_through_slots(tmp_path: Any) -> None:
 
 def _double(sample: dict[str, Any]) -> dict[str, Any]:
     return {"x": torch.from_numpy(sample["x"]) * 2, "y": sample["y"]}
+
+
+def _structure(batch: dict[str, Any]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    return {key: (value.dtype, tuple(value.shape)) for key, value in batch.items()}
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+def test_a_split_tail_gives_an_empty_part_the_documented_empty_batch(tmp_path: Any,
+                                                                     workers: int) -> None:
+    """5 samples in shards of 2 and 3, world 4, global batch 4, ``tail="split"``: the last
+    step has 1 sample, so ranks 0-2 get an empty batch (a full batch's keys and dtypes, no
+    rows). With 2 worker processes, the worker whose first batch was that empty one raised
+    AssertionError in SlotWriter.pack (no shared segment yet)."""
+    url = make_dataset(str(tmp_path / "ds"), [2, 3])
+
+    def read(rank: int, workers: int) -> list[dict[str, Any]]:
+        with loader(url, str(tmp_path / "cache"), rank=rank, world=4, workers=workers,
+                    global_batch_size=4, tail="split") as rank_loader:
+            return list(rank_loader)
+
+    for rank in range(4):
+        got, plain = read(rank, workers), read(rank, 0)
+        assert len(got) == 2
+        assert [_structure(b) for b in got] == [_structure(b) for b in plain]
+        assert all(_equal(g, p) for g, p in zip(got, plain, strict=True))
+        full, last = got
+        assert last.keys() == full.keys()
+        assert all(last[k].dtype == full[k].dtype for k in full)
+        assert len(last["__id__"]) == (1 if rank == 3 else 0)
+        assert all(len(value) == len(last["__id__"]) for value in last.values())

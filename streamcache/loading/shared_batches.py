@@ -113,7 +113,9 @@ class SlotWriter:
         self._announced = False
 
     def pack(self, batch: Any) -> Any:
-        """``batch`` as a :class:`SharedBatch` in a free slot, else ``batch`` as it is."""
+        """``batch`` as a :class:`SharedBatch` in a free slot, else ``batch`` as it is (also
+        when its tensors hold no bytes, as a split tail's empty part: the worker may have no
+        segment yet, and there is nothing to move)."""
         tensors = _tensors(batch)
         if not tensors or _share_memory(tensors):
             return batch  # (tensors that share memory keep sharing it only torch's way)
@@ -121,6 +123,8 @@ class SlotWriter:
         for tensor in tensors:
             offsets.append(used)
             used += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
+        if not used:
+            return batch
         if used > self._slot_bytes and not self._grow(used):
             return batch
         assert self._bytes is not None and self._flags is not None
