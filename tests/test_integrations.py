@@ -1,13 +1,16 @@
 """The Trainer integration's inputs, adversarially: a checkpoint's loader state that is
 missing, too large, malformed, from another checkpoint, another dataset or another global
-batch; and the batches it hands the model. (The SIGKILL and resume run is
-tests/test_hf_trainer.py.)"""
+batch; either file of the checkpoint (the loader state, the Trainer's own state) replaced by
+a FIFO, a folder or deeply nested JSON; a long run's large ``trainer_state.json``; and the
+batches it hands the model. (The SIGKILL and resume run is tests/test_hf_trainer.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from loader_helpers import make_dataset
@@ -73,8 +76,10 @@ def test_a_missing_state_says_what_to_do(tmp_path: Path, data: tuple[str, str]) 
     b'{"version": 1, "global_step": 3}',
     b'{"version": 1, "global_step": 3, "loader": {}, "extra": 1}',
     b"[" * 100 + b"]" * 100,
+    b"[" * 100_000,
     b" " * ((1 << 20) + 1),
-], ids=["not-json", "version-2", "no-loader", "extra-key", "nested-list", "over-1MiB"])
+], ids=["not-json", "version-2", "no-loader", "extra-key", "nested-list", "deep-list",
+        "over-1MiB"])
 def test_a_malformed_state_is_refused_and_changes_nothing(tmp_path: Path, data: tuple[str, str],
                                                           content: bytes) -> None:
     folder = tmp_path / "checkpoint-3"
@@ -112,6 +117,74 @@ def test_a_changed_accumulation_or_global_batch_is_refused(
     with _loader(data, batch=batch) as loader, \
             pytest.raises(LoaderStateError, match="gradient_accumulation_steps changed"):
         restore_loader(str(folder), loader, accumulation)
+
+
+def test_a_long_runs_trainer_state_resumes(tmp_path: Path, data: tuple[str, str]) -> None:
+    # ~10k optimizer steps at logging_steps=1: the Trainer's own file passes 1 MiB (#33)
+    from transformers.trainer_callback import TrainerState
+
+    folder = _checkpoint(tmp_path, data, STEPS + 2, 9)
+    log = [{"epoch": step / 8, "grad_norm": 1.2345678, "learning_rate": 4.99e-05,
+            "loss": 2.345678, "step": step} for step in range(1, 10_001)]
+    TrainerState(global_step=9, max_steps=10_000, log_history=log).save_to_json(
+        str(folder / "trainer_state.json"))
+    assert (folder / "trainer_state.json").stat().st_size > 1 << 20
+    with _loader(data) as loader:
+        assert restore_loader(str(folder), loader, 2) == 2
+        assert (loader.epoch, loader.cursor.samples_consumed) == (1, 32)
+
+
+def _restore_in_thread(folder: Path, loader: StreamLoader, unblock: Path) -> BaseException:
+    """What ``restore_loader`` raised, run in a thread so that a blocking read fails the
+    test instead of hanging it (``unblock``, a FIFO, is then opened to release it)."""
+    outcome: list[BaseException | None] = []
+
+    def restore() -> None:
+        try:
+            restore_loader(str(folder), loader, 2)
+            outcome.append(None)
+        except BaseException as error:  # (handed to the test)
+            outcome.append(error)
+
+    thread = threading.Thread(target=restore, name="restore-loader", daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive() and unblock.exists():
+        os.close(os.open(unblock, os.O_WRONLY | os.O_NONBLOCK))  # the reader's open returns
+        thread.join(60)
+    assert outcome, "restore_loader blocked"
+    assert outcome[0] is not None, "restore_loader accepted it"
+    return outcome[0]
+
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _folder(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def _deep(path: Path) -> None:
+    path.write_bytes(b"[" * 100_000 + b"]" * 100_000)
+
+
+@pytest.mark.parametrize("name", ["streamcache_loader.json", "trainer_state.json"])
+@pytest.mark.parametrize(("replace", "message"), [
+    (_fifo, "not a regular file"), (_folder, "not a regular file"), (_deep, "nested")],
+    ids=["fifo", "folder", "deep-json"])
+def test_a_file_of_the_checkpoint_that_is_no_file_or_too_deep_is_refused_promptly(
+        tmp_path: Path, data: tuple[str, str], name: str, replace: Any, message: str) -> None:
+    folder = _checkpoint(tmp_path, data, 6, 3)
+    replace(folder / name)
+    with _loader(data) as loader:
+        before = loader.state_dict()
+        error = _restore_in_thread(folder, loader, folder / name)
+        assert isinstance(error, LoaderStateError), repr(error)
+        assert message in str(error) and name in str(error)
+        assert loader.state_dict() == before
 
 
 def test_model_inputs_select_the_keys_and_name_what_is_missing(data: tuple[str, str]) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -49,7 +50,13 @@ from ..remote.storage import write_atomic_local
 #: The loader's state in each of the Trainer's checkpoint folders.
 LOADER_STATE_NAME = "streamcache_loader.json"
 _TRAINER_STATE_NAME = "trainer_state.json"
+#: Cap of streamcache_loader.json (a single dataset's loader state is a few kilobytes).
 _MAX_STATE_BYTES = 1 << 20
+#: Cap of the Trainer's trainer_state.json, which grows with its ``log_history`` (about
+#: 150 bytes a logged step at ``logging_steps=1``, more with evaluations): 256 MiB holds
+#: about 1.7 million logged steps, beyond any run resumed from one folder; the Trainer reads
+#: the whole file itself right after, so it costs no memory the resume would not.
+_MAX_TRAINER_STATE_BYTES = 256 << 20
 _STATE_VERSION = 1
 
 
@@ -175,16 +182,20 @@ def restore_loader(checkpoint: str, loader: StreamLoader, accumulation: int) -> 
     returns the batches of its epoch the Trainer will skip (the loader starts after them).
 
     Raises:
-        LoaderStateError: the file is missing or malformed, or the state is not where the
+        LoaderStateError: either file (the loader state, ``trainer_state.json``) is
+            missing, not a regular file (a FIFO is refused at once), too large, not JSON or
+            nested too deeply, or the loader state is malformed, or it is not where the
             Trainer's ``global_step`` puts the job.
         CursorMismatchError: the state belongs to another dataset, seed or shuffle.
     """
-    document = _read_json(os.path.join(checkpoint, LOADER_STATE_NAME), "the loader state")
+    document = _read_json(os.path.join(checkpoint, LOADER_STATE_NAME), "the loader state",
+                          _MAX_STATE_BYTES)
     if not isinstance(document, dict) or document.get("version") != _STATE_VERSION or \
             set(document) != {"version", "global_step", "loader"}:
         raise LoaderStateError(f"{checkpoint}/{LOADER_STATE_NAME} is not a loader state of "
                                "this version")
-    trainer_state = _read_json(os.path.join(checkpoint, _TRAINER_STATE_NAME), "its state")
+    trainer_state = _read_json(os.path.join(checkpoint, _TRAINER_STATE_NAME), "its state",
+                               _MAX_TRAINER_STATE_BYTES)
     global_step = trainer_state.get("global_step") if isinstance(trainer_state, dict) else None
     if global_step != document["global_step"]:
         raise LoaderStateError(
@@ -216,21 +227,62 @@ def _check_position(loader: StreamLoader, global_step: int, accumulation: int,
     return skipped
 
 
-def _read_json(path: str, what: str) -> Any:
+def _read_json(path: str, what: str, limit: int) -> Any:
+    """The JSON document in the file ``path`` (``what`` it holds, for the message).
+
+    Raises:
+        LoaderStateError: the file is missing, not a regular file (a FIFO is refused without
+            waiting for a writer), larger than ``limit`` bytes, not JSON, or nested too
+            deeply to decode.
+    """
+    data = _read_regular_file(path, what, limit)
     try:
-        with open(path, "rb") as f:
-            data = f.read(_MAX_STATE_BYTES + 1)
+        return json.loads(data)
+    except ValueError as error:
+        raise LoaderStateError(f"{path} is not valid JSON ({error}): it is damaged; resume "
+                               "from another checkpoint") from None
+    except RecursionError:
+        raise LoaderStateError(f"{path} is nested too deeply to be a checkpoint's state: "
+                               "it is damaged; resume from another checkpoint") from None
+
+
+def _read_regular_file(path: str, what: str, limit: int) -> bytes:
+    """At most ``limit`` bytes of the regular file ``path`` (links followed: a checkpoint
+    folder may be a copy made of links). Opened without blocking, so a FIFO in its place is
+    refused rather than waited on.
+
+    Raises:
+        LoaderStateError: missing, not a regular file, or larger than ``limit``.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise LoaderStateError(
             f"{path} is missing: the checkpoint was not written by a StreamTrainer, so "
             f"{what} cannot be restored exactly; resume with ignore_data_skip=True to start "
             "the epoch over") from None
-    if len(data) > _MAX_STATE_BYTES:
-        raise LoaderStateError(f"{path} is larger than {_MAX_STATE_BYTES} bytes")
+    except OSError as error:
+        raise _unreadable(path, error) from None
     try:
-        return json.loads(data)
-    except ValueError as error:
-        raise LoaderStateError(f"{path} is not valid JSON: {error}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise LoaderStateError(f"{path} is not a regular file: replace it with the file "
+                                   "the checkpoint was saved with, or resume from another "
+                                   "checkpoint")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    except OSError as error:
+        raise _unreadable(path, error) from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise LoaderStateError(f"{path} is larger than {limit} bytes: it is not a "
+                               "checkpoint's state; resume from another checkpoint")
+    return data
+
+
+def _unreadable(path: str, error: OSError) -> LoaderStateError:
+    return LoaderStateError(f"{path} cannot be read ({error.strerror}): fix it, or resume "
+                            "from another checkpoint")
 
 
 __all__ = [
