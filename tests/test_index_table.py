@@ -280,6 +280,12 @@ def _flip_byte_restoring_times(copy: Path) -> None:
     pytest.param(lambda c: c.unlink(), id="removed"),
     pytest.param(lambda c: c.with_suffix(".stamp").unlink(), id="stamp-removed"),
     pytest.param(lambda c: c.with_suffix(".stamp").write_text("[" * 100_000), id="stamp-bomb"),
+    # under the stamp's size cap, too deep to decode (#33: a raw RecursionError on every open)
+    pytest.param(lambda c: c.with_suffix(".stamp").write_text("[" * 4000), id="stamp-deep"),
+    pytest.param(lambda c: c.with_suffix(".stamp").write_bytes(b"\xff" * 100),
+                 id="stamp-not-utf8"),
+    pytest.param(lambda c: (c.with_suffix(".stamp").unlink(), c.with_suffix(".stamp").mkdir()),
+                 id="stamp-folder"),
     pytest.param(lambda c: (c.unlink(), c.symlink_to("/etc/passwd")), id="symlink"),
     pytest.param(lambda c: (c.unlink(), os.mkfifo(c)), id="fifo"),
 ])
@@ -294,6 +300,7 @@ def test_a_changed_copy_is_never_served_but_rebuilt(large: str, tmp_path: Path,
     index = load_index(large, table_cache=str(cache))
     assert len(builds) == count + 1  # rebuilt from the side file
     assert list(index.shards) == expected
+    assert index.shard_table._point is not None  # served from the new copy, not in memory
     assert _copy(cache).is_file() and not _copy(cache).is_symlink()
     assert Path("/etc/passwd").exists()
 

@@ -41,6 +41,7 @@ import json
 import mmap
 import os
 import re
+import shutil
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -242,17 +243,33 @@ def _open(folder: int, cache_dir: str, name: str, key: TableKey) -> ShardTable |
 
 
 def _read_stamp(folder: int, name: str) -> Any:
+    """The copy's stamp as its writer recorded it, or None where there is none that can be
+    read (missing, not a regular file, over ``STAMP_LIMIT``, not JSON, nested too deeply):
+    a stamp that is not one matches no copy, which is then rebuilt."""
     try:
-        fd = os.open(name + STAMP_SUFFIX, _FILE_FLAGS,
-                     dir_fd=folder)
+        fd = os.open(name + STAMP_SUFFIX, _FILE_FLAGS, dir_fd=folder)
     except OSError:
         return None
     try:
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(STAMP_LIMIT + 1)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        raw = os.read(fd, STAMP_LIMIT + 1)  # (a regular file: one read, up to the limit)
         return json.loads(raw) if len(raw) <= STAMP_LIMIT else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
+    finally:
+        os.close(fd)
+
+
+def _remove(folder: int, entry: str) -> None:
+    """Remove ``entry`` of the copies' folder, whatever it is (a link is removed, not
+    followed; a folder in a file's place is removed with what it holds, links unfollowed)."""
+    try:
+        os.unlink(entry, dir_fd=folder)
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        shutil.rmtree(entry, dir_fd=folder)
 
 
 def _build(folder: int, name: str, key: TableKey, build: Build) -> None:
@@ -261,8 +278,7 @@ def _build(folder: int, name: str, key: TableKey, build: Build) -> None:
     published."""
     for entry in os.listdir(folder):
         if entry.startswith(f".{name}.") or entry in (name + SUFFIX, name + STAMP_SUFFIX):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry, dir_fd=folder)  # (a link is removed, not followed)
+            _remove(folder, entry)
     temporary = f".{name}.{os.getpid()}.tmp"
     fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o600, dir_fd=folder)
