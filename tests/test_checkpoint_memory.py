@@ -12,6 +12,7 @@ import logging
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from dist import run_ranks
 from seeds import schedule_seed
 
 from streamcache.checkpoint import Checkpointer, CheckpointError, ModelState
@@ -27,6 +29,7 @@ from streamcache.checkpoint.memory import MemoryOptions, MemoryTier
 from streamcache.checkpoint.memory_format import (
     HEADER_SIZE,
     PIECE_BYTES,
+    RootView,
     SlotSummary,
     choose,
     decode_tree,
@@ -34,6 +37,7 @@ from streamcache.checkpoint.memory_format import (
 )
 
 ROOT = "file:///ckpt/run"
+ROOT_ID = "0123456789abcdef" * 2
 # a single-process DCP save warns that there is no process group
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -227,18 +231,26 @@ def test_tree_codec_round_trips_and_refuses_what_it_does_not_write() -> None:
 
 
 def test_choose_takes_the_newest_step_every_rank_holds_and_not_older_than_the_disk() -> None:
-    def slot(step: int, rank: int, world: int = 2, committed: str | None = "c") -> SlotSummary:
-        return SlotSummary(step, step, rank, world, None, committed)
+    def slot(step: int, rank: int, world: int = 2, committed: str | None = "c",
+             root_id: str = ROOT_ID) -> SlotSummary:
+        return SlotSummary(step, step, rank, world, None, committed, root_id)
+
+    def root(latest: tuple[str, int] | None, root_id: str | None = ROOT_ID) -> RootView:
+        return RootView(latest, root_id)
 
     both = [[slot(10, 0), slot(12, 0)], [slot(10, 1), slot(12, 1)]]
-    assert choose(both, ("c", 8)) == 12
+    assert choose(both, root(("c", 8))) == 12
     cut = [[slot(10, 0), slot(12, 0)], [slot(10, 1)]]  # rank 1 was killed inside step 12
-    assert choose(cut, ("c", 8)) == 10
-    assert choose(both, ("c", 14)) is None              # the disk is newer
-    assert choose(both, ("other", 8)) is None           # the root moved on
-    assert choose([[slot(10, 0, world=3)], [slot(10, 1, world=3)]], ("c", 8)) is None
-    assert choose([[slot(10, 1)], [slot(10, 0)]], ("c", 8)) is None  # ranks swapped
-    assert choose([[slot(10, 0, committed=None)], [slot(10, 1, committed=None)]], None) == 10
+    assert choose(cut, root(("c", 8))) == 10
+    assert choose(both, root(("c", 14))) is None        # the disk is newer
+    assert choose(both, root(("other", 8))) is None     # the root moved on
+    assert choose([[slot(10, 0, world=3)], [slot(10, 1, world=3)]], root(("c", 8))) is None
+    assert choose([[slot(10, 1)], [slot(10, 0)]], root(("c", 8))) is None  # ranks swapped
+    fresh = [[slot(10, 0, committed=None)], [slot(10, 1, committed=None)]]
+    assert choose(fresh, root(None)) == 10              # nothing committed yet, same root
+    assert choose(fresh, root(None, root_id=None)) is None       # the root was deleted
+    assert choose(fresh, root(None, root_id="f" * 32)) is None   # ... and made again
+    assert choose(both, root(("c", 8), root_id=None)) is None
 
 
 # ---------------------------------------------------------------------------- untrusted files
@@ -253,7 +265,8 @@ def _entries(value: float) -> dict[str, tuple[str, Any]]:
 
 
 def _write(tier: MemoryTier, step: int) -> None:
-    assert tier.write(step, _entries(float(step)), {}, timeline="", started=None, committed=None)
+    assert tier.write(step, _entries(float(step)), {}, timeline="", started=None,
+                      committed=None, root_id=ROOT_ID)
 
 
 def _restorable(tier: MemoryTier) -> list[int]:
@@ -313,23 +326,35 @@ def test_a_damaged_slot_is_ignored_and_the_other_restores(tmp_path: Path, damage
 
 def _rewrite_manifest(path: Path, damage: str) -> None:
     """Rewrite a slot's manifest and reseal its header, as a writer of the file could."""
+    def edit(doc: dict[str, Any]) -> None:
+        if damage == "bad_extent":
+            doc["tensors"][0]["nbytes"] = 1 << 40   # claims far more than the file holds
+
+    _reseal(path, edit, manifest_len=None if damage == "bad_extent" else 1 << 40)
+
+
+def _reseal(path: Path, edit: Any, *, manifest_len: int | None = None) -> None:
+    """Edit a slot's manifest and reseal it, as any writer of the file could.
+
+    ``edit(doc)`` changes the manifest in place and returns the new length of the data region
+    (or None: unchanged); the manifest is written after it (a larger region extends the file
+    sparsely) and the header gets its new place, length and digest."""
     from streamcache import _native
     from streamcache.checkpoint.memory_format import Header, pack_header, unpack_header
     raw = path.read_bytes()
     header = unpack_header(raw[:HEADER_SIZE], len(raw), _native.xxh64)
     doc = json.loads(raw[header.manifest_offset: header.manifest_offset + header.manifest_len])
-    if damage == "bad_extent":
-        doc["tensors"][0]["nbytes"] = 1 << 40   # claims far more than the file holds
-        body = json.dumps(doc).encode()
-        header_len = len(body)
-    else:
-        body = json.dumps(doc).encode()
-        header_len = 1 << 40                    # a manifest larger than the cap
-    new = Header(header.seq, header.step, header.data_len, header.manifest_offset,
-                 header_len, _native.xxh64(body))
+    data_len = edit(doc)
+    body = json.dumps(doc).encode()
+    data_len = header.data_len if data_len is None else data_len
+    new = Header(header.seq, header.step, data_len, HEADER_SIZE + data_len,
+                 len(body) if manifest_len is None else manifest_len, _native.xxh64(body))
     with open(path, "r+b") as f:
         f.seek(header.manifest_offset)
+        f.write(bytes(header.manifest_len))     # the old manifest's place may be data now
+        f.seek(new.manifest_offset)
         f.write(body)
+        f.truncate(new.manifest_offset + len(body))
         f.seek(0)
         f.write(pack_header(new, _native.xxh64))
 
@@ -395,7 +420,7 @@ def test_a_full_filesystem_skips_the_snapshot_and_keeps_the_previous(
     limited = MemoryTier(MemoryOptions(directory=str(tmp_path), max_bytes=5_000), ROOT, 0, 1)
     with caplog.at_level(logging.WARNING):
         assert not limited.write(2, _entries(2.0), {}, timeline="", started=None,
-                                 committed=None)
+                                 committed=None, root_id=ROOT_ID)
     assert "not kept" in caplog.text
     assert _restorable(_tier(tmp_path)) == [1]
     # the filesystem itself full: a child process whose file size limit is one snapshot
@@ -414,7 +439,7 @@ def _write_under_fsize_limit(directory: str) -> None:
     # numpy builds the tensor: no torch kernel runs in a forked child (OpenMP did not fork)
     big = {"w": ("stateful", {"a": torch.from_numpy(np.zeros(1 << 20, dtype=np.float32))})}
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
-    ok = tier.write(2, big, {}, timeline="", started=None, committed=None)
+    ok = tier.write(2, big, {}, timeline="", started=None, committed=None, root_id=ROOT_ID)
     os._exit(0 if ok is False else 3)
 
 
@@ -432,7 +457,8 @@ def _snapshot_loop(directory: str, rank: int, world: int, barrier: Any, done: An
         small = torch.from_numpy(np.full(7, step, dtype=np.float32))
         entries = {"w": ("stateful", {"big": big, "small": small}),
                    "g": ("global", {"position": step})}
-        tier.write(step, entries, {"step": step}, timeline="", started=None, committed=None)
+        tier.write(step, entries, {"step": step}, timeline="", started=None, committed=None,
+                   root_id=ROOT_ID)
         done[rank] = step                           # returned: this rank's snapshot is whole
         barrier.wait()                               # lockstep, as a collective in training
         step += 1
@@ -441,7 +467,7 @@ def _snapshot_loop(directory: str, rank: int, world: int, barrier: Any, done: An
 def _agreed_step(directory: str, world: int) -> int | None:
     tiers = [MemoryTier(MemoryOptions(directory=directory), ROOT, r, world) for r in range(world)]
     found = [t.scan() for t in tiers]
-    step = choose([[s for _, s in f] for f in found], None)
+    step = choose([[s for _, s in f] for f in found], RootView(None, ROOT_ID))
     if step is None:
         return None
     for tier, slots in zip(tiers, found, strict=True):
@@ -491,7 +517,8 @@ def test_restore_of_100_mb_takes_a_fraction_of_a_second(tmp_path: Path) -> None:
     """Not a timing assertion (benchmarks time it): the 100 MB path runs and verifies."""
     tier = _tier(tmp_path)
     state = {"w": ("stateful", {f"p{i}": torch.full((2_500_000,), float(i)) for i in range(10)})}
-    assert tier.write(1, state, {}, timeline="", started=None, committed=None)
+    assert tier.write(1, state, {}, timeline="", started=None, committed=None,
+                      root_id=ROOT_ID)
     slot, summary = tier.scan()[0]
     prepared = tier.prepare(slot, summary)
     assert prepared is not None
@@ -514,3 +541,174 @@ def test_each_job_has_its_own_folder_and_the_next_job_reclaims_an_old_one(
         assert folder_a.exists()
         ckpt.snapshot(2, state)               # job b holds the root's lease now
         assert not folder_a.exists()
+
+
+# ---------------------------------------------------------------------------- whose root
+
+@pytest.mark.parametrize("committed_save", [False, True])
+def test_a_fresh_run_on_a_deleted_root_does_not_restore_the_deleted_runs_snapshots(
+        tmp_path: Path, committed_save: bool) -> None:
+    """Run 1 snapshots and dies; the user deletes the root and starts run 2 with the same job
+    id: run 2 starts fresh. With a committed save, its own snapshot (taken inside the first
+    save, when nothing was committed yet) must not come back either."""
+    model, optimizer = _model()
+    state = {"train": ModelState(model, optimizer)}
+    with _ckpt(tmp_path, job_id="job", async_mode="sync") as ckpt:
+        if committed_save:
+            ckpt.save(5, state)
+        else:
+            ckpt.snapshot(10, state)
+        ckpt._close(finished=False)            # killed: the snapshots stay
+    shutil.rmtree(tmp_path / "root")           # the user starts over
+    _train(model, optimizer)
+    fresh = _values(model, optimizer)
+    with _ckpt(tmp_path, job_id="job", async_mode="sync") as ckpt:
+        assert ckpt.load(state) is None
+        assert _same(_values(model, optimizer), fresh)
+        ckpt.snapshot(3, state)                # run 2's own snapshots restore as before
+        ckpt._close(finished=False)
+    with _ckpt(tmp_path, job_id="job", async_mode="sync") as ckpt:
+        assert ckpt.load(state) == 3
+
+
+def test_a_root_id_that_is_not_ours_is_replaced_and_the_snapshots_do_not_match(
+        tmp_path: Path) -> None:
+    model, optimizer = _model()
+    state = {"train": ModelState(model, optimizer)}
+    with _ckpt(tmp_path, job_id="job") as ckpt:
+        ckpt.snapshot(1, state)
+        ckpt._close(finished=False)
+    root_file = tmp_path / "root" / "ROOT.json"
+    for hostile in (b"[" * 5000, b'{"id": "../../x"}', b"\x00" * 10, b'{"id": 7}'):
+        root_file.write_bytes(hostile)
+        with _ckpt(tmp_path, job_id="job") as ckpt:
+            assert ckpt.load(state) is None    # no id: nothing in memory continues it
+            ckpt.snapshot(2, state)            # the lease holder writes a new one
+            ckpt._close(finished=False)
+        assert json.loads(root_file.read_bytes())["id"] != hostile
+        with _ckpt(tmp_path, job_id="job") as ckpt:
+            assert ckpt.load(state) == 2
+            ckpt._close(finished=False)
+
+
+# ---------------------------------------------------------------------------- resealed slots
+
+def _disk_then_snapshot(tmp_path: Path) -> tuple[dict[str, Any], list[torch.Tensor], Path]:
+    """A committed save of step 3, then a snapshot of step 4 (other values), then a kill;
+    returns the state (trained on since), the values of step 3 and the slot of step 4."""
+    model, optimizer = _model()
+    state = {"train": ModelState(model, optimizer), "extra": {"epoch": 3}}
+    with _ckpt(tmp_path, async_mode="sync") as ckpt:
+        ckpt.save(3, state)
+        on_disk = _values(model, optimizer)
+        _train(model, optimizer)
+        state["extra"] = {"epoch": 4}
+        ckpt.snapshot(4, state)
+        tier = ckpt._memory
+        assert tier is not None
+        slot = _slot_path(tier, 4)
+        ckpt._close(finished=False)
+    _train(model, optimizer)
+    state["extra"] = {"epoch": 9}
+    return state, on_disk, slot
+
+
+def _zero_digest() -> int:
+    from streamcache import _native
+    return int(_native.xxh64(bytes(PIECE_BYTES)))
+
+
+def _renumber(tree: Any, count: int) -> None:
+    """Tensor references of a state tree after its first tensor moved to the table's end."""
+    if isinstance(tree, dict) and set(tree) == {"t"}:
+        tree["t"] = (tree["t"] - 1) % count
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            _renumber(value, count)
+    elif isinstance(tree, list):
+        for value in tree:
+            _renumber(value, count)
+
+
+def _peak_rss_since_reset() -> tuple[int, int]:
+    """(this process's resident set now, its peak since the last reset), in bytes."""
+    with open("/proc/self/status") as f:
+        status = f.read()
+    now = int(status.split("VmRSS:")[1].split()[0]) * 1024
+    peak = int(status.split("VmHWM:")[1].split()[0]) * 1024
+    return now, peak
+
+
+@pytest.mark.parametrize("hostile", ["rng", "rng_types", "huge_shape", "claim_2_gib"])
+def test_a_resealed_slot_with_hostile_values_changes_nothing_and_the_disk_tier_loads(
+        tmp_path: Path, hostile: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A slot a writer of the folder edited and resealed (digests recomputed): nothing of it is
+    applied, the load falls back to the disk tier, and what is allocated is bounded by the
+    state restored into, not by what the slot claims."""
+    state, on_disk, slot = _disk_then_snapshot(tmp_path)
+
+    def edit(doc: dict[str, Any]) -> int | None:
+        record = doc["tensors"][0]
+        if hostile == "rng":
+            doc["rng"]["python"] = [3, [1, 2, 3], None]   # not a Mersenne Twister state
+        elif hostile == "rng_types":
+            doc["rng"] = {"version": 1, "python": "x", "numpy": 7, "torch": [], "cuda": {}}
+        elif hostile == "huge_shape":
+            record.update(shape=[10**30, 0], nbytes=0, digests=[])
+        else:  # the first tensor claims 2 GiB past the others: a sparse file of zeros
+            end = max(r["offset"] + r["nbytes"] for r in doc["tensors"])
+            offset, nbytes = (end + 63) // 64 * 64, 2 << 30
+            record.update(dtype="uint8", shape=[nbytes], nbytes=nbytes, offset=offset,
+                          digests=[_zero_digest()] * (nbytes // PIECE_BYTES))
+            doc["tensors"] = [*doc["tensors"][1:], record]  # extents stay in order
+            for entry in doc["entries"].values():
+                _renumber(entry["tree"], len(doc["tensors"]))
+            return offset + nbytes
+        return None
+
+    _reseal(slot, edit)
+    if hostile == "claim_2_gib":
+        assert slot.stat().st_size > 2 << 30 and slot.stat().st_blocks * 512 < 64 << 20
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                            # the peak counts from here
+    before, _ = _peak_rss_since_reset()
+    with caplog.at_level(logging.WARNING), _ckpt(tmp_path, async_mode="sync") as ckpt:
+        assert ckpt.load(state) == 3
+    _, peak = _peak_rss_since_reset()
+    assert _same(_values(state["train"].model, state["train"].optimizers[0]), on_disk)
+    assert state["extra"] == {"epoch": 3}
+    assert "memory tier" in caplog.text
+    assert peak - before < 400 << 20, f"the load peaked {(peak - before) >> 20} MB above its start"
+
+
+# ---------------------------------------------------------------------------- several ranks
+
+def _snapshots_after_a_restore(rank: int, world: int, tmp: str) -> list[int | None]:
+    """save(20), snapshots 21 and 24, killed; restored; snapshots 27 and 30, killed;
+    restored: the steps each load returned."""
+    model, optimizer = _model()
+    state = {"train": ModelState(model, optimizer)}
+    loaded: list[int | None] = []
+
+    def checkpointer() -> Checkpointer:
+        return Checkpointer(f"{tmp}/root", memory=MemoryOptions(directory=f"{tmp}/shm"),
+                            job_id="job", async_mode="sync")
+
+    with checkpointer() as ckpt:
+        ckpt.save(20, state)
+        ckpt.snapshot(21, state)
+        ckpt.snapshot(24, state)
+        ckpt._close(finished=False)
+    for steps in ((27, 30), ()):
+        with checkpointer() as ckpt:
+            loaded.append(ckpt.load(state))
+            for step in steps:
+                ckpt.snapshot(step, state)
+            ckpt._close(finished=False)
+    return loaded
+
+
+def test_snapshots_taken_after_a_memory_restore_restore_on_every_rank(tmp_path: Path) -> None:
+    (tmp_path / "shm").mkdir()
+    results = run_ranks(_snapshots_after_a_restore, 2, str(tmp_path))
+    assert [r.value for r in results] == [[24, 30], [24, 30]]

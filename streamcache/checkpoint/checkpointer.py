@@ -44,6 +44,7 @@ from .errors import CheckpointError
 from .layout import CheckpointInfo
 from .lease import Lease
 from .memory import MemoryOptions, MemoryTier, restore_agreed, snapshot_entries
+from .memory_format import RootView
 from .pace import Pace
 from .ranks import Ranks
 from .restore import Restorer
@@ -212,6 +213,7 @@ class Checkpointer:
             job_id = os.environ["TORCHELASTIC_RUN_ID"]
         self._lease = Lease(self.root, lease_ttl, job_id) if self.rank == 0 else None
         self._leased = False
+        self._root_id = ""  # the root's id (layout.ensure_root_id), known once leased
         self._pace = Pace(writer_cpu_share)
         self._committer = Committer(
             self._ranks, self.root, write_base, keep_last, write_threads, self._staging,
@@ -381,11 +383,14 @@ class Checkpointer:
         self._check_open()
         self.wait()
         if self._memory is not None and step is None:
-            newest = layout.latest(self.root) if self.rank == 0 else None
-            restored = restore_agreed(self._memory, self._ranks,
-                                      (newest.name, newest.step) if newest else None, state)
-            if restored is not None:
-                self._saves, self._saves_known = (None, newest.name if newest else None), True
+            view = None
+            if self.rank == 0:
+                newest = layout.latest(self.root)
+                view = RootView((newest.name, newest.step) if newest else None,
+                                layout.read_root_id(self.root))
+            restored, agreed = restore_agreed(self._memory, self._ranks, view, state)
+            if restored is not None:  # later snapshots continue the root's newest, every rank
+                self._saves, self._saves_known = (None, agreed.latest_name), True
                 return restored
             self._memory.clear()  # they do not continue what the disk tiers hold
         loaded = self._restorer.load(state, step)
@@ -493,19 +498,24 @@ class Checkpointer:
         """Take the lease on ``root`` before this job's first write (collective)."""
         if self._leased:
             return
-        problem, live = None, self._timeline
+        problem, live, root_id = None, self._timeline, ""
         if self._lease is not None:
             try:
                 self._lease.acquire()
                 # the live timeline as of now: a job that held the lease before may have
                 # rolled back since this one was constructed
                 live = layout.live_timeline(layout.read_timelines(self.root))
+                root_id = layout.ensure_root_id(self.root)
             except CheckpointError as exc:
                 problem = str(exc)
-        problem, live = self._ranks.broadcast((problem, live), self._ranks.control)
+            except OSError as exc:
+                problem = (f"cannot write {self.root.join(layout.ROOT_ID_NAME)} ({exc}); "
+                           "remove what is in its place")
+        problem, live, root_id = self._ranks.broadcast((problem, live, root_id),
+                                                       self._ranks.control)
         if problem is not None:
             raise CheckpointError(problem)
-        self._leased, self._timeline = True, live
+        self._leased, self._timeline, self._root_id = True, live, root_id
 
     def _start_timeline(self, info: CheckpointInfo) -> None:
         """Record a rollback to ``info``: later saves form a new timeline forking there."""
@@ -536,7 +546,8 @@ class Checkpointer:
             self._memory_pruned = True
         started, committed = self._saves
         return self._memory.write(step, snapshot_entries(entries), rng.capture(),
-                                  timeline=self._timeline, started=started, committed=committed)
+                                  timeline=self._timeline, started=started, committed=committed,
+                                  root_id=self._root_id)
 
     def _run_in_thread(self, job: SaveJob) -> None:
         if self.writer_nice and hasattr(os, "setpriority"):

@@ -10,6 +10,9 @@ Layout under ``root`` (any fsspec URL)::
         COMMIT.json                  the commit marker, published last and atomically
     TIMELINES.json                   the timelines started by rollbacks (absent until one)
     LEASE.json                       the lease of the job that writes the root (lease.py)
+    ROOT.json                        this root's id, written by the first lease holder: a
+                                     root deleted and made again has another id, so memory
+                                     snapshots of the deleted one are never taken for it
 
 A directory without a valid ``COMMIT.json`` is a partial save and is never loaded. The marker
 lists every file with its size and checksum and carries a checksum of its own body, so a
@@ -29,6 +32,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +44,8 @@ FORMAT = "streamcache.checkpoint"
 VERSION = 1
 MARKER_NAME = "COMMIT.json"
 TIMELINES_NAME = "TIMELINES.json"
+ROOT_ID_NAME = "ROOT.json"
+ROOT_ID_LIMIT = 4096  # bytes: the file is about fifty
 GLOBAL_NAME = "global.json"
 DCP_METADATA_NAME = ".metadata"
 # caps on the small files read back (a root is untrusted: a huge or endless file is refused)
@@ -313,6 +319,37 @@ def write_timelines(root: Location, timelines: list[Timeline]) -> None:
     body = {K_TIMELINES: [{K_ID: t.id, K_PARENT: t.parent, K_FORK_STEP: t.fork_step,
                            K_FORK_NAME: t.fork_name} for t in timelines]}
     root.write_atomic(TIMELINES_NAME, json.dumps(body, indent=1).encode())
+
+
+def read_root_id(root: Location) -> str | None:
+    """This root's id (:func:`ensure_root_id`), or None: no id yet, or a file that is not one
+    (anything read here is untrusted; what is not an id is no id, never an error)."""
+    try:
+        doc = json.loads(root.read_bytes(ROOT_ID_NAME, ROOT_ID_LIMIT))
+    except (FileNotFoundError, UnreadableFileError, ValueError, RecursionError):
+        return None
+    ident = doc.get("id") if isinstance(doc, dict) else None
+    return ident if isinstance(ident, str) and _ROOT_ID.fullmatch(ident) else None
+
+
+def ensure_root_id(root: Location) -> str:
+    """This root's id, written first if it has none (only the lease holder calls it).
+
+    A root that is deleted and made again (or whose ``ROOT.json`` is not an id) gets a new
+    random id, so whatever recorded the old one (memory-tier snapshots) no longer matches.
+
+    Raises:
+        OSError: the id could not be written (e.g. ``ROOT.json`` is a folder).
+    """
+    existing = read_root_id(root)
+    if existing is not None:
+        return existing
+    new = uuid.uuid4().hex
+    root.write_atomic(ROOT_ID_NAME, json.dumps({"id": new}).encode())
+    return new
+
+
+_ROOT_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def live_timeline(timelines: list[Timeline]) -> str:

@@ -28,6 +28,7 @@ Thread safety: one training thread per MemoryTier.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
@@ -54,6 +55,7 @@ from .memory_format import (
     K_RANK,
     K_RNG,
     K_ROOT,
+    K_ROOT_ID,
     K_STARTED,
     K_STEP,
     K_TENSORS,
@@ -65,6 +67,7 @@ from .memory_format import (
     FormatProblem,
     Header,
     Manifest,
+    RootView,
     SlotSummary,
     align,
     check_manifest,
@@ -77,7 +80,7 @@ from .memory_format import (
     unpack_header,
 )
 from .ranks import Ranks
-from .state import is_global_state, resolve
+from .state import is_global_state, resolve, validate_state
 
 log = logging.getLogger("streamcache.checkpoint")
 
@@ -146,8 +149,13 @@ class MemoryTier:
     # ------------------------------------------------------------------ writing
 
     def write(self, step: int, entries: Mapping[str, tuple[str, Any]], rng_state: dict[str, Any],
-              *, timeline: str, started: str | None, committed: str | None) -> bool:
+              *, timeline: str, started: str | None, committed: str | None,
+              root_id: str) -> bool:
         """Snapshot ``entries`` ({key: (kind, value)}) as ``step`` into the older slot.
+
+        ``started``/``committed`` are the last save started and the last known committed,
+        ``root_id`` the root's id (layout.ensure_root_id): what a restore checks that the
+        snapshot continues (memory_format.usable).
 
         Returns False (after a warning) when the slot does not fit: the state is larger than
         ``max_bytes`` or the tier's filesystem is full; the newer slot is then untouched.
@@ -182,7 +190,8 @@ class MemoryTier:
             manifest = json.dumps({
                 K_VERSION: FORMAT_VERSION, K_ROOT: self.root_url, K_RANK: self.rank,
                 K_WORLD: self.world_size, K_STEP: step, K_TIMELINE: timeline,
-                K_STARTED: started, K_COMMITTED: committed, K_ENTRIES: encoded,
+                K_STARTED: started, K_COMMITTED: committed, K_ROOT_ID: root_id,
+                K_ENTRIES: encoded,
                 K_TENSORS: records, K_RNG: rng_state}, separators=(",", ":")).encode()
             m_off = HEADER_SIZE + data_len
             needed = m_off + len(manifest)
@@ -258,23 +267,33 @@ class MemoryTier:
                 continue
             found.append((slot, SlotSummary(header.step, header.seq, manifest.rank,
                                             manifest.world_size, manifest.started,
-                                            manifest.committed)))
+                                            manifest.committed, manifest.root_id)))
         return found
 
-    def prepare(self, slot: int, summary: SlotSummary) -> Prepared | None:
+    def prepare(self, slot: int, summary: SlotSummary,
+                max_tensor_bytes: int | None = None) -> Prepared | None:
         """Read and verify ``slot`` (which :meth:`scan` reported as ``summary``).
 
-        Returns None (logged) when it changed since the scan or a digest does not match.
+        ``max_tensor_bytes`` bounds what is allocated for its tensors (a restore passes the
+        bytes of the state it restores into: a slot claiming more cannot match it).
+
+        Returns None (logged) when it changed since the scan, a digest does not match, or
+        its tensors or trees are not what a snapshot writes.
         """
         try:
             with self._open_for_read(slot) as (fd, size):
                 header, manifest = _read_manifest(fd, size)
                 if header.seq != summary.seq:
                     raise FormatProblem("it was rewritten since it was scanned")
+                claimed = sum(spec.nbytes for spec in manifest.tensors)
+                if max_tensor_bytes is not None and claimed > max_tensor_bytes:
+                    raise FormatProblem(f"its tensors claim {claimed} bytes, more than the "
+                                        f"{max_tensor_bytes} of the state to restore")
                 tensors = _read_tensors(fd, manifest)
             trees = {k: (kind, decode_tree(tree, tensors))
                      for k, (kind, tree) in manifest.entries.items()}
-        except (OSError, FormatProblem) as exc:
+        except (OSError, FormatProblem, RuntimeError, TypeError, ValueError,
+                OverflowError, MemoryError) as exc:  # whatever torch says of a hostile shape
             log.warning("memory tier: not restoring %s: %s", self.slot_name(slot), exc)
             return None
         return Prepared(header.step, manifest, trees)
@@ -434,20 +453,26 @@ def _read_manifest(fd: int, size: int) -> tuple[Header, Manifest]:
 
 
 def _read_tensors(fd: int, manifest: Manifest) -> list[torch.Tensor]:
-    """Every tensor of the snapshot read into one fresh buffer, each piece verified."""
-    total = max((spec.offset + spec.nbytes for spec in manifest.tensors), default=0)
+    """Every tensor of the snapshot read into one fresh buffer, each piece verified.
+
+    The buffer holds the tensors packed (not at their file offsets), so what is allocated is
+    what the tensors claim, whatever gaps a hostile manifest leaves between them.
+    """
+    packed, total = [], 0
+    for spec in manifest.tensors:
+        packed.append(total)
+        total = align(total + spec.nbytes)
     buffer = torch.empty(total, dtype=torch.uint8)
     raw = buffer.numpy()
     tensors = []
-    for i, spec in enumerate(manifest.tensors):
+    for i, (spec, at) in enumerate(zip(manifest.tensors, packed, strict=True)):
         for (start, length), expected in zip(pieces(spec.nbytes), spec.digests, strict=True):
-            view = raw[spec.offset + start: spec.offset + start + length]
+            view = raw[at + start: at + start + length]
             if os.preadv(fd, [view.data], HEADER_SIZE + spec.offset + start) != length:
                 raise FormatProblem(f"tensor {i} is cut short")
             if _digest(view) != expected:
                 raise FormatProblem(f"tensor {i} checksum mismatch (torn or edited)")
-        tensors.append(buffer[spec.offset: spec.offset + spec.nbytes].view(spec.dtype)
-                       .reshape(spec.shape))
+        tensors.append(buffer[at: at + spec.nbytes].view(spec.dtype).reshape(spec.shape))
     return tensors
 
 
@@ -468,30 +493,37 @@ def snapshot_entries(entries: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
     return collected
 
 
-def match(prepared: Prepared, entries: Mapping[str, Any]) -> dict[str, Any] | str:
-    """The snapshot's values shaped as ``entries`` asks (DTensors and devices as the live
-    state's), or a description of how they differ."""
-    kinds = {k: kind for k, (kind, _) in snapshot_entries_kinds(entries).items()}
+def match(prepared: Prepared, live: Mapping[str, tuple[str, Any]]) -> dict[str, Any] | str:
+    """The snapshot's values shaped as the live state ``live`` (:func:`snapshot_entries` of
+    the state restored into) asks (DTensors and devices as the live state's), or a
+    description of how they differ."""
+    kinds = {k: kind for k, (kind, _) in live.items()}
     saved = {k: kind for k, (kind, _) in prepared.trees.items()}
     if kinds != saved:
         return (f"the snapshot holds entries {sorted(saved.items())}, the state "
                 f"{sorted(kinds.items())}")
     shaped: dict[str, Any] = {}
-    for key, value in entries.items():
-        kind, tree = prepared.trees[key]
+    for key, (kind, value) in live.items():
+        tree = prepared.trees[key][1]
         if kind != "stateful":
             shaped[key] = tree
             continue
         problem: list[str] = []
-        shaped[key] = _like(tree, value.state_dict(), key, problem)
+        shaped[key] = _like(tree, value, key, problem)
         if problem:
             return problem[0]
     return shaped
 
 
-def snapshot_entries_kinds(entries: Mapping[str, Any]) -> dict[str, tuple[str, None]]:
-    return {k: ("global" if is_global_state(v) else "stateful" if isinstance(v, Stateful)
-                else "plain", None) for k, v in entries.items()}
+def tensor_bytes(value: Any) -> int:
+    """The bytes of every tensor in a state tree, as a snapshot of it would record them."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
 
 
 def _like(saved: Any, live: Any, path: str, problem: list[str]) -> Any:
@@ -531,12 +563,30 @@ def _like(saved: Any, live: Any, path: str, problem: list[str]) -> Any:
     return saved
 
 
+def refusal(prepared: Prepared, shaped: Mapping[str, Any],
+            entries: Mapping[str, Any]) -> str | None:
+    """Why the matched snapshot must not be applied (its RNG states, or a global state its
+    object refuses), or None; checks everything :func:`apply` would set, sets nothing."""
+    try:
+        rng.check(prepared.manifest.rng)
+    except ValueError as exc:
+        return f"its RNG states are malformed ({exc})"
+    for key, value in entries.items():
+        if is_global_state(value):
+            try:
+                validate_state(value, shaped[key])
+            except Exception as exc:  # the object's own refusal, whatever its type
+                return f"{key!r} refuses its state ({type(exc).__name__}: {exc})"
+    return None
+
+
 def apply(shaped: Mapping[str, Any], entries: Mapping[str, Any], state: dict[str, Any],
           rng_state: dict[str, Any]) -> None:
-    """Load matched values (:func:`match`) into ``state`` and this process's RNGs.
+    """Load matched and checked values (:func:`match`, :func:`refusal`) into ``state`` and
+    this process's RNGs.
 
-    Global states (the loader's cursor, which checks its dataset on load) go first, so that
-    a refusal there leaves the rest untouched.
+    Global states (the loader's cursor) go first, so that a refusal there leaves the rest
+    untouched.
     """
     ordered = sorted(entries, key=lambda k: not is_global_state(entries[k]))
     for key in ordered:
@@ -548,41 +598,69 @@ def apply(shaped: Mapping[str, Any], entries: Mapping[str, Any], state: dict[str
     rng.restore(rng_state)
 
 
-def restore_agreed(tier: MemoryTier, ranks: Ranks, latest: tuple[str, int] | None,
-                   state: dict[str, Any]) -> int | None:
-    """Restore the newest step every rank holds whole in memory, or None (collective).
+def restore_agreed(tier: MemoryTier, ranks: Ranks, root: RootView | None,
+                   state: dict[str, Any]) -> tuple[int | None, RootView]:
+    """Restore the newest step every rank holds whole in memory (collective).
 
-    ``latest`` is rank 0's newest complete checkpoint of the root (name, step). A rank alone
-    cannot know whether its newest slot is whole on the others (a kill may have cut another
-    rank's snapshot short), so the ranks exchange their slots' summaries (one small
-    all-gather) and all choose the same step (:func:`~.memory_format.choose`); each then
-    reads and verifies its slot, and only when every rank succeeded (one all-reduce) are the
-    values applied. Slots newer than the step are discarded.
+    ``root`` is what rank 0 read of the root (the other ranks pass None). A rank alone cannot
+    know whether its newest slot is whole on the others (a kill may have cut another rank's
+    snapshot short), so the ranks exchange their slots' summaries and rank 0's view (one
+    small all-gather) and all choose the same step (:func:`~.memory_format.choose`); each
+    then reads and verifies its slot (never allocating more than the state it restores into
+    holds) and checks everything it would apply, and only when every rank succeeded (one
+    all-gather) are the values applied. Slots newer than the step are discarded.
+
+    Returns:
+        The step restored (None: use the disk tiers) and rank 0's view of the root, the same
+        on every rank.
     """
     found = tier.scan()
-    mine = [(s.step, s.seq, s.rank, s.world_size, s.started, s.committed) for _, s in found]
-    gathered = ranks.all_gather((mine, latest), ranks.control)
+    mine = [dataclasses.astuple(s) for _, s in found]
+    view = None if root is None else (root.latest, root.root_id)
+    gathered = ranks.all_gather((mine, view), ranks.control)
+    latest, root_id = gathered[0][1]
+    agreed = RootView(None if latest is None else (str(latest[0]), int(latest[1])), root_id)
     per_rank = [[SlotSummary(*fields) for fields in summaries] for summaries, _ in gathered]
     entries = resolve(state)
+    live = snapshot_entries(entries)
+    limit = sum(tensor_bytes(value) for _, value in live.values())
     while True:  # newest first; a step that fails to verify on any rank is passed over
-        step = choose(per_rank, gathered[0][1])
+        step = choose(per_rank, agreed)
         if step is None:
-            return None
+            return None, agreed
         slot, summary = max(((slot, s) for slot, s in found if s.step == step),
                             key=lambda item: item[1].seq)
-        prepared = tier.prepare(slot, summary)
-        shaped = None if prepared is None else match(prepared, entries)
-        if isinstance(shaped, str):
-            log.warning("memory tier: step %d does not match the given state (%s); loading "
-                        "from the disk tiers", step, shaped)
-        outcome = "ok" if isinstance(shaped, dict) else "damaged" if shaped is None else "other"
+        outcome, checked = _check_slot(tier, slot, summary, live, entries, limit)
         outcomes = ranks.all_gather(outcome, ranks.control)
         if "other" in outcomes:  # another state than the snapshots': none of them fits
-            return None
+            return None, agreed
         if "damaged" not in outcomes:
             break
         per_rank = [[s for s in summaries if s.step != step] for summaries in per_rank]
-    assert prepared is not None and isinstance(shaped, dict)
+    assert checked is not None
+    prepared, shaped = checked
     apply(shaped, entries, state, prepared.manifest.rng)
     tier.discard_after(step)
-    return step
+    return step, agreed
+
+
+def _check_slot(tier: MemoryTier, slot: int, summary: SlotSummary,
+                live: Mapping[str, tuple[str, Any]], entries: Mapping[str, Any], limit: int
+                ) -> tuple[str, tuple[Prepared, dict[str, Any]] | None]:
+    """``("ok", (prepared, shaped))``, ``("damaged", None)`` (the slot does not verify or
+    holds values that must not be applied: an older step may do) or ``("other", None)`` (the
+    snapshot is of another state than ``entries``)."""
+    prepared = tier.prepare(slot, summary, limit)
+    if prepared is None:
+        return "damaged", None
+    shaped = match(prepared, live)
+    if isinstance(shaped, str):
+        log.warning("memory tier: step %d does not match the given state (%s); loading "
+                    "from the disk tiers", summary.step, shaped)
+        return "other", None
+    problem = refusal(prepared, shaped, entries)
+    if problem is not None:
+        log.warning("memory tier: not restoring step %d of %s: %s", summary.step,
+                    tier.slot_name(slot), problem)
+        return "damaged", None
+    return "ok", (prepared, shaped)

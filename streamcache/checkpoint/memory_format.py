@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 MAGIC = b"SCMEMv1\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the root's id (layout.ROOT_ID_NAME) in the manifest
 HEADER_SIZE = 4096
 ALIGN = 64
 PIECE_BYTES = 4 << 20  # tensors are digested in pieces of this size (read and hashed hot)
@@ -47,11 +47,12 @@ _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 # manifest keys
 K_VERSION, K_ROOT, K_RANK, K_WORLD, K_STEP = "version", "root", "rank", "world_size", "step"
-K_TIMELINE, K_STARTED, K_COMMITTED = "timeline", "started", "committed"
+K_TIMELINE, K_STARTED, K_COMMITTED, K_ROOT_ID = "timeline", "started", "committed", "root_id"
 K_ENTRIES, K_TENSORS, K_RNG = "entries", "tensors", "rng"
 K_KIND, K_TREE = "kind", "tree"
 KINDS = ("stateful", "global", "plain")
 K_DTYPE, K_SHAPE, K_OFFSET, K_NBYTES, K_DIGESTS = "dtype", "shape", "offset", "nbytes", "digests"
+MAX_DIM = (1 << 63) - 1  # torch's sizes are int64
 
 
 class FormatProblem(ValueError):
@@ -204,7 +205,8 @@ def check_tensors(records: Any, data_len: int) -> list[TensorSpec]:
             rec[K_DIGESTS]
         if dtype is None:
             raise FormatProblem(f"tensor {i}: dtype {rec[K_DTYPE]!r} is not allowed")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        if not (isinstance(shape, list) and len(shape) <= 64
+                and all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)):
             raise FormatProblem(f"tensor {i}: shape {shape!r} is not a list of sizes")
         if not all(type(v) is int for v in (offset, nbytes)) or offset % ALIGN or \
                 offset < end or offset + nbytes > data_len:
@@ -232,6 +234,7 @@ class Manifest:
     timeline: str
     started: str | None
     committed: str | None
+    root_id: str
     entries: dict[str, tuple[str, Any]]
     tensors: list[TensorSpec]
     rng: dict[str, Any]
@@ -240,7 +243,7 @@ class Manifest:
 def check_manifest(doc: Any, header: Header) -> Manifest:
     """The manifest of a slot whose header is ``header``, or FormatProblem."""
     keys = {K_VERSION, K_ROOT, K_RANK, K_WORLD, K_STEP, K_TIMELINE, K_STARTED, K_COMMITTED,
-            K_ENTRIES, K_TENSORS, K_RNG}
+            K_ROOT_ID, K_ENTRIES, K_TENSORS, K_RNG}
     if not isinstance(doc, dict) or set(doc) != keys:
         raise FormatProblem("the manifest does not have the expected keys")
     if doc[K_VERSION] != FORMAT_VERSION or doc[K_STEP] != header.step:
@@ -248,7 +251,7 @@ def check_manifest(doc: Any, header: Header) -> Manifest:
     rank, world = doc[K_RANK], doc[K_WORLD]
     if type(rank) is not int or type(world) is not int or not 0 <= rank < world:
         raise FormatProblem(f"rank {rank!r} of world size {world!r}")
-    for key in (K_ROOT, K_TIMELINE):
+    for key in (K_ROOT, K_TIMELINE, K_ROOT_ID):
         if not isinstance(doc[key], str):
             raise FormatProblem(f"manifest {key!r} is not a string")
     for key in (K_STARTED, K_COMMITTED):
@@ -262,7 +265,8 @@ def check_manifest(doc: Any, header: Header) -> Manifest:
     if not isinstance(doc[K_RNG], dict):
         raise FormatProblem("the manifest's RNG states are malformed")
     return Manifest(doc[K_ROOT], rank, world, doc[K_STEP], doc[K_TIMELINE], doc[K_STARTED],
-                    doc[K_COMMITTED], {k: (e[K_KIND], e[K_TREE]) for k, e in entries.items()},
+                    doc[K_COMMITTED], doc[K_ROOT_ID],
+                    {k: (e[K_KIND], e[K_TREE]) for k, e in entries.items()},
                     check_tensors(doc[K_TENSORS], header.data_len), doc[K_RNG])
 
 
@@ -278,37 +282,58 @@ class SlotSummary:
     world_size: int
     started: str | None
     committed: str | None
+    root_id: str
 
 
-def usable(summary: SlotSummary, rank: int, world_size: int, latest: str | None) -> bool:
-    """Whether a slot continues the root's newest complete checkpoint ``latest`` on this world.
+@dataclass(frozen=True)
+class RootView:
+    """What rank 0 read of the root when a load starts (small, JSON-able fields).
 
-    A snapshot records the last save its Checkpointer started and the last one it knew
-    committed; one of them is the root's newest complete checkpoint unless the root changed
-    under it (wiped, another job, a rollback), and then the snapshot is not used.
+    ``latest``: the newest complete checkpoint of the live timeline (name, step), or None;
+    ``root_id``: the root's id (``ROOT.json``), or None when it has none (never leased, or
+    deleted since).
+    """
+
+    latest: tuple[str, int] | None
+    root_id: str | None
+
+    @property
+    def latest_name(self) -> str | None:
+        return self.latest[0] if self.latest is not None else None
+
+
+def usable(summary: SlotSummary, rank: int, world_size: int, root: RootView) -> bool:
+    """Whether a slot continues the root as ``root`` shows it, on this world.
+
+    The slot must have been taken on this very root (its id: a root deleted and made again,
+    or never leased since, has another or none), and record the root's newest complete
+    checkpoint as the last save its Checkpointer started or the last one it knew committed;
+    otherwise the root changed under it (another job, a rollback) and it is not used.
     """
     if summary.rank != rank or summary.world_size != world_size:
         return False
-    return latest == summary.committed or (summary.started is not None
-                                           and latest == summary.started)
+    if root.root_id is None or summary.root_id != root.root_id:
+        return False
+    name = root.latest_name
+    return name == summary.committed or (summary.started is not None
+                                         and name == summary.started)
 
 
-def choose(per_rank: list[list[SlotSummary]], latest: tuple[str, int] | None) -> int | None:
+def choose(per_rank: list[list[SlotSummary]], root: RootView) -> int | None:
     """The step to restore from memory on every rank, or None (use the DCP tiers).
 
-    ``per_rank[r]`` are rank r's whole slots; ``latest`` is the root's newest complete
-    checkpoint (name, step) of the live timeline. The step must be whole and usable on every
-    rank and not older than ``latest``; the newest such step wins.
+    ``per_rank[r]`` are rank r's whole slots; ``root`` is what rank 0 read of the root. The
+    step must be whole and usable on every rank and not older than the root's newest complete
+    checkpoint; the newest such step wins.
     """
     world_size = len(per_rank)
-    name = latest[0] if latest is not None else None
     common: set[int] | None = None
     for rank, summaries in enumerate(per_rank):
-        steps = {s.step for s in summaries if usable(s, rank, world_size, name)}
+        steps = {s.step for s in summaries if usable(s, rank, world_size, root)}
         common = steps if common is None else common & steps
     if not common:
         return None
     step = max(common)
-    if latest is not None and step < latest[1]:
+    if root.latest is not None and step < root.latest[1]:
         return None
     return step
