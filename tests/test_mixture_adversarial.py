@@ -61,6 +61,9 @@ HOSTILE = {
     "shares past the period": (["phases", 0, "shares", 0], MAX_PERIOD),
     "huge share": (["phases", 0, "shares", 0], 10**12),
     "epoch_start past int64": (["epoch_start"], 2**63),
+    "epoch 2**62": (["epoch"], 2**62),
+    "epoch 2**70": (["epoch"], 2**70),
+    "negative epoch": (["epoch"], -1),
     "num_samples 0": (["num_samples"], 0),
     "num_samples huge": (["num_samples"], 2**70),
     "num_samples not the epoch's": (["num_samples"], 31),
@@ -115,6 +118,18 @@ def test_a_hostile_or_broken_state_is_refused_quickly_and_clearly(case: str) -> 
     with pytest.raises(CursorMismatchError):
         MixtureCursor.load(json.loads(json.dumps(state)), _cursor())
     assert time.process_time() - started < 5, "no quota table of a hostile size is built"
+
+
+@pytest.mark.parametrize("epoch", [2**62, 2**70, -1])
+def test_an_infinite_mixtures_epoch_is_below_2_62(epoch: int) -> None:
+    # (an infinite mixture's epoch is bound to no source count, so only its limit refuses it)
+    state = _cursor(infinite=True).to_dict()
+    state["epoch"] = epoch
+    with pytest.raises(CursorMismatchError, match="epoch"):
+        MixtureCursor.load(json.loads(json.dumps(state)), _cursor(infinite=True))
+    state["epoch"] = 2**62 - 1
+    cursor, _ = MixtureCursor.load(json.loads(json.dumps(state)), _cursor(infinite=True))
+    assert cursor.epoch == 2**62 - 1
 
 
 @pytest.mark.parametrize("state", [None, [], "state", 3, {"version": 2}, {"kind": "mixture"},

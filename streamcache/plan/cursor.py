@@ -39,6 +39,10 @@ _KEYS_V1 = frozenset({KEY_VERSION, KEY_FINGERPRINT, KEY_NUM_SAMPLES, KEY_SEED, K
 _KEYS = {1: _KEYS_V1, CURSOR_VERSION: _KEYS_V1 | {KEY_DATA}}
 _DATA_KEYS = frozenset({KEY_LOCATION, KEY_INDEX_CREATED})
 MAX_LOCATION = 4096  # characters of a saved location (a URL; a longer one is no state of ours)
+#: Epochs in a cursor (and a saved state) stay below this, as positions and counts do: the
+#: order's keys fold the epoch into 64 bits (a larger one would repeat a smaller one's order),
+#: and the next epoch's number never leaves int64 (docs/trust.md, "Loader states").
+EPOCH_LIMIT = 1 << 62
 
 #: How a saved state is matched with the data on load: ``"identity"`` (the default) the
 #: fingerprint and, for an index without checksums, the :class:`DataIdentity`; ``"fingerprint"``
@@ -142,7 +146,7 @@ class Cursor:
         saved_version: the state version it was read from (1: no ``data`` recorded).
         seed: the order's seed, ``0 <= seed < 2**64``.
         shuffle: the order's shuffle options.
-        epoch: the current epoch.
+        epoch: the current epoch, in ``[0, EPOCH_LIMIT)``.
         samples_consumed: positions of the epoch the training loop has received, in
             ``[0, num_samples]``.
 
@@ -166,7 +170,7 @@ class Cursor:
         check_seed(self.seed)
         if not isinstance(self.shuffle, ShuffleOptions):
             raise PlanError(f"shuffle must be a ShuffleOptions, got {self.shuffle!r}")
-        check_int("epoch", self.epoch, minimum=0)
+        check_int("epoch", self.epoch, minimum=0, maximum=EPOCH_LIMIT - 1)
         check_int("samples_consumed", self.samples_consumed, minimum=0,
                   maximum=self.num_samples)
         if self.data is not None and not isinstance(self.data, DataIdentity):

@@ -18,6 +18,7 @@ from typing import Any
 from ._util import CursorMismatchError, PlanError, check_int, check_seed, malformed
 from .cursor import (
     CURSOR_VERSION,
+    EPOCH_LIMIT,
     IDENTITY_HINT,
     DataIdentity,
     ResumeCheck,
@@ -118,7 +119,7 @@ class MixtureCursor:
 
     def __post_init__(self) -> None:
         check_seed(self.seed)
-        check_int("epoch", self.epoch, minimum=0, maximum=POSITION_LIMIT)
+        check_int("epoch", self.epoch, minimum=0, maximum=EPOCH_LIMIT - 1)
         check_int("epoch_start", self.epoch_start, minimum=0, maximum=POSITION_LIMIT)
         check_int("num_samples", self.num_samples, minimum=1, maximum=POSITION_LIMIT)
         check_int("samples_consumed", self.samples_consumed, minimum=0,
