@@ -279,3 +279,28 @@ def test_a_mixture_on_two_nodes_at_the_defaults_reads_the_one_node_batches(
           f"{[round(b / one_node_bytes, 3) for b in two_node_bytes]} x one node's")
     assert max(two_node_bytes) <= one_node_bytes
     assert sum(two_node_bytes) <= 1.3 * one_node_bytes
+
+
+def test_two_units_of_the_same_rows_swapped_in_a_nodes_folder_are_an_error(served,
+                                                                         tmp_path) -> None:
+    """Installed units of equal row counts swapped in a node's cache folder (by hand, or by a
+    process that writes there): a ShardCorruptError naming the file, never rows served under
+    another unit's ids."""
+    _, _, url = served
+    cache = tmp_path / "node-0"
+    run_node(0, 2, 1, url, cache, 256, tmp_path, steps=8)
+    by_size: dict[int, list[Path]] = {}
+    for path in installed_units(cache):
+        by_size.setdefault(path.stat().st_size, []).append(path)
+    first, second = next(paths for paths in by_size.values() if len(paths) >= 2)[:2]
+    os.replace(first, tmp_path / "aside")
+    os.replace(second, first)
+    os.replace(tmp_path / "aside", second)
+    out = tmp_path / "swapped.json"
+    process = mp.get_context("fork").Process(target=_rank_main, args=(
+        torchrun_environment(0, 0, 1, 2), url, str(cache), 256, None, None, str(out)))
+    process.start()
+    process.join(240)
+    with open(out) as f:
+        error = json.load(f).get("error", "no error")
+    assert "ShardCorruptError" in error and "another entry's file" in error, error[-3000:]

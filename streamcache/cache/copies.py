@@ -68,6 +68,12 @@ class CopyLookup(Accounting):
         self._last_used[self._key(shard)] = time.time()
         return path
 
+    def copy_of(self, shard: int) -> str | None:
+        """What an installed file of ``shard`` must record it is a copy of (``ShardReader``'s
+        ``copy_of``), or None where the entry is not stamped (a whole shard, identified by
+        its dataset folder and name; the units of a node override this)."""
+        return None
+
     def contains(self, shard: int) -> bool:
         """Whether ``shard`` can be served without a download or a request to the store: read
         in place, or installed and confirmed current by this process."""

@@ -275,6 +275,10 @@ class Prefetcher:
         threads install it in first-use order."""
         return self.cache.installed(shard)
 
+    def copy_of(self, shard: int) -> str | None:
+        """What an installed file of ``shard`` must record it is a copy of (the cache's)."""
+        return self.cache.copy_of(shard)
+
     @property
     def fetcher(self) -> Fetcher:
         """The cache's Fetcher (range reads share its concurrency bound and options)."""

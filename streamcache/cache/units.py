@@ -28,12 +28,17 @@ import pyarrow as pa
 
 from ..format.checksum import checksum_bytes
 from ..format.index import DatasetIndex, ShardInfo
-from ..format.materialize import write_local_layout
+from ..format.materialize import restamp, write_local_layout
 from ..format.shard_table import ShardTable
 from ..plan.units import UnitLayout
 from .accounting import remove_quietly
 from .node import LAYOUT_OVERHEAD, NodeCache
 from .ranges import RangeReader
+
+
+#: Bumped when unit files change what they hold (2: each records the unit it is a copy of),
+#: so a node's folder of older units is never read as this version's.
+UNITS_FORMAT = 2
 
 
 class UnitTable(ShardTable):
@@ -96,7 +101,7 @@ class UnitTable(ShardTable):
 
 def unit_index(index: DatasetIndex, layout: UnitLayout) -> DatasetIndex:
     """An index whose shards are the units of ``layout`` (see the module docstring)."""
-    digest = checksum_bytes(f"{index.fingerprint}|units|{layout.digest}".encode())
+    digest = checksum_bytes(f"{index.fingerprint}|units{UNITS_FORMAT}|{layout.digest}".encode())
     return DatasetIndex(index.schema, UnitTable(index, layout), fingerprint=digest,
                         url=index.url, created=index.created)
 
@@ -127,7 +132,13 @@ class UnitCache(NodeCache):
         """Fetch unit ``shard`` into this process's temporaries in the local layout: a whole
         shard as any shard, a part of one by range (its chunks, verified)."""
         if self.layout.is_whole(shard):
-            return super()._download(shard)
+            staged, downloaded = super()._download(shard)
+            try:  # (a shard stored uncompressed is not rewritten on install: stamped here)
+                restamp(staged, self.copy_of(shard), durable=self.durable)
+            except BaseException:
+                remove_quietly(staged)
+                raise
+            return staged, downloaded
         real, first, rows = self.layout.span(shard)
         staged = os.path.join(self._tmp_dir(), f"{shard:06d}.arrow")
         before = self._ranges.stats.bytes
@@ -135,11 +146,18 @@ class UnitCache(NodeCache):
             found = self._ranges.read_rows(real, np.arange(first, first + rows))
             assert found is not None  # (only a cold read may decline)
             batch = _rows_of(*found)
-            write_local_layout(batch, staged, durable=self.durable)
+            write_local_layout(batch, staged, durable=self.durable,
+                               copy_of=self.copy_of(shard))
         except BaseException:
             remove_quietly(staged)
             raise
         return staged, max(0, self._ranges.stats.bytes - before)
+
+    def copy_of(self, unit: int) -> str:
+        """What an installed file of ``unit`` records it is a copy of (the layout's index
+        fingerprint and the unit): a reader refuses a unit file under another unit's name,
+        whatever its rows (materialize.COPY_OF_KEY)."""
+        return f"{self.index.fingerprint}#{unit}"
 
     def estimated_bytes(self, shard: int) -> int:
         """Bytes unit ``shard`` takes installed: exact once seen, else pro rata."""

@@ -73,12 +73,25 @@ def _require_columns(schema: Schema, names: list[str], where: str) -> None:
         raise SchemaError(f"{where} lacks the columns {missing}")
 
 
-def write_local_layout(batch: pa.RecordBatch, path: str, *, durable: bool = False) -> int:
+#: The schema metadata key of an installed copy that records what it is a copy of (a cache
+#: entry's identity, e.g. a unit of a layout): a reader that expects another refuses it.
+COPY_OF_KEY = b"streamcache.copy_of"
+
+
+def write_local_layout(batch: pa.RecordBatch, path: str, *, durable: bool = False,
+                       copy_of: str | None = None) -> int:
     """Write ``batch`` as an uncompressed one-batch Arrow IPC file, published by rename.
+
+    ``copy_of`` (when given) is recorded in the file's schema metadata (:data:`COPY_OF_KEY`),
+    so that the file cannot be served as another entry's (``ShardReader(copy_of=...)``).
 
     Returns the file's size. A crash leaves at most a temporary file (named ``.tmp-*``), never
     a partial file under ``path``.
     """
+    if copy_of is not None:
+        metadata = dict(batch.schema.metadata or {})
+        metadata[COPY_OF_KEY] = copy_of.encode()
+        batch = batch.replace_schema_metadata(metadata)
     with storage.atomic_path(path, durable=durable) as temp:
         with open(temp, "wb") as raw, ipc.new_file(raw, batch.schema) as writer:
             writer.write_batch(batch)
@@ -87,10 +100,36 @@ def write_local_layout(batch: pa.RecordBatch, path: str, *, durable: bool = Fals
 
 
 def materialize(data: Any, fmt: str, schema: Schema, path: str, *, where: str,
-                expected_rows: int | None = None, durable: bool = False) -> int:
-    """Decode a stored shard and install it at ``path`` in the local layout; returns bytes."""
+                expected_rows: int | None = None, durable: bool = False,
+                copy_of: str | None = None) -> int:
+    """Decode a stored shard and install it at ``path`` in the local layout (recording
+    ``copy_of``, see :func:`write_local_layout`); returns bytes."""
     batch = decode_shard(data, fmt, schema, where=where, expected_rows=expected_rows)
-    return write_local_layout(batch, path, durable=durable)
+    return write_local_layout(batch, path, durable=durable, copy_of=copy_of)
+
+
+def recorded_copy_of(path: str) -> str | None:
+    """What a local-layout file records it is a copy of (:data:`COPY_OF_KEY`), or None.
+
+    Raises:
+        OSError, pyarrow.ArrowException: the file cannot be read as Arrow IPC.
+    """
+    with pa.memory_map(path, "r") as mm:
+        metadata = ipc.open_file(mm).schema.metadata or {}
+    value = metadata.get(COPY_OF_KEY)
+    return None if value is None else value.decode("utf-8", "replace")
+
+
+def restamp(path: str, copy_of: str, *, durable: bool = False) -> None:
+    """Make the local-layout file ``path`` record ``copy_of``: rewritten once if it records
+    nothing or something else, left as it is if it records ``copy_of`` already."""
+    if recorded_copy_of(path) == copy_of:
+        return
+    with pa.memory_map(path, "r") as mm:
+        reader = ipc.open_file(mm)
+        batch = (reader.get_batch(0) if reader.num_record_batches
+                 else pa.RecordBatch.from_pylist([], schema=reader.schema))
+        write_local_layout(batch, path, durable=durable, copy_of=copy_of)
 
 
 def is_local_layout(path: str, schema: Schema) -> bool:

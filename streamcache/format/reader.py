@@ -22,6 +22,7 @@ from .. import _native
 from ..errors import SchemaError, ShardCorruptError
 from .buffers import POOL, BufferPool, settle_allocator
 from .columns import ColumnBuffers, column_buffers
+from .materialize import COPY_OF_KEY
 from .schema import Field, Schema
 
 
@@ -125,9 +126,14 @@ class ShardReader:
     Thread safety: read-only after construction; any thread may read.
     """
 
-    def __init__(self, path: str, schema: Schema, *, expected_rows: int | None = None) -> None:
+    def __init__(self, path: str, schema: Schema, *, expected_rows: int | None = None,
+                 copy_of: str | None = None) -> None:
+        """``copy_of``: what the file must record it is a copy of (materialize.COPY_OF_KEY),
+        for a cache entry whose copies are stamped; a file that records another entry or
+        nothing is a :class:`ShardCorruptError` (another entry's file under this name)."""
         self.path = path
         self.schema = schema
+        self._copy_of = copy_of
         self._buffers: dict[str, ColumnBuffers] = {}
         try:
             self._mmap = pa.memory_map(path, "r")
@@ -154,6 +160,8 @@ class ShardReader:
         later read meets a contradiction."""
         try:
             reader = ipc.open_file(self._mmap)
+            if self._copy_of is not None:
+                self._check_copy_of(reader.schema.metadata or {})
             if reader.num_record_batches > 1:
                 raise ShardCorruptError(
                     f"{self.path} holds {reader.num_record_batches} record batches; the local "
@@ -172,6 +180,15 @@ class ShardReader:
         except (pa.ArrowException, OSError, ValueError) as exc:
             # any pyarrow error: a flipped bit may read as an unknown type or a huge length
             raise corrupt_shard_error(self.path, exc) from exc
+
+    def _check_copy_of(self, metadata: dict[bytes, bytes]) -> None:
+        recorded = metadata.get(COPY_OF_KEY)
+        if recorded != (self._copy_of or "").encode():
+            found = "nothing" if recorded is None else repr(recorded.decode("utf-8", "replace"))
+            raise ShardCorruptError(
+                f"{self.path} is a copy of {found}, not of {self._copy_of!r}: another entry's "
+                "file under this name (moved or swapped in the cache folder); delete it and "
+                "the cache installs it again")
 
     def _column(self, batch: pa.RecordBatch, field: Field) -> ColumnBuffers:
         if field.name not in batch.schema.names:

@@ -136,6 +136,10 @@ class MixtureCache:
         cache, local = self._route(shard)
         return cache.estimated_bytes(local)
 
+    def copy_of(self, shard: int) -> str | None:
+        cache, local = self._route(shard)
+        return cache.copy_of(local)
+
     def set_next_use(self, next_use: Callable[[int], float] | None) -> None:
         for cache, base in zip(self.caches, self.base.tolist(), strict=True):
             cache.set_next_use(None if next_use is None else _shifted(next_use, base))

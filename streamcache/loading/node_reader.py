@@ -178,7 +178,8 @@ class NodeReader:
         for attempt in (1, 2):  # evicted by another process between handed out and mapped
             path = self.store.local_path(unit)
             try:
-                return ShardReader(path, self.schema, expected_rows=rows)
+                return ShardReader(path, self.schema, expected_rows=rows,
+                                   copy_of=self.store.copy_of(unit))
             except FileNotFoundError as error:
                 if attempt == 2:
                     raise ShardNotFoundError(
