@@ -35,7 +35,6 @@ from .accounting import remove_quietly
 from .node import LAYOUT_OVERHEAD, NodeCache
 from .ranges import RangeReader
 
-
 #: Bumped when unit files change what they hold (2: each records the unit it is a copy of),
 #: so a node's folder of older units is never read as this version's.
 UNITS_FORMAT = 2
