@@ -178,10 +178,26 @@ def test_a_weight_that_is_no_positive_finite_number_is_refused(weight: Any) -> N
         Source("unused", weight=weight)
 
 
-@pytest.mark.parametrize("repeat", [0, -2.0, math.nan, math.inf, True, "2"])
+@pytest.mark.parametrize("weight", [1e301, 1e308, np.float64(1e308),
+                                    pytest.param(10**400, id="10**400"),
+                                    pytest.param(Fraction(10**400, 3), id="10**400/3")])
+def test_a_weight_too_large_to_add_up_is_refused(weight: Any) -> None:
+    # (two of 1e308 were an OverflowError summing the weights; 10**400 one converting it)
+    with pytest.raises(ConfigError, match=r"weight must be a finite number in \(0, 1e\+300\]"):
+        Source("unused", weight=weight)
+
+
+@pytest.mark.parametrize("repeat", [0, -2.0, math.nan, math.inf, True, "2",
+                                    pytest.param(10**400, id="10**400"), 1e301])
 def test_a_repeat_that_is_no_positive_finite_number_is_refused(repeat: Any) -> None:
     with pytest.raises(ConfigError, match="repeat"):
         Source("unused", repeat=repeat)
+
+
+def test_a_repeat_of_a_large_dataset_past_a_float_is_an_epoch_too_long() -> None:
+    # 1e300 x 10**9 samples is inf as a float (was an OverflowError rounding it)
+    with pytest.raises(ConfigError, match="more than a mixture counts"):
+        Source("unused", repeat=1e300).epoch_samples(10**9)
 
 
 @pytest.mark.parametrize("samples", [0, -1, True, 2.5, "3", np.float64(3.0)])
@@ -238,12 +254,21 @@ def _loader(sources: list[Source], cache: Any, **options: Any) -> StreamLoader:
 
 
 def test_an_epoch_longer_than_a_mixture_counts_is_refused(urls, tmp_path):
-    for source in (Source(urls[0], repeat=1e300), Source(urls[0], samples=10**30)):
+    for source in (Source(urls[0], repeat=1e300), Source(urls[0], samples=10**30),
+                   Source(urls[0], samples=10**400)):  # (10**400 was an OverflowError)
         with pytest.raises(ConfigError, match="more than a mixture counts"):
             _loader([source, Source(urls[1])], tmp_path)
     tiny = _loader([Source(urls[0], repeat=1e-300), Source(urls[1])], tmp_path,
                    global_batch_size=1)  # an epoch of 1 sample: the mixture's epoch ends there
     assert tiny.dataset.cursor.sources[0].epoch_samples == 1
+
+
+def test_the_largest_weights_mix_and_larger_ones_are_a_config_error(urls, tmp_path):
+    with _loader([Source(urls[0], weight=1e300), Source(urls[1], weight=1e300)],
+                 tmp_path) as loader:
+        assert loader.dataset.cursor.shares == (1, 1)
+    with pytest.raises(ConfigError, match="weight"):  # (#33: a raw OverflowError)
+        _loader([Source(urls[0], weight=1e308), Source(urls[1], weight=1e308)], tmp_path)
 
 
 def test_a_tiny_weight_is_a_config_error_at_the_dataset(urls, tmp_path):

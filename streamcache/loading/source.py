@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -17,6 +18,11 @@ from ..plan.cursor import DataIdentity
 from ..plan.mixture_cursor import POSITION_LIMIT
 from .batching import SOURCE_KEY
 
+#: The largest ``weight`` or ``repeat`` a Source takes. Weights are relative, so no mixture
+#: needs more; under it the weights of up to 10**8 sources add up to a finite float (two
+#: weights of 1e308 overflowed that sum), and every repeat above 2**62 is refused anyway.
+LARGEST_FACTOR = 1e300
+
 
 @dataclass(frozen=True)
 class Source:
@@ -25,8 +31,10 @@ class Source:
     Args:
         url: dataset folder or index.json (any fsspec URL), or a loaded :class:`DatasetIndex`.
         weight: the source's share of every global batch, relative to the other sources'
-            (> 0; normalized over the sources). 0.7/0.2/0.1 or 7/2/1 mean the same.
-        repeat: the source's epoch is ``repeat`` times its sample count (rounded; > 0):
+            (> 0 and at most :data:`LARGEST_FACTOR`; normalized over the sources).
+            0.7/0.2/0.1 or 7/2/1 mean the same.
+        repeat: the source's epoch is ``repeat`` times its sample count (rounded; > 0 and at
+            most :data:`LARGEST_FACTOR`):
             2.0 upsamples (every sample twice per source epoch, in two passes), 0.5 caps
             (a fresh half of its samples each epoch). Default 1.
         samples: the source's epoch size in samples (>= 1), instead of ``repeat``.
@@ -51,12 +59,15 @@ class Source:
         if not isinstance(self.url, (str, DatasetIndex)):
             raise ConfigError(f"Source url must be a URL string or a DatasetIndex, got "
                               f"{type(self.url).__name__}")
-        if not _positive(self.weight):
-            raise ConfigError(f"Source weight must be a finite number > 0, got {self.weight!r}")
+        if not _in_range(self.weight):
+            raise ConfigError(f"Source weight must be a finite number in (0, "
+                              f"{LARGEST_FACTOR:g}], got {reprlib.repr(self.weight)} (weights "
+                              "are relative: scale them all down alike)")
         if self.repeat is not None and self.samples is not None:
             raise ConfigError("give a Source repeat= or samples=, not both")
-        if self.repeat is not None and not _positive(self.repeat):
-            raise ConfigError(f"Source repeat must be a finite number > 0, got {self.repeat!r}")
+        if self.repeat is not None and not _in_range(self.repeat):
+            raise ConfigError(f"Source repeat must be a finite number in (0, "
+                              f"{LARGEST_FACTOR:g}], got {reprlib.repr(self.repeat)}")
         if self.samples is not None and (isinstance(self.samples, bool) or not isinstance(
                 self.samples, numbers.Integral) or self.samples < 1):
             raise ConfigError(f"Source samples must be an integer >= 1, got {self.samples!r}")
@@ -77,20 +88,20 @@ class Source:
                 counts (:data:`~streamcache.plan.mixture_cursor.POSITION_LIMIT` samples).
         """
         if self.samples is not None:
-            size = int(self.samples)
+            size: float = int(self.samples)
         elif self.repeat is None:
             size = num_samples
-        else:
-            size = max(1, round(num_samples * float(self.repeat)))
+        else:  # (a float, inf where the product passes one: refused below, never rounded)
+            size = num_samples * float(self.repeat)
         if size > POSITION_LIMIT:
-            asked = f"samples={self.samples!r}" if self.samples is not None else \
+            asked = f"samples={reprlib.repr(self.samples)}" if self.samples is not None else \
                 f"repeat={self.repeat!r} of its {num_samples:,} samples"
             raise ConfigError(
                 f"Source {self.url if isinstance(self.url, str) else 'DatasetIndex'}: {asked} "
-                f"asks for an epoch of {size:.3g} samples, more than a mixture counts "
+                f"asks for an epoch of {_rough(size)} samples, more than a mixture counts "
                 f"({POSITION_LIMIT:.3g}); for a source that never ends, use infinite=True "
                 "with its natural epoch")
-        return size
+        return max(1, round(size))
 
 
 def data_identity(index: DatasetIndex, storage_options: Mapping[str, Any] | None,
@@ -104,9 +115,25 @@ def data_identity(index: DatasetIndex, storage_options: Mapping[str, Any] | None
     return DataIdentity(location, index.created)
 
 
-def _positive(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (numbers.Real, Fraction)) and \
-        math.isfinite(float(value)) and float(value) > 0
+def _rough(count: float) -> str:
+    """``count`` to three digits, for a message (an int beyond any float too)."""
+    try:
+        as_float = float(count)
+    except OverflowError:
+        as_float = math.inf
+    return f"{as_float:.3g}" if math.isfinite(as_float) else "over 1e308"
+
+
+def _in_range(value: Any) -> bool:
+    """Whether ``value`` is a real number (no bool) in ``(0, LARGEST_FACTOR]``; one too large
+    for a float (an int or a Fraction of hundreds of digits) is not."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, Fraction)):
+        return False
+    try:
+        as_float = float(value)
+    except OverflowError:
+        return False
+    return math.isfinite(as_float) and 0 < as_float <= LARGEST_FACTOR
 
 
 class SourceTransforms:
