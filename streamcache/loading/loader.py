@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import CancelledError
 from typing import Any, Literal, get_args
@@ -287,11 +288,20 @@ def _pinned(batch: Any) -> Any:
 
 
 class _LoaderIterator:
-    """One pass over the loader; moves the dataset's cursor as batches are received."""
+    """One pass over the loader; moves the dataset's cursor as batches are received.
+
+    An iteration dropped without :meth:`close` (a ``break``, then the iterator collected)
+    only *signals* its reader threads to start no more reads (a finalizer; they end by
+    themselves after the read in hand); nothing joins them there. A finalizer runs on
+    whichever thread the garbage collector interrupts, possibly one those threads wait on
+    (fsspec's I/O thread, another loader's reader): a join there could deadlock the process.
+    Worker processes are shut down by torch's own iterator when it is collected.
+    """
 
     def __init__(self, loader: StreamLoader) -> None:
         self._loader = loader
         self._done = False
+        self._abandon: weakref.finalize | None = None
         self._open()
 
     def _open(self) -> None:
@@ -302,9 +312,13 @@ class _LoaderIterator:
         self._steps = 0
         self._moved = False
         self._source: Any
+        if self._abandon is not None:
+            self._abandon.detach()
+            self._abandon = None
         if not loader.uses_processes:
             self._source = _NativeBatches(dataset, self._schedule, loader.prefetch,
                                           loader.threads, loader.pin_memory, loader.counters)
+            self._abandon = weakref.finalize(self, self._source.stop)
         else:
             self._source = _WorkerBatches(loader, self._schedule)
 
@@ -369,6 +383,9 @@ class _LoaderIterator:
         self._close_source()
 
     def _close_source(self) -> None:
+        if self._abandon is not None:
+            self._abandon.detach()
+            self._abandon = None
         closer = getattr(self._source, "close", None)
         if closer is not None:
             closer()
@@ -376,13 +393,6 @@ class _LoaderIterator:
         if shutdown is not None:
             shutdown()
 
-    def __del__(self) -> None:
-        # No module globals here (contextlib, ...): at interpreter exit they may be None
-        # already, and nobody is left to tell of a failure.
-        try:  # noqa: SIM105
-            self.close()
-        except Exception:
-            pass
 
 
 def _check_options(*, num_workers: int, prefetch: int, threads: int, worker_mode: str,
@@ -455,7 +465,7 @@ class StreamLoader:
         self.timeout = timeout
         self.multiprocessing_context = multiprocessing_context
         self.pin_memory = pin_memory and self._can_pin()
-        self._active: _LoaderIterator | None = None
+        self._active: weakref.ref[_LoaderIterator] | None = None
         self._lock = threading.Lock()
         self.counters = StepCounters(prefetch, num_workers if self.uses_processes else 0)
         self.stats_loggers: list[StatsLogger] = []
@@ -475,10 +485,18 @@ class StreamLoader:
 
     def __iter__(self) -> Iterator[Any]:
         with self._lock:
-            if self._active is not None:
-                self._active.close()
-            self._active = _LoaderIterator(self)
-            return self._active
+            active = self._current()
+            if active is not None:
+                active.close()
+            iterator = _LoaderIterator(self)
+            # held weakly: an iteration the loop dropped is collected at once (its readers
+            # told to stop), not kept alive by the loader until a cycle collection
+            self._active = weakref.ref(iterator)
+            return iterator
+
+    def _current(self) -> _LoaderIterator | None:
+        """The active iteration, while someone still holds it."""
+        return self._active() if self._active is not None else None
 
     def __len__(self) -> int:
         """Steps in a whole epoch, as a DataLoader's ``len``: also during and after a
@@ -578,8 +596,9 @@ class StreamLoader:
         cursor = self._checked_cursor(state)
         with self._lock:
             self.dataset.cursor = cursor
-            if self._active is not None and not self._active.done:
-                self._active.moved()
+            active = self._current()
+            if active is not None and not active.done:
+                active.moved()
 
     def validate_state_dict(self, state: dict[str, Any]) -> None:
         """Raise what :meth:`load_state_dict` would raise for ``state``, changing nothing
@@ -600,9 +619,10 @@ class StreamLoader:
 
     def _close_active(self) -> None:
         with self._lock:
-            if self._active is not None:
-                self._active.close()
-                self._active = None
+            active = self._current()
+            if active is not None:
+                active.close()
+            self._active = None
 
     def close(self) -> None:
         """Stop the active iteration's threads or workers and release the reader."""

@@ -20,6 +20,7 @@ to the thread that iterates the loader.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import sys
@@ -247,6 +248,10 @@ class SharedBatchDataset(IterableDataset):
         if get_worker_info() is None:  # not in a worker: nothing to move
             yield from self.dataset
             return
+        # The worker's copy of the dataset is closed when the worker exits (its prefetch
+        # threads stopped, its native objects freed): torch's worker loop returns without
+        # closing it, and what is left alive at exit is reported by the extension as leaked.
+        atexit.register(self.dataset.close)
         writer = SlotWriter(self.slots)
         for batch in self.dataset:
             yield writer.pack(batch)
