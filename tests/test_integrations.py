@@ -79,7 +79,7 @@ def test_a_missing_state_says_what_to_do(tmp_path: Path, data: tuple[str, str]) 
     b"[" * 100_000,
     b" " * ((1 << 20) + 1),
 ], ids=["not-json", "version-2", "no-loader", "extra-key", "nested-list", "deep-list",
-        "over-1MiB"])
+        "blank-1MiB"])
 def test_a_malformed_state_is_refused_and_changes_nothing(tmp_path: Path, data: tuple[str, str],
                                                           content: bytes) -> None:
     folder = tmp_path / "checkpoint-3"
@@ -132,6 +132,26 @@ def test_a_long_runs_trainer_state_resumes(tmp_path: Path, data: tuple[str, str]
     with _loader(data) as loader:
         assert restore_loader(str(folder), loader, 2) == 2
         assert (loader.epoch, loader.cursor.samples_consumed) == (1, 32)
+
+
+def test_a_large_mixtures_loader_state_resumes(tmp_path: Path, data: tuple[str, str]) -> None:
+    # a mixture's state grows ~300 bytes a source: 2 MiB is ~7,000 sources (#33: 1 MiB cap)
+    folder = _checkpoint(tmp_path, data, STEPS + 2, 9)
+    state = folder / "streamcache_loader.json"
+    state.write_bytes(state.read_bytes() + b" " * (2 << 20))
+    with _loader(data) as loader:
+        assert restore_loader(str(folder), loader, 2) == 2
+
+
+@pytest.mark.parametrize(("name", "cap"), [("streamcache_loader.json", "_MAX_STATE_BYTES"),
+                                           ("trainer_state.json", "_MAX_TRAINER_STATE_BYTES")])
+def test_a_file_over_its_cap_is_refused(tmp_path: Path, data: tuple[str, str],
+                                        monkeypatch: pytest.MonkeyPatch, name: str,
+                                        cap: str) -> None:
+    folder = _checkpoint(tmp_path, data, 6, 3)
+    monkeypatch.setattr(transformers_integration, cap, (folder / name).stat().st_size - 1)
+    with _loader(data) as loader, pytest.raises(LoaderStateError, match="larger than"):
+        restore_loader(str(folder), loader, 2)
 
 
 def _restore_in_thread(folder: Path, loader: StreamLoader, unblock: Path) -> BaseException:

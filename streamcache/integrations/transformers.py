@@ -50,8 +50,11 @@ from ..remote.storage import write_atomic_local
 #: The loader's state in each of the Trainer's checkpoint folders.
 LOADER_STATE_NAME = "streamcache_loader.json"
 _TRAINER_STATE_NAME = "trainer_state.json"
-#: Cap of streamcache_loader.json (a single dataset's loader state is a few kilobytes).
-_MAX_STATE_BYTES = 1 << 20
+#: Cap of streamcache_loader.json. A single dataset's state is a few kilobytes; a mixture's
+#: grows about 300 bytes a source (0.9 MB for 3,000 sources; 1 MiB was passed at 3,500), and
+#: a mixture has at most 65,536 sources (a share each of MAX_PERIOD): 64 MiB holds them all
+#: at up to 1 KB each.
+_MAX_STATE_BYTES = 64 << 20
 #: Cap of the Trainer's trainer_state.json, which grows with its ``log_history`` (about
 #: 150 bytes a logged step at ``logging_steps=1``, more with evaluations): 256 MiB holds
 #: about 1.7 million logged steps, beyond any run resumed from one folder; the Trainer reads
