@@ -632,3 +632,28 @@ def test_a_per_rank_batch_larger_than_the_dataset_is_refused_when_iteration_star
     dataset = StreamDataset(url, batch_size=60, cache_dir=cache)  # 240 a step on 4 ranks
     with StreamLoader(dataset) as it, pytest.raises(PlanError, match="no step"):
         next(iter(it))
+
+
+def _double_x_in_place(sample: dict[str, Any]) -> dict[str, Any]:
+    sample["x"] = sample["x"] * 2  # the most natural transform: change a field, return it
+    return sample
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_transform_that_returns_its_sample_dict_collates_with_its_seeds(
+        data: tuple[str, str], workers: int) -> None:
+    """The sample dict comes with __seed__, a Python int of up to 2**64 - 1; returned as it
+    came, default_collate overflowed on it ('Overflow when unpacking long long'). The batch
+    carries the seeds as a batch without a transform does (with_seeds=True)."""
+    url, cache = data
+    with loader(url, cache, global_batch_size=8, seed=5, with_seeds=True, fields=["x"]) as plain:
+        expected = [(ids_of(b).tolist(), b["__seed__"]) for b in plain]
+    with loader(url, cache, global_batch_size=8, seed=5, workers=workers, fields=["x"],
+                transform=_double_x_in_place) as transformed:
+        batches = list(transformed)
+    assert len(batches) == len(expected)
+    assert any(int(seed.view(torch.int64).min()) < 0 for _, seed in expected)  # >= 2**63
+    for batch, (ids, seeds) in zip(batches, expected, strict=True):
+        assert ids_of(batch).tolist() == ids
+        assert batch["x"].tolist() == [2 * i for i in ids]
+        assert batch["__seed__"].dtype == seeds.dtype and torch.equal(batch["__seed__"], seeds)

@@ -138,21 +138,32 @@ def apply_sample_transform(arrays: Mapping[str, Any], fields: Mapping[str, Field
         TransformError: with the default collate, the transform returned no dict.
     """
     samples = split_samples(arrays, fields)
-    seeds = global_rng_seeds(np.asarray(arrays[SEED_KEY], dtype=np.uint64))
+    plan_seeds = np.asarray(arrays[SEED_KEY], dtype=np.uint64)
+    seeds = global_rng_seeds(plan_seeds)
     seed_all = seeder or GlobalRngSeeder()
     outputs = []
+    seeds_returned = False
     for sample, seed in zip(samples, seeds, strict=True):
         seed_all(seed)
         output = transform(sample)
-        if collate is None and type(output) is not dict:
-            check_transform_output(output, transform, "transform",
-                                   f"the sample with __id__ {sample[ID_KEY]}")
+        if collate is None:
+            if type(output) is not dict:
+                check_transform_output(output, transform, "transform",
+                                       f"the sample with __id__ {sample[ID_KEY]}")
+            elif SEED_KEY in output:
+                # a sample dict returned as it came: its __seed__ is a Python int of up to
+                # 2**64 - 1, which default_collate cannot make a tensor of (it overflows
+                # int64); the batch gets the seeds column instead, as without a transform
+                output = {key: value for key, value in output.items() if key != SEED_KEY}
+                seeds_returned = True
         outputs.append(output)
     batch = (collate or default_collate)(outputs)
     if isinstance(batch, dict):
         for key in BOOKKEEPING_KEYS:
             if key in arrays and key not in batch:
                 batch[key] = _tensor(np.asarray(arrays[key]))
+        if seeds_returned:  # as a batch without a transform has them: int64 views
+            batch[SEED_KEY] = _tensor(plan_seeds.view(np.int64))
     return batch
 
 
