@@ -4,6 +4,7 @@ that are missing, truncated, of another layout or of the wrong row count are ref
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from streamcache.errors import RowOutOfRangeError, SchemaError, ShardCorruptError
 from streamcache.format.columns import build_column
@@ -131,11 +134,72 @@ def test_bad_shards_are_refused_with_what_is_wrong(tmp_path: Path) -> None:
     with ipc.new_file(str(two), batch.schema) as writer:
         writer.write_batch(batch)
         writer.write_batch(batch)
-    with pytest.raises(ShardCorruptError, match=r"2 record batches; .* materialize"):
-        ShardReader(str(two), Schema([Field.tensor("x", "int64")]))
+    chunked = ShardReader(str(two), Schema([Field.tensor("x", "int64")]))  # read as chunks
+    assert chunked.num_rows == 4 and [chunked.row(i)["x"] for i in range(4)] == [1, 2, 1, 2]
+    chunked.close()
     foreign = tmp_path / "foreign.arrow"  # int32 where the schema says int64
     narrow = pa.RecordBatch.from_arrays([pa.array([1, 2], pa.int32())], names=["x"])
     with ipc.new_file(str(foreign), narrow.schema) as writer:
         writer.write_batch(narrow)
     with pytest.raises(SchemaError, match="not the canonical"):
         ShardReader(str(foreign), Schema([Field.tensor("x", "int64")]))
+
+
+def _write_chunked(path: Path, ids: range, cuts: list[int]) -> str:
+    """A shard of ``ids`` written as record batches cut at ``cuts`` (uncompressed)."""
+    rows = [sample(i) for i in ids]
+    columns = []
+    for field in SCHEMA:
+        values = [r[field.name] for r in rows]
+        if field.name == "x":
+            values = [np.int64(v) for v in values]
+        columns.append(build_column(field, values))
+    whole = pa.RecordBatch.from_arrays(columns, schema=SCHEMA.arrow_schema())
+    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(ids))), len(ids)]
+    with ipc.new_file(str(path), whole.schema) as writer:
+        for start, stop in itertools.pairwise(bounds):
+            writer.write_batch(whole.slice(start, stop - start))
+    return str(path)
+
+
+@pytest.mark.usefixtures("backend")
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layouts=st.lists(st.tuples(st.integers(1, 40),
+                                  st.sampled_from(["fixed", "uneven", "one"]),
+                                  st.integers(1, 9)), min_size=1, max_size=4),
+       picks=st.lists(st.tuples(st.integers(0, 3), st.integers(-2, 45)), min_size=0, max_size=60))
+def test_rows_gathered_from_chunked_shards_are_the_rows_written(
+        tmp_path: Path, layouts: list[tuple[int, str, int]], picks: list[tuple[int, int]]) -> None:
+    """Shards read where they lie as record batches (fixed row counts as ShardWriter cuts,
+    uneven ones as foreign files have, or one batch), mixed in one gather: every row is the
+    row written; a row outside its shard is a RowOutOfRangeError, never another row."""
+    readers, first = [], 0
+    for n, (rows, kind, step) in enumerate(layouts):
+        cuts = (list(range(step, rows, step)) if kind == "fixed" else
+                [step, step + 1, 3 * step] if kind == "uneven" else [])
+        path = _write_chunked(tmp_path / f"c{n}-{len(os.listdir(tmp_path))}.arrow",
+                              range(first, first + rows), cuts)
+        readers.append((ShardReader(path, SCHEMA, expected_rows=rows), first, rows))
+        first += rows
+    try:
+        which = np.array([s % len(readers) for s, _ in picks], dtype=np.int32)
+        rows = np.array([r for _, r in picks], dtype=np.int64)
+        valid = all(0 <= r < readers[s][2] for s, r in zip(which.tolist(), rows.tolist(),
+                                                           strict=True))
+        shards = [reader for reader, _, _ in readers]
+        if not valid:
+            with pytest.raises(RowOutOfRangeError):
+                gather(shards, which, rows, list(SCHEMA))
+            return
+        out = gather(shards, which, rows, list(SCHEMA))
+        for i, (s, r) in enumerate(zip(which.tolist(), rows.tolist(), strict=True)):
+            assert_row({f.name: _row_of(out[f.name], i, f) for f in SCHEMA}, readers[s][1] + r)
+    finally:
+        for reader, _, _ in readers:
+            reader.close()
+
+
+def _row_of(column: object, i: int, field: Field) -> object:
+    value = column[i]  # type: ignore[index]
+    return value.item() if field.shape == () and isinstance(value, np.generic) else value

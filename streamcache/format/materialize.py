@@ -133,30 +133,34 @@ def restamp(path: str, copy_of: str, *, durable: bool = False) -> None:
 
 
 def is_local_layout(path: str, schema: Schema) -> bool:
-    """Whether a local file can be memory-mapped as it is (and need not be materialized)."""
+    """Whether a local file can be memory-mapped as it is (and need not be materialized):
+    uncompressed Arrow IPC whose record batches (one, or chunks as ``ShardWriter`` writes
+    them with ``compression=None``) hold every field in its canonical type without nulls,
+    every buffer inside the file's mapping."""
     if not path.endswith((".arrow", ".feather", ".ipc")):
         return False
     try:
         with pa.memory_map(path, "r") as mm:
             reader = ipc.open_file(mm)
-            if reader.num_record_batches > 1:
-                return False
-            if reader.num_record_batches == 0:
-                return True
-            batch = reader.get_batch(0)
             base = _base_address(mm)
             end = base + mm.size()
-            for f in schema:
-                if f.name not in batch.schema.names:
-                    return False
-                column = batch.column(f.name)
-                if not column.type.equals(f.arrow_type()) or column.null_count:
-                    return False
-                if not all(b is None or base <= b.address < end for b in column.buffers()):
-                    return False  # decompressed into memory: not mappable as it is
-            return True
+            return all(_mappable(reader.get_batch(i), schema, base, end)
+                       for i in range(reader.num_record_batches))
     except (pa.ArrowInvalid, OSError):
         return False
+
+
+def _mappable(batch: pa.RecordBatch, schema: Schema, base: int, end: int) -> bool:
+    """Whether every field of ``batch`` is canonical, null-free and inside [base, end)."""
+    for f in schema:
+        if f.name not in batch.schema.names:
+            return False
+        column = batch.column(f.name)
+        if not column.type.equals(f.arrow_type()) or column.null_count:
+            return False
+        if not all(b is None or base <= b.address < end for b in column.buffers()):
+            return False  # decompressed into memory: not mappable as it is
+    return True
 
 
 def _base_address(mm: pa.MemoryMappedFile) -> int:

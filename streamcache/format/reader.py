@@ -118,6 +118,12 @@ class Ragged:
 class ShardReader:
     """One shard in the local layout, memory-mapped (zero-copy column views).
 
+    The file is uncompressed Arrow IPC: one record batch, or chunks (record batches of a
+    fixed row count, as ``ShardWriter(compression=None)`` writes them, or any foreign
+    uncompressed file's batches). A chunked file is read where it lies: each chunk's columns
+    are viewed in place and :func:`gather` finds a row's chunk (arithmetic for a fixed row
+    count, a binary search otherwise), so nothing is copied to make it one batch.
+
     Unlinking the file while it is open is safe: the mapping stays valid until close.
 
     Raises:
@@ -125,6 +131,9 @@ class ShardReader:
         ShardCorruptError: the file is not a readable shard in the local layout.
     Thread safety: read-only after construction; any thread may read.
     """
+
+    #: the chunks of a file of several record batches (None: one batch, in ``_buffers``)
+    _chunks: ChunkTable | None = None
 
     def __init__(self, path: str, schema: Schema, *, expected_rows: int | None = None,
                  copy_of: str | None = None) -> None:
@@ -142,41 +151,43 @@ class ShardReader:
         except (pa.ArrowException, OSError) as exc:
             raise corrupt_shard_error(path, exc) from exc
         try:
-            batch = self._read_batch()
-            self.num_rows = batch.num_rows
+            batches = self._read_batches()
+            self.num_rows = sum(batch.num_rows for batch in batches)
             if expected_rows is not None and self.num_rows != expected_rows:
                 raise ShardCorruptError(
                     f"{path} holds {self.num_rows} rows, the index says {expected_rows}")
-            for field in schema:
-                self._buffers[field.name] = self._column(batch, field)
+            columns = [{field.name: self._column(batch, field) for field in schema}
+                       for batch in batches]
         except BaseException:
             self.close()
             raise
-        self._batch = batch
+        if len(batches) == 1:
+            self._buffers = columns[0]
+            self._batch: pa.RecordBatch | pa.Table = batches[0]
+        else:
+            self._chunks = ChunkTable(columns, [batch.num_rows for batch in batches])
+            self._batch = pa.Table.from_batches(batches)  # (zero-copy; for inspection)
 
-    def _read_batch(self) -> pa.RecordBatch:
-        """The shard's one record batch, checked whole: offsets in order and inside their
+    def _read_batches(self) -> list[pa.RecordBatch]:
+        """The shard's record batches, each checked whole: offsets in order and inside their
         values, strings UTF-8 (this reads the offsets, 8 bytes a row, and str values), so no
         later read meets a contradiction."""
         try:
             reader = ipc.open_file(self._mmap)
             if self._copy_of is not None:
                 self._check_copy_of(reader.schema.metadata or {})
-            if reader.num_record_batches > 1:
-                raise ShardCorruptError(
-                    f"{self.path} holds {reader.num_record_batches} record batches; the local "
-                    "layout has one: materialize the shard first")
             if reader.num_record_batches == 0:  # a shard of zero rows
-                return pa.RecordBatch.from_arrays(
+                return [pa.RecordBatch.from_arrays(
                     [pa.array([], type=f.arrow_type()) for f in self.schema],
-                    schema=self.schema.arrow_schema())
-            batch = reader.get_batch(0)
-            batch.validate(full=True)
+                    schema=self.schema.arrow_schema())]
+            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            for batch in batches:
+                batch.validate(full=True)
             # the names are decoded here, inside this check (a flipped bit may leave one that
             # is not UTF-8, or two alike)
-            if len(set(batch.schema.names)) != batch.num_columns:
+            if len(set(batches[0].schema.names)) != batches[0].num_columns:
                 raise ShardCorruptError(f"{self.path} names a column twice")
-            return batch
+            return batches
         except (pa.ArrowException, OSError, ValueError) as exc:
             # any pyarrow error: a flipped bit may read as an unknown type or a huge length
             raise corrupt_shard_error(self.path, exc) from exc
@@ -201,6 +212,10 @@ class ShardReader:
             raise corrupt_shard_error(self.path, exc) from exc
 
     def buffers(self, name: str) -> ColumnBuffers:
+        """The column's views (a shard of one record batch; :func:`gather` reads a chunked
+        one chunk by chunk)."""
+        if self._chunks is not None:
+            raise AssertionError(f"{self.path} is chunked: read it with gather()")
         return self._buffers[name]
 
     def row(self, i: int, fields: Sequence[str] | None = None) -> dict[str, Any]:
@@ -212,6 +227,7 @@ class ShardReader:
 
     def close(self) -> None:
         self._buffers.clear()
+        self._chunks = None
         self._mmap.close()
 
     def __enter__(self) -> ShardReader:
@@ -219,6 +235,41 @@ class ShardReader:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _Chunk:
+    """One record batch of a chunked shard, as the gather reads it."""
+
+    __slots__ = ("_buffers",)
+
+    def __init__(self, buffers: dict[str, ColumnBuffers]) -> None:
+        self._buffers = buffers
+
+    def buffers(self, name: str) -> ColumnBuffers:
+        return self._buffers[name]
+
+
+class ChunkTable:
+    """The chunks of a shard of several record batches: their column views and where each
+    starts. ``fixed_rows``: the rows of every chunk but the last when they are all equal and
+    the last is not longer (how ShardWriter cuts), else 0 (found by binary search).
+
+    Thread safety: immutable.
+    """
+
+    def __init__(self, columns: list[dict[str, ColumnBuffers]], rows: list[int]) -> None:
+        self.chunks = [_Chunk(buffers) for buffers in columns]
+        self.starts = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(rows, out=self.starts[1:])
+        first = rows[0]
+        uniform = first > 0 and all(r == first for r in rows[:-1]) and rows[-1] <= first
+        self.fixed_rows = first if uniform else 0
+
+    def locate(self, rows: np.ndarray) -> np.ndarray:
+        """The chunk of each row (rows inside the shard)."""
+        if self.fixed_rows:
+            return rows // self.fixed_rows
+        return np.searchsorted(self.starts, rows, side="right") - 1
 
 
 def corrupt_shard_error(path: str, exc: BaseException) -> ShardCorruptError:
@@ -274,6 +325,43 @@ def batch_shards(shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _native.group_shards(np.ascontiguousarray(shards, dtype=np.int64))
 
 
+def by_chunk(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray
+             ) -> tuple[list[Any], np.ndarray, np.ndarray]:
+    """What :func:`gather` reads when some shards are chunked: the distinct (shard, chunk)
+    pairs the rows fall in (a shard of one batch is its own), each row's index among them
+    and its row inside its chunk. A row outside its shard gets an index past the sources, so
+    the native gather refuses it as it refuses any row that does not exist."""
+    count = len(shards)
+    chunks = np.ones(count, dtype=np.int64)
+    sizes = np.empty(count, dtype=np.int64)
+    fixed = np.zeros(count, dtype=np.int64)  # rows a chunk (0: one batch, or found by search)
+    for i, shard in enumerate(shards):
+        sizes[i] = shard.num_rows
+        if shard._chunks is not None:
+            chunks[i] = len(shard._chunks.chunks)
+            fixed[i] = shard._chunks.fixed_rows
+    base = np.zeros(count, dtype=np.int64)
+    np.cumsum(chunks[:-1], out=base[1:])
+    outside = (rows < 0) | (rows >= sizes[which])
+    inside = np.where(outside, 0, rows)
+    per_chunk = fixed[which]
+    chunk = inside // np.maximum(per_chunk, 1) * (per_chunk > 0)  # ShardWriter's: arithmetic
+    local = inside - chunk * per_chunk
+    for i in np.flatnonzero((chunks > 1) & (fixed == 0)).tolist():  # uneven batches: search
+        table = shards[i]._chunks
+        assert table is not None
+        mine = np.flatnonzero(which == i)
+        found = table.locate(inside[mine])
+        chunk[mine] = found
+        local[mine] = inside[mine] - table.starts[found]
+    pairs, index = batch_shards(base[which] + chunk)
+    owner = np.searchsorted(base, pairs, side="right") - 1
+    sources = [shards[s] if chunks[s] == 1 else shards[s]._chunks.chunks[c]
+               for s, c in zip(owner.tolist(), (pairs - base[owner]).tolist(), strict=True)]
+    index = np.where(outside, len(sources), index).astype(np.int32)
+    return sources, index, local
+
+
 def gather(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray,
            fields: Sequence[Field]) -> dict[str, np.ndarray | Ragged]:
     """Rows ``rows[i]`` of ``shards[which[i]]`` for each field, as contiguous batch arrays.
@@ -291,10 +379,13 @@ def gather(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray,
     """
     which = np.ascontiguousarray(which, dtype=np.int32)
     rows = np.ascontiguousarray(rows, dtype=np.int64)
+    sources: Sequence[Any] = shards
+    if any(shard._chunks is not None for shard in shards):
+        sources, which, rows = by_chunk(shards, which, rows)
     pool = _OUTPUTS.get()
     out: dict[str, np.ndarray | Ragged] = {}
     for field in fields:
-        views = [shard.buffers(field.name) for shard in shards]
+        views = [source.buffers(field.name) for source in sources]
         if field.fixed_width:
             # a pooled buffer: no page faults on fresh memory (see buffers.py)
             array = pool.take(len(rows) * field.row_bytes).view(field.numpy_dtype).reshape(
@@ -305,11 +396,11 @@ def gather(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray,
         if field.kind == "bytes" and _BYTES_AS_ROWS.get():
             settle_allocator()
             out[field.name] = Ragged.from_rows(_native.gather_bytes(
-                [v.data for v in views], [v.offsets for v in views],  # type: ignore[misc]
+                [v.data for v in views], [v.offsets for v in views],
                 which, rows))
             continue
         values, offsets = _native.gather_var(
-            [v.data for v in views], [v.offsets for v in views],  # type: ignore[misc]
+            [v.data for v in views], [v.offsets for v in views],
             field.elem_size, which, rows, pool.take,
         )
         dtype = field.numpy_dtype

@@ -1,0 +1,102 @@
+"""Local datasets read where they lie (cache/copies.py, format/reader.py): what ShardWriter
+writes with ``compression=None`` (chunks of 64 KiB, the other defaults) is memory-mapped and
+gathered across its chunks, never copied into the node cache; what is compressed (the
+defaults) is decoded once into the cache. A shard changed after indexing is an error, never
+another sample."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from loader_helpers import ids_of
+
+from streamcache import ShardWriter, StreamDataset, StreamLoader
+from streamcache.errors import StreamcacheError
+
+ROWS, TOKENS = 6000, 64  # 256 B of tokens a row: many 64 KiB chunks a shard
+
+
+def _write(folder: Path, compression: str | None) -> str:
+    url = str(folder / f"ds-{compression}")
+    rng = np.random.default_rng(1)
+    with ShardWriter(url, compression=compression, shard_size=1 << 20) as writer:
+        for i in range(ROWS):
+            writer.write({"x": i, "tokens": rng.integers(0, 1000, TOKENS, dtype=np.int32),
+                          "blob": bytes([i % 251]) * (i % 300)})
+    return url
+
+
+def _every_sample_once(seen: list[int]) -> None:
+    """One epoch at global batch 64: every sample once but the shuffled tail of ROWS % 64."""
+    assert len(seen) == len(set(seen)) == ROWS - ROWS % 64
+    assert set(seen) <= set(range(ROWS))
+
+
+def _cache_files(cache: Path) -> list[Path]:
+    return [p for p in cache.rglob("*") if p.is_file()]
+
+
+def _read_epoch(url: str, cache: Path, **options: object) -> list[int]:
+    dataset = StreamDataset(url, global_batch_size=64, cache_dir=str(cache), seed=3, **options)
+    seen: list[int] = []
+    with StreamLoader(dataset) as loader:
+        for batch in loader:
+            ids = ids_of(batch).tolist()
+            assert batch["x"].tolist() == ids  # each row is its own sample
+            assert [b[0] if b else i % 251 for i, b in zip(ids, batch["blob"], strict=True)] \
+                == [i % 251 for i in ids]
+            seen.extend(ids)
+    return seen
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_uncompressed_shards_are_read_in_place_and_the_cache_gains_no_shard(
+        tmp_path: Path, workers: int) -> None:
+    url = _write(tmp_path, None)
+    shards = sorted(Path(url).glob("*.arrow"))
+    assert len(shards) > 1
+    cache = tmp_path / "cache"
+    dataset = StreamDataset(url, global_batch_size=64, cache_dir=str(cache), seed=3)
+    assert all((info.chunk_rows or 0) < info.rows for info in dataset.index.shards)  # chunked
+    seen = []
+    with StreamLoader(dataset, num_workers=workers) as loader:
+        for batch in loader:
+            ids = ids_of(batch).tolist()
+            assert batch["x"].tolist() == ids
+            seen.extend(ids)
+    _every_sample_once(seen)
+    kept = _cache_files(cache)
+    assert not [p for p in kept if p.suffix == ".arrow"], kept
+    assert sum(p.stat().st_size for p in kept) < 1 << 20  # bookkeeping only
+
+
+def test_compressed_shards_are_decoded_once_into_the_cache(tmp_path: Path) -> None:
+    url = _write(tmp_path, "zstd")
+    cache = tmp_path / "cache"
+    first = _read_epoch(url, cache)
+    _every_sample_once(first)
+    installed = [p for p in _cache_files(cache) if p.suffix == ".arrow"]
+    assert len(installed) == len(list(Path(url).glob("*.arrow")))
+    assert _read_epoch(url, cache) == first  # the same order from the installed copies
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_chunked_shard_changed_after_indexing_is_an_error_never_another_sample(
+        tmp_path: Path, damage: str) -> None:
+    url = _write(tmp_path, None)
+    victim = sorted(Path(url).glob("*.arrow"))[0]
+    size = victim.stat().st_size
+    os.chmod(victim, 0o644)
+    with open(victim, "r+b") as f:
+        if damage == "flip":
+            f.seek(size // 2)
+            byte = f.read(1)
+            f.seek(size // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        else:
+            f.truncate(size - 100)
+    with pytest.raises(StreamcacheError, match=victim.name):
+        _read_epoch(url, tmp_path / "cache")
