@@ -1,7 +1,9 @@
 """Hugging Face Accelerate: ``accelerate launch`` on 2 CPU processes (gloo) with a
 StreamLoader, stopped after ``save_state`` and resumed with ``load_state``; and the
 refusal of a StreamDataset inside a DataLoader that Accelerate prepares, in each of its
-modes (dispatching, sharding, ``split_batches``, ``even_batches=False``).
+modes (dispatching, sharding, ``split_batches``, ``even_batches=False``); and the refusal
+of an Accelerator that runs each process of a 2-process job alone (``cpu=True`` forgotten on
+a machine without GPUs).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from dist import run_ranks
 from loader_helpers import make_dataset
 from torch.utils.data import DataLoader
 
@@ -111,3 +114,45 @@ def test_a_plain_dataloader_over_a_stream_dataset_still_works(data: tuple[str, s
                  for i in batch["__id__"].tolist())
     assert ids == list(range(80))
     dataset.close()
+
+
+def _accelerate_in_a_two_process_group(rank: int, world_size: int, url: str,
+                                       cache: str) -> tuple[str, list[int]]:
+    """In a 2-process gloo group with CUDA hidden: ``Accelerator()`` (which runs each
+    process alone on CPU) is refused when a pass starts; ``Accelerator(cpu=True)`` joins the
+    group and the pass reads this rank's half of every global batch."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    alone = Accelerator()
+    assert (alone.num_processes, alone.distributed_type) == (1, "NO")
+    with StreamLoader(StreamDataset(url, global_batch_size=8, cache_dir=cache)) as loader:
+        assert alone.prepare(loader) is loader
+        try:
+            next(iter(loader))
+            refusal = ""
+        except ConfigError as exc:
+            refusal = str(exc)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    joined = Accelerator(cpu=True)
+    assert joined.num_processes == world_size
+    with StreamLoader(StreamDataset(url, global_batch_size=8, cache_dir=cache)) as loader:
+        ids = [i for batch in joined.prepare(loader) for i in batch["__id__"].tolist()]
+    return refusal, ids
+
+
+def test_an_accelerator_that_runs_each_process_alone_is_refused(
+        data: tuple[str, str]) -> None:
+    """``Accelerator()`` without ``cpu=True`` on a machine without GPUs, in a job of 2
+    processes, is 1 process to Accelerate (no DDP, every process the main one) while the
+    loader splits every global batch in 2: two unsynchronized models, unless refused."""
+    url, cache = data
+    results = run_ranks(_accelerate_in_a_two_process_group, 2, url, cache, timeout_s=240,
+                        env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    for result in results:
+        refusal, ids = result.value
+        assert "Accelerator(cpu=True)" in refusal, refusal
+        assert "1 process" in refusal and "2" in refusal, refusal
+        assert len(ids) == 40
+    assert sorted(results[0].value[1] + results[1].value[1]) == list(range(80))

@@ -1,7 +1,7 @@
 """Hugging Face Accelerate and streamcache: pass the StreamLoader, never a DataLoader over the
 StreamDataset.
 
-    accelerator = Accelerator()
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # cpu=True without GPUs
     loader = StreamLoader(StreamDataset(url, global_batch_size=256, seed=0))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # loader: as is
     accelerator.register_for_checkpointing(loader)   # save_state/load_state keep its cursor
@@ -22,6 +22,13 @@ StreamDataset(...))`` does too), would be wrong in every mode: dispatching reads
 part only and splits it again across the ranks; sharding splits each rank's part again;
 and the DataLoader batches whole batches. :func:`refuse_accelerate_wrapping`, called when a
 pass of the dataset starts, refuses that with an error that says what to do.
+
+On a machine without GPUs, ``Accelerator()`` without ``cpu=True`` runs every process of an
+``accelerate launch --multi_gpu`` job alone (``DistributedType.NO``, one process, no DDP,
+each process the main one) although the launcher made a job of several: each process would
+train its own model on its share of every global batch. :func:`refuse_accelerate_world_mismatch`,
+called when streamcache takes the world size from the process group or the launcher's
+environment, refuses that, naming ``cpu=True``.
 """
 
 from __future__ import annotations
@@ -64,4 +71,44 @@ def refuse_accelerate_wrapping() -> None:
             "train_loader=StreamLoader(dataset))")
 
 
-__all__ = ["refuse_accelerate_wrapping", "wrapped_by_accelerate"]
+def accelerate_processes() -> int | None:
+    """The number of processes Accelerate's state, made in this process, counts; None where
+    Accelerate has made no state here (it is read, never made: nothing is imported)."""
+    state_module = sys.modules.get("accelerate.state")
+    partial_state = getattr(state_module, "PartialState", None)
+    shared = getattr(partial_state, "_shared_state", None)
+    processes = shared.get("num_processes") if isinstance(shared, dict) else None
+    return processes if isinstance(processes, int) else None
+
+
+def refuse_accelerate_world_mismatch(world_size: int, source: str) -> None:
+    """Raise when Accelerate counts another number of processes than the job streamcache
+    splits every global batch over.
+
+    Args:
+        world_size: the world size streamcache took from the process group or the
+            environment (not one passed explicitly: a dataset read whole on one process of
+            an Accelerate job is legitimate).
+        source: where it was taken from, for the message.
+
+    Raises:
+        ConfigError: Accelerate's state counts other than ``world_size`` processes (as
+            ``Accelerator()`` does without ``cpu=True`` on a machine without GPUs): naming
+            ``Accelerator(cpu=True)`` and, for the Trainer, ``use_cpu=True``.
+    """
+    processes = accelerate_processes()
+    if processes is None or processes == world_size:
+        return
+    raise ConfigError(
+        f"Accelerate runs this process as a job of {processes} process(es) but {source} says "
+        f"the job has {world_size}: Accelerate would not wrap the model in DDP or average "
+        "gradients, and every process would act as the main one, while the loader gives "
+        f"each process 1/{world_size} of every global batch: {world_size} models trained "
+        "apart. On a machine without GPUs make the Accelerator with Accelerator(cpu=True) "
+        "(e.g. Accelerator(cpu=not torch.cuda.is_available())), or with transformers' "
+        "Trainer TrainingArguments(use_cpu=True); with GPUs, check that every process sees "
+        "one (accelerate launch --multi_gpu)")
+
+
+__all__ = ["accelerate_processes", "refuse_accelerate_world_mismatch",
+           "refuse_accelerate_wrapping", "wrapped_by_accelerate"]

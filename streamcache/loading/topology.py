@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, StreamcacheError
+from ..integrations.accelerate import refuse_accelerate_world_mismatch
 from ..plan import PlanError
 from .agreement import agreed_nodes, gather_views, local_view
 
@@ -78,14 +79,22 @@ def resolve_topology(rank: int | None, world_size: int | None) -> tuple[int, int
             and no ``RANK`` while the environment says the job is distributed (``WORLD_SIZE``
             or ``LOCAL_WORLD_SIZE`` above 1, ``LOCAL_RANK`` above 0) or ``world_size`` above 1
             was given without ``rank``: reading as rank 0 would read other ranks' samples.
+        ConfigError: the world size taken from the process group or the environment is
+            not the number of processes Hugging Face Accelerate's state counts (see
+            :func:`~streamcache.integrations.accelerate.refuse_accelerate_world_mismatch`).
     """
     if rank is None or world_size is None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             rank = torch.distributed.get_rank() if rank is None else rank
-            world_size = torch.distributed.get_world_size() if world_size is None else world_size
+            if world_size is None:
+                world_size = torch.distributed.get_world_size()
+                refuse_accelerate_world_mismatch(world_size, "torch.distributed's process group")
         elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             rank = _env_int("RANK") if rank is None else rank
-            world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+            if world_size is None:
+                world_size = _env_int("WORLD_SIZE")
+                assert world_size is not None
+                refuse_accelerate_world_mismatch(world_size, "the environment (WORLD_SIZE)")
         else:
             _refuse_guess(rank, world_size)
             rank = 0 if rank is None else rank
