@@ -132,3 +132,36 @@ def test_a_mistyped_flag_prints_the_subcommands_usage(argv: list[str], usage: st
     err = capsys.readouterr().err
     assert exited.value.code == 2
     assert err.startswith(usage) and "unrecognized arguments: " + typo in err
+
+
+# What pynvml 13 installs (``_pynvml_redirector.pth``; nvidia-resiliency-ext, the
+# ``resilience`` extra, depends on it): a finder that warns when pynvml is imported, as torch
+# does on ``import torch``.
+_WITH_PYNVML_13 = """
+import importlib.abc, sys, warnings
+
+class PynvmlFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "pynvml":
+            warnings.warn("The pynvml package is deprecated. Please install nvidia-ml-py "
+                          "instead.", FutureWarning, stacklevel=2)
+        return None
+
+sys.meta_path.insert(0, PynvmlFinder())
+from streamcache.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command", ["checkpoints", "bench"])
+def test_an_error_is_one_line_with_the_resilience_extra_installed(tmp_path,
+                                                                  command: str) -> None:
+    """pynvml 13's deprecation warning (on torch's import of it) added two lines to every
+    error of a command that imports torch."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    result = subprocess.run([sys.executable, "-c", _WITH_PYNVML_13, command,
+                             str(tmp_path / "nothing")], capture_output=True, text=True,
+                            timeout=120, env=env)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"streamcache {command}: error:")

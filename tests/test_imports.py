@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
+
+import pytest
 
 import streamcache
 
@@ -50,3 +53,20 @@ def test_lazy_names_are_the_objects_of_their_modules() -> None:
         assert "NoSuchName" in str(exc)
     else:
         raise AssertionError("an unknown name must raise AttributeError")
+
+
+def test_the_suite_ignores_pynvml_13s_deprecation_from_torch_and_nothing_wider() -> None:
+    """With the ``resilience`` extra installed (nvidia-resiliency-ext brings pynvml 13),
+    ``import torch`` warns that pynvml is deprecated; under pyproject's
+    ``filterwarnings = error`` that failed the collection of every test module."""
+    message = ("The pynvml package is deprecated. Please install nvidia-ml-py instead. If you "
+               "did not install pynvml directly, please report this to the maintainers of the "
+               "package that installed pynvml for you.")
+    warnings.warn_explicit(message, FutureWarning, "torch/cuda/__init__.py", 64,
+                           module="torch.cuda")
+    with pytest.raises(FutureWarning):
+        warnings.warn_explicit("another warning", FutureWarning, "torch/cuda/__init__.py", 64,
+                               module="torch.cuda")
+    with pytest.raises(FutureWarning):
+        warnings.warn_explicit(message, FutureWarning, "streamcache/x.py", 1,
+                               module="streamcache.x")

@@ -8,16 +8,20 @@ A failure is one line on stderr and exit 1; bad usage exits 2. That holds for a
 :class:`~streamcache.errors.StreamcacheError` and for the storage layer's own errors beneath
 it (missing credentials, an unreachable endpoint, a missing or forbidden object), which
 :func:`storage_failure` words here, at the boundary. Any other exception is a bug and keeps
-its traceback. Output into a closed pipe (``| head``) ends quietly.
+its traceback. Output into a closed pipe (``| head``) ends quietly. pynvml 13's deprecation
+warning, which torch's import of it gives where the resilience extra is installed, is not
+printed (:data:`PYNVML_DEPRECATION`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 
 from ..errors import StreamcacheError
 
@@ -31,6 +35,11 @@ _CONNECTION_ERRORS = frozenset({"EndpointConnectionError", "ConnectTimeoutError"
                                 "ServerTimeoutError", "ConnectionError", "TimeoutError"})
 _CLIENT_ERRORS = frozenset({"ClientError", "BotoCoreError", "ClientResponseError",
                             "HttpResponseError"})
+
+#: The start of pynvml 13's FutureWarning on import. nvidia-resiliency-ext (the resilience
+#: extra) installs pynvml 13, and torch imports pynvml on ``import torch``: every command that
+#: needs torch would print two lines of a warning about the environment before its own.
+PYNVML_DEPRECATION = "The pynvml package is deprecated"
 
 # name -> (module providing add_arguments/run, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -137,9 +146,25 @@ def _quiet_broken_pipe() -> int:
     return 141  # what a shell reports for a process ended by SIGPIPE
 
 
+@contextlib.contextmanager
+def _without_pynvml_deprecation() -> Iterator[None]:
+    """Ignore pynvml 13's deprecation warning when torch imports it, and no other warning;
+    the filters are as they were afterwards (``main`` may be called in a process)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=PYNVML_DEPRECATION, category=FutureWarning,
+                                module="torch")
+        yield
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
+    with _without_pynvml_deprecation():
+        return _main(list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(args_list: list[str]) -> int:
+    """Parse ``args_list`` and run the chosen subcommand; its exit code, or 1 with one line
+    on stderr for a failure the module docstring describes."""
     chosen = next((a for a in args_list if not a.startswith("-")), None)
     parser, sub_parser = _build_parser(chosen if chosen in SUBCOMMANDS else None)
     args, unknown = parser.parse_known_args(args_list)
