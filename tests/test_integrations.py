@@ -227,3 +227,56 @@ def test_stream_trainer_takes_a_stream_loader_only(tmp_path: Path) -> None:
         transformers_integration.StreamTrainer(model=torch.nn.Linear(1, 1), args=args,
                                                train_loader=[1, 2, 3])
     assert not os.path.exists(tmp_path / "out" / "checkpoint-1")
+
+
+class _Regression:
+    """A model the Trainer can train on batches of ``x``: the loss of fitting x to itself."""
+
+    @staticmethod
+    def make() -> Any:
+        import torch
+
+        class Regression(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.net = torch.nn.Linear(1, 1)
+
+            def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+                x = x.float().unsqueeze(1) / 240
+                return {"loss": ((self.net(x) - x) ** 2).mean()}
+
+        return Regression()
+
+
+@pytest.fixture
+def fresh_accelerate_state() -> Any:
+    """The Trainer makes Accelerate's shared state in this process; reset it afterwards so
+    that no other test inherits it."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")  # transformers'
+@pytest.mark.parametrize(("accumulation", "schedule"), [
+    (1, {"num_train_epochs": 1}),  # the Trainer counts the epoch's samples
+    (2, {"max_steps": 3}),  # the Trainer counts the steps' global batches
+])
+def test_the_trainers_samples_per_second_counts_samples(
+        tmp_path: Path, data: tuple[str, str], fresh_accelerate_state: Any, accumulation: int,
+        schedule: dict[str, Any]) -> None:
+    """train_samples_per_second was train_steps_per_second: the Trainer took the length of
+    the loader (steps) for its samples, or per_device_train_batch_size for its batch."""
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[],
+                             save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                             gradient_accumulation_steps=accumulation, **schedule)
+    with _loader(data) as loader:
+        trainer = transformers_integration.StreamTrainer(
+            model=_Regression.make(), args=args, train_loader=loader, model_inputs=["x"])
+        metrics = trainer.train().metrics
+    samples_per_step = metrics["train_samples_per_second"] / metrics["train_steps_per_second"]
+    assert samples_per_step == pytest.approx(16 * accumulation, rel=0.02)

@@ -256,5 +256,50 @@ def test_stream_stats_callback_logs_the_loaders_statistics(tmp_path) -> None:
     loader.close()
 
 
+
+def _fit_with_stats(tmp_path: Any, stats: Any, log_every_n_steps: int) -> list[float]:
+    """Fit 6 steps with ``stats`` and a CSV logger; the ``streamcache/steps`` values the
+    logger wrote (each report's count of steps)."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+    from loader_helpers import make_dataset
+
+    data = make_dataset(str(tmp_path), [60, 60], seq=False)
+    logger = CSVLogger(str(tmp_path / "logs"), name="run")
+    with StreamLoader(StreamDataset(data, global_batch_size=GLOBAL_BATCH, seed=1,
+                                    cache_dir=str(tmp_path / "cache"))) as loader:
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=logger,
+                            log_every_n_steps=log_every_n_steps,
+                            default_root_dir=str(tmp_path), enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False,
+                            callbacks=[stats])
+        trainer.fit(_Tiny(loader))
+    path = os.path.join(logger.log_dir, "metrics.csv")
+    if not os.path.exists(path):  # nothing was written
+        return []
+    with open(path) as f:
+        return [float(row["streamcache/steps"]) for row in csv.DictReader(f)
+                if row.get("streamcache/steps")]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")  # Lightning's own
+def test_stream_stats_reports_reach_the_logger_at_the_trainers_cadence(tmp_path) -> None:
+    """StreamStats() reported every 50 batches whatever the Trainer's log_every_n_steps, and
+    Lightning writes logged values only every log_every_n_steps steps: most reports were
+    dropped (with every_n_steps=20 and the default 50, four in five)."""
+    from streamcache.integrations.lightning import StreamStats
+
+    assert _fit_with_stats(tmp_path, StreamStats(), log_every_n_steps=3) == [3.0, 3.0]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")  # Lightning's own
+def test_stream_stats_at_steps_the_logger_would_drop_are_refused(tmp_path) -> None:
+    from streamcache import ConfigError
+    from streamcache.integrations.lightning import StreamStats
+
+    with pytest.raises(ConfigError, match=r"every_n_steps=2\).*log_every_n_steps=3"):
+        _fit_with_stats(tmp_path, StreamStats(every_n_steps=2), log_every_n_steps=3)
+
 if __name__ == "__main__":
     job(sys.argv[1:])

@@ -15,7 +15,9 @@ loader instead:
 
 - ``get_train_dataloader`` returns it (Accelerate leaves a loader that is not a
   ``torch.utils.data.DataLoader`` as it is: no second sharding, no dispatch); ``len`` is the
-  epoch's steps, so the Trainer's epochs and ``max_steps`` are the loader's;
+  epoch's steps, so the Trainer's epochs and ``max_steps`` are the loader's; the Trainer's
+  count of samples (``train_samples_per_second``, "Total train batch size") takes the
+  loader's global batch, not ``per_device_train_batch_size``;
 - every checkpoint of the Trainer (``checkpoint-N/``) gets ``streamcache_loader.json``, the
   loader's state, written atomically by the main process before the Trainer writes
   ``trainer_state.json`` (a checkpoint the Trainer resumes from has it);
@@ -147,6 +149,23 @@ class StreamTrainerMixin:
 
     def get_train_dataloader(self) -> Any:
         return self.train_loader
+
+    def num_examples(self, dataloader: Any) -> int:
+        """The samples of an epoch of the train loader (its steps times the global batch),
+        from which the Trainer counts ``train_samples_per_second``; another loader's (an
+        evaluation's) as the Trainer counts them."""
+        if dataloader is self.train_loader:
+            return len(self.train_loader) * self._global_batch()
+        return int(super().num_examples(dataloader))  # type: ignore[misc]
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """The samples of one optimizer step over all ranks: the loader's global batch times
+        ``gradient_accumulation_steps`` (``per_device_train_batch_size`` does not apply:
+        the loader's dataset sets the batch)."""
+        return self._global_batch() * int(args.gradient_accumulation_steps)
+
+    def _global_batch(self) -> int:
+        return int(self.train_loader.loader.dataset.global_batch)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)  # type: ignore[misc]

@@ -6,6 +6,9 @@ is made but when a pass over it starts (by then the trainer has made the process
 Where nothing names the rank but the environment says the job is distributed (Lightning's
 launcher sets ``LOCAL_RANK`` and ``WORLD_SIZE``, not ``RANK``, before the group exists), the
 answer "rank 0 of 1" would make every rank read every global batch whole; that is refused.
+Read before a pass (``dataset.rank``), the topology is the answer of that moment: in
+Lightning's launching process, before ``trainer.fit`` makes the group, nothing says the job
+is distributed, so it is 0 of 1 there; the pass itself takes the group's.
 """
 
 from __future__ import annotations
