@@ -17,11 +17,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from loader_helpers import make_dataset
 
 from streamcache import ConfigError, CursorMismatchError, Source, StreamDataset, StreamLoader
 from streamcache.plan import ShuffleOptions
-from streamcache.plan.mixture import MAX_PERIOD, PlanError, Quota, shares_of
+from streamcache.plan.mixture import MAX_PERIOD, PlanError, Quota, _float_ratios, shares_of
 from streamcache.plan.mixture_cursor import MixtureCursor, SourceKey
 
 SHUFFLE = ShuffleOptions(window=8)
@@ -212,6 +214,39 @@ def test_numpy_and_exact_weights_give_the_shares_of_their_values() -> None:
     assert shares_of([1e300, 1e300]) == (1, 1)  # huge but equal: representable
     assert shares_of([1e-12, 3e-12]) == (1, 3)  # tiny but alike: representable
     assert shares_of([1, MAX_PERIOD - 1]) == (1, MAX_PERIOD - 1)
+
+
+@pytest.mark.parametrize(("weights", "shares"), [
+    ([1e308, 1e308], (1, 1)),  # their sum is past the largest float
+    ([1.7e308, 0.85e308, 1.7e308], (2, 1, 2)),
+    ([10**308, 10**308, 5 * 10**307], (2, 2, 1)),  # ints, whose float sum overflows too
+])
+def test_weights_whose_sum_passes_the_largest_float_give_their_shares(
+        weights: list[Any], shares: tuple[int, ...]) -> None:
+    assert shares_of(weights) == shares
+
+
+@pytest.mark.parametrize("weights", [[1e308, 1e308, 1e-300], [1.7e308] * (MAX_PERIOD + 1)])
+def test_a_weight_too_small_beside_huge_ones_is_refused_saying_what_to_do(
+        weights: list[Any]) -> None:
+    with pytest.raises(PlanError, match=r"at least .*or leave it out"):
+        shares_of(weights)
+
+
+@pytest.mark.parametrize("weights", [[10**400, 1], [Fraction(10**400, 3), 1],
+                                     [Fraction(1, 10**400)]], ids=["int", "fraction", "tiny"])
+def test_a_weight_no_float_can_hold_is_refused(weights: list[Any]) -> None:
+    with pytest.raises(PlanError, match="a float can hold"):
+        shares_of(weights)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(min_value=1e-150, max_value=1e150), min_size=1, max_size=40))
+def test_float_ratios_are_the_weights_over_their_sum(weights: list[float]) -> None:
+    """Scaling the weights before summing them (for sums past the largest float) leaves
+    every ratio of ordinary weights as it was, to the last bit."""
+    total = math.fsum(weights)
+    assert _float_ratios([Fraction(w) for w in weights]) == [w / total for w in weights]
 
 
 @pytest.mark.parametrize("weights", [[1.0, 1e-12], [1e300, 1.0], [1, MAX_PERIOD],

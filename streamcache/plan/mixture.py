@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, SupportsFloat
 
 import numpy as np
 
@@ -66,12 +66,11 @@ def shares_of(weights: Sequence[float | int | Fraction | numbers.Real]) -> tuple
     exact = _Exact(fractions)
     for s, (weight, ratio) in enumerate(zip(weights, ratios, strict=True)):
         if ratio * MAX_PERIOD < 1 + _CLOSE and exact.numerators[s] * MAX_PERIOD < exact.total:
-            least = float(sum(fractions)) / (MAX_PERIOD - 1)
             raise PlanError(
                 f"source {s}'s weight {weight!r} is {ratio:.3g} of the total weight; a mixture "
                 f"represents shares down to 1/{MAX_PERIOD} of it (one sample in "
-                f"{MAX_PERIOD:,}): give that source a weight of at least {least:.3g}, or "
-                "leave it out")
+                f"{MAX_PERIOD:,}): give that source a weight of at least "
+                f"{_least_weight(fractions):.3g}, or leave it out")
     return _small_period_shares(ratios, exact) or _rounded_shares(ratios, exact)
 
 
@@ -81,8 +80,9 @@ _CLOSE = 1e-9  # floats within this of a boundary are decided exactly (their err
 def _fraction(weight: Any) -> Fraction:
     """A weight as an exact fraction (a float as the simplest fraction within 1e-9 of it)."""
     if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or \
-            not math.isfinite(float(weight)) or weight <= 0:
-        raise PlanError(f"a weight must be a finite number > 0, got {weight!r}")
+            not 0 < _float_or_inf(weight) < math.inf:  # (NaN fails it too)
+        raise PlanError(f"a weight must be a finite number > 0 that a float can hold, got "
+                        f"{weight!r}")
     if isinstance(weight, numbers.Integral):
         return Fraction(int(weight))
     if isinstance(weight, Fraction):
@@ -119,10 +119,34 @@ class _Exact:
         return sum(self.numerators)
 
 
+def _float_or_inf(value: SupportsFloat) -> float:
+    """``float(value)``, or inf where the value is past the largest float (an int or a
+    Fraction can be: ``float`` raises OverflowError for them)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 def _float_ratios(fractions: list[Fraction]) -> list[float]:
+    """Each weight's part of the total weight, as floats (every weight a float can hold).
+
+    The weights are scaled by the power of two that brings the largest into [0.5, 1) before
+    they are summed: exact, so each ratio is the one of the weights as they are, to the last
+    bit, and weights whose sum passes the largest float (two of 1e308) have ratios too. (Only
+    a weight below 2**-1022 of the largest loses bits, and no share can represent it.)
+    """
     values = [float(f) for f in fractions]
-    total = math.fsum(values)
-    return [v / total for v in values]
+    _, exponent = math.frexp(max(values))
+    scaled = [math.ldexp(value, -exponent) for value in values]
+    total = math.fsum(scaled)
+    return [value / total for value in scaled]
+
+
+def _least_weight(fractions: list[Fraction]) -> float:
+    """The least weight a source can have beside these (a share of one in
+    :data:`MAX_PERIOD`), for a message: inf where it is past the largest float."""
+    return _float_or_inf(sum(fractions) / (MAX_PERIOD - 1))
 
 
 def _small_period_shares(ratios: list[float], exact: _Exact) -> tuple[int, ...] | None:
