@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +28,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from servers import FaultServer, S3Bucket
 
-from streamcache import DatasetReader, load_index, write_dataset
-from streamcache.cache.accounting import ACCOUNTING_NAME
+from streamcache import DatasetReader, StreamDataset, StreamLoader, load_index, write_dataset
+from streamcache.cache import ledger
+from streamcache.cache.accounting import ACCOUNTING_LOCK, ACCOUNTING_NAME, file_lock
 from streamcache.cache.eviction import Resident, choose_victims, simulate_fetches
 from streamcache.cache.node import NodeCache
 from streamcache.cache.temporaries import FOREIGN_TEMP_IDLE_S
 from streamcache.errors import CacheBudgetError, ChecksumMismatchError
-from streamcache.format.index import DatasetIndex
+from streamcache.format.index import DatasetIndex, build_index
 from streamcache.format.materialize import is_local_layout
 from streamcache.format.reader import ShardReader
 from streamcache.processes import process_alive, process_token
@@ -109,8 +111,90 @@ def check_installed(index: DatasetIndex, cache_dir: Path) -> int:
 
 
 def accounting(cache_dir: Path) -> dict[str, int]:
-    obj = json.loads((cache_dir / ACCOUNTING_NAME).read_text())
-    return {key: entry["bytes"] for key, entry in obj["entries"].items()}
+    """Bytes per key, from the accounting file replayed (a header, then "add" and "remove"
+    records: the format of cache/ledger.py, read independently)."""
+    header, *records = (cache_dir / ACCOUNTING_NAME).read_bytes().splitlines()
+    assert json.loads(header)["version"] == 2
+    entries: dict[str, int] = {}
+    for line in records:
+        record = json.loads(line)
+        if "remove" in record:
+            entries.pop(record["remove"], None)
+        else:
+            entries[record["add"]] = record["bytes"]
+    return entries
+
+
+def write_one_row_shards(folder: Path, count: int) -> DatasetIndex:
+    """``count`` zstd Arrow files of one row each (sample i: {"id": i}), indexed with
+    checksums: each is installed (decoded), none read in place. Written with pyarrow and
+    indexed, which is much faster than ShardWriter for thousands of shards."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    folder.mkdir(parents=True)
+    schema = pa.schema([("id", pa.int64())])
+    options = ipc.IpcWriteOptions(compression="zstd")
+    for i in range(count):
+        with ipc.new_file(str(folder / f"part-{i:06d}.arrow"), schema, options=options) as f:
+            f.write_batch(pa.record_batch([pa.array([i], pa.int64())], schema=schema))
+    return build_index(str(folder), checksums=True)
+
+
+_accounting_watchers: list[list[str]] = []
+_hook_added = False
+
+
+def _watch_accounting(event: str, args: tuple[Any, ...]) -> None:
+    """An audit hook: each write of an accounting file by this process, to every watcher."""
+    if not _accounting_watchers:
+        return
+    if event == "os.rename" and os.path.basename(str(args[1])) == ACCOUNTING_NAME:
+        kind = "rewrite"  # a whole new file renamed over it
+    elif (event == "open" and os.path.basename(str(args[0])) == ACCOUNTING_NAME
+          and args[2] & (os.O_WRONLY | os.O_RDWR)):
+        kind = "append" if args[2] & os.O_APPEND else "rewrite"
+    else:
+        return
+    for watcher in list(_accounting_watchers):
+        watcher.append(kind)
+
+
+@contextlib.contextmanager
+def accounting_writes() -> Iterator[list[str]]:
+    """The writes of accounting files this process makes while the block runs, from any
+    thread: "rewrite" (a file renamed over it, or opened to write in place) or "append"."""
+    global _hook_added
+    if not _hook_added:
+        sys.addaudithook(_watch_accounting)  # (hooks cannot be removed: added once)
+        _hook_added = True
+    seen: list[str] = []
+    _accounting_watchers.append(seen)
+    try:
+        yield seen
+    finally:
+        _accounting_watchers.remove(seen)
+
+
+
+def node_view(cache_dir: Path) -> tuple[dict[str, int], dict[str, int] | None]:
+    """What the node holds at one moment, read with the cache-wide lock held (no install or
+    eviction in between): the installed files (bytes per key) and the accounting file
+    replayed (None when it does not validate: the next process rebuilds it from the files)."""
+    with file_lock(str(cache_dir), ACCOUNTING_LOCK):
+        files = {str(path.relative_to(cache_dir)): path.stat().st_size
+                 for path in installed_files(cache_dir)}
+        try:
+            books: dict[str, int] | None = accounting(cache_dir)
+        except (OSError, ValueError, KeyError, TypeError, AssertionError):
+            books = None
+    return files, books
+
+
+def installed_size(index: DatasetIndex, folder: Path) -> int:
+    """Bytes shard 0 of ``index`` takes installed (installed into ``folder`` to see)."""
+    with NodeCache(index, str(folder)) as probe:
+        return os.path.getsize(probe.local_path(0))
 
 
 def walked_bytes(cache_dir: Path) -> int:
@@ -222,6 +306,28 @@ def test_accounting_is_rebuilt_from_the_directory_when_a_cache_opens(tmp_path: P
     assert len(accounting(cache_dir)) == 2
     (cache_dir / ACCOUNTING_NAME).write_text("{not json")
     assert NodeCache(index, str(cache_dir)).usage().bytes == walked_bytes(cache_dir)
+
+
+def test_many_small_shards_install_without_a_rewrite_of_the_accounting_each(
+        tmp_path: Path) -> None:
+    """A first epoch of one-row shards used to rewrite the whole accounting file on every
+    install (O(installs) rewrites of an O(installs) file: ~16 installs/s at 10,000 shards).
+    Installs now append a record; the file is rewritten when a cache opens and now and
+    then to drop records of evicted shards."""
+    index = write_one_row_shards(tmp_path / "ds", 2000)
+    cache_dir = tmp_path / "cache"
+    with accounting_writes() as writes:
+        dataset = StreamDataset(index.url, global_batch_size=50, rank=0, world_size=1,
+                                cache_dir=str(cache_dir))
+        with StreamLoader(dataset) as loader:
+            ids = [i for batch in loader for i in batch["id"].tolist()]
+        dataset.close()
+    assert sorted(ids) == list(range(2000))
+    assert len(installed_files(cache_dir)) == 2000
+    assert writes.count("rewrite") <= 2000 // 100, writes.count("rewrite")
+    assert writes.count("append") >= 2000  # (the records are written, one install at a time)
+    assert sum(accounting(cache_dir).values()) == walked_bytes(cache_dir)
+    assert len(accounting(cache_dir)) == 2000
 
 
 def test_stale_temporaries_of_dead_processes_are_removed_live_ones_kept(
@@ -394,6 +500,78 @@ def test_sigkill_during_downloads_and_installs_leaves_nothing_trusted(
     assert check_installed(index, cache_dir) == len(index.shards)
     assert sum(accounting(cache_dir).values()) == walked_bytes(cache_dir)
     assert not any((cache_dir / "tmp").iterdir())
+
+
+def _install_until_killed(index_folder: str, cache_dir: str, limit: int, seed: int) -> None:
+    ledger.COMPACT_SLACK = 8  # the file is rewritten often, so that kills land there too
+    index = load_index(index_folder)
+    cache = NodeCache(index, cache_dir, cache_limit=limit, working_set_bytes=1)
+    rng = random.Random(seed)
+    while True:
+        cache.install(rng.randrange(len(index.shards)))
+
+
+def test_sigkill_while_small_shards_install_and_evict_leaves_books_the_next_process_trusts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process killed at random moments of installs, evictions and accounting rewrites:
+    after each kill every installed file is counted (so it can be evicted) and within the
+    budget; a process that lived through the kill goes on within the budget; the next
+    process counts exactly the files there."""
+    index = write_one_row_shards(tmp_path / "ds", 60)
+    cache_dir = tmp_path / "cache"
+    limit = 12 * installed_size(index, tmp_path / "probe")
+    monkeypatch.setattr(ledger, "COMPACT_SLACK", 8)
+    survivor = NodeCache(index, str(cache_dir), cache_limit=limit, working_set_bytes=1)
+    ctx = process_context()
+    rng = random.Random(11)
+    left_temporaries = 0
+    for round_number in range(5):
+        proc = ctx.Process(target=_install_until_killed,
+                           args=(str(tmp_path / "ds"), str(cache_dir), limit, round_number))
+        proc.start()
+        deadline = time.monotonic() + 20
+        while not any((cache_dir / "tmp").rglob("*.*")) and time.monotonic() < deadline:
+            time.sleep(0.005)  # until it is installing
+        time.sleep(rng.uniform(0.0, 0.3))
+        os.kill(proc.pid or 0, signal.SIGKILL)
+        proc.join(10)
+        assert proc.exitcode == -signal.SIGKILL
+        left_temporaries += any(p.is_file() for p in (cache_dir / "tmp").rglob("*"))
+        files, books = node_view(cache_dir)
+        assert sum(files.values()) <= limit
+        assert books is None or set(files) <= set(books)  # nothing there that is not counted
+        assert survivor.usage().bytes >= sum(files.values())
+        for shard in rng.sample(range(len(index.shards)), 10):
+            survivor.install(shard)
+        files, books = node_view(cache_dir)
+        assert sum(files.values()) <= limit and books is not None and set(files) <= set(books)
+        with NodeCache(index, str(cache_dir), cache_limit=limit, working_set_bytes=1) as after:
+            usage = after.usage()
+            files, books = node_view(cache_dir)
+            assert (usage.bytes, usage.shards) == (sum(files.values()), len(files))
+            assert books == files  # nothing counted that is not there
+    assert left_temporaries >= 1  # the kills did land mid-install
+    survivor.close()
+
+
+def test_the_accounting_file_stays_small_while_a_tight_budget_evicts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evictions append records too; the file is rewritten once they outnumber the entries
+    (twice over, plus a slack), so it does not grow with the installs."""
+    monkeypatch.setattr(ledger, "COMPACT_SLACK", 16)
+    index = write_one_row_shards(tmp_path / "ds", 40)
+    cache_dir = tmp_path / "cache"
+    limit = 4 * installed_size(index, tmp_path / "probe")
+    cache = NodeCache(index, str(cache_dir), cache_limit=limit, working_set_bytes=1)
+    with accounting_writes() as writes:
+        for shard in [*range(40), *range(40)]:
+            cache.install(shard)
+            records = len((cache_dir / ACCOUNTING_NAME).read_bytes().splitlines()) - 1
+            assert records <= 16 + 2 * 4 + 2
+    assert cache.stats.evictions == 76
+    assert 2 <= writes.count("rewrite") < 80 // 4
+    files, books = node_view(cache_dir)
+    assert books == files and sum(files.values()) <= limit
 
 
 # --------------------------------------------------------------------------- eviction policy

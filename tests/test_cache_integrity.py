@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from servers import FaultServer, S3Bucket
 from test_cache import (
     ROWS_PER_SHARD,
+    accounting,
     check_batch,
     installed_files,
     read_everything,
@@ -216,11 +217,86 @@ def test_in_place_verification_is_remembered_per_file_size_and_mtime(tmp_path: P
 
 
 def plant_accounting(cache_dir: Path, planted: dict[str, int]) -> None:
+    """Append records of ``planted`` keys to the accounting file, as anyone who may write to
+    the folder could (without the cache's lock)."""
+    with open(cache_dir / ACCOUNTING_NAME, "a") as f:
+        for key, nbytes in planted.items():
+            f.write(json.dumps({"add": key, "bytes": nbytes, "installed": 1.0}) + "\n")
+
+
+def installed_bytes(cache_dir: Path) -> dict[str, int]:
+    return {str(p.relative_to(cache_dir)): p.stat().st_size for p in installed_files(cache_dir)}
+
+
+GARBAGE = {
+    "torn": b'{"add":"datasets/x/000001.arro',
+    "negative": b'{"add":"datasets/x/000001.arrow","bytes":-5,"installed":1}\n',
+    "nan": b'{"add":"datasets/x/000001.arrow","bytes":1,"installed":NaN}\n',
+    "bool": b'{"add":"datasets/x/000001.arrow","bytes":true,"installed":1}\n',
+    "newline-key": b'{"add":"datasets/x/000001.arrow\\n","bytes":1,"installed":1}\n',
+    "extra-key": b'{"add":"datasets/x/000001.arrow","bytes":1,"installed":1,"x":0}\n',
+    "outside": b'{"remove":"/etc/passwd"}\n',
+    "deep": b"[" * 100_000 + b"\n",
+    "binary": b"\xff\xfe\x00\n",
+    "blank": b"\n",
+}
+
+
+@pytest.mark.parametrize("garbage", GARBAGE.values(), ids=GARBAGE.keys())
+def test_anything_appended_to_the_accounting_makes_a_live_cache_rebuild_it_from_the_files(
+        tmp_path: Path, garbage: bytes) -> None:
+    index = write_shards(tmp_path / "ds", num_shards=4)
+    cache_dir = tmp_path / "cache"
+    cache = NodeCache(index, str(cache_dir))
+    cache.install(0)
+    cache.install(1)
+    with open(cache_dir / ACCOUNTING_NAME, "ab") as f:
+        f.write(garbage)
+    usage = cache.usage()  # the same cache object: it read the file before
+    assert (usage.bytes, usage.shards) == (sum(installed_bytes(cache_dir).values()), 2)
+    cache.install(2)
+    assert accounting(cache_dir) == installed_bytes(cache_dir)
+
+
+def _older_format(path: Path, victim: Path, kept: bytes) -> None:
+    path.write_text(json.dumps({"format": "streamcache-cache-accounting", "version": 1,
+                                "entries": {}}))
+
+
+def _empty(path: Path, victim: Path, kept: bytes) -> None:
+    path.write_bytes(b"")
+
+
+def _fifo(path: Path, victim: Path, kept: bytes) -> None:
+    os.mkfifo(path)  # opening it to read would block without a writer
+
+
+def _link(path: Path, victim: Path, kept: bytes) -> None:
+    victim.write_bytes(kept)  # a valid accounting file: appended to, were the link followed
+    os.symlink(victim, path)
+
+
+REPLACEMENTS = {"older-format": _older_format, "empty": _empty, "fifo": _fifo, "link": _link}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("replace", REPLACEMENTS.values(), ids=REPLACEMENTS.keys())
+def test_an_accounting_file_replaced_by_anything_is_rebuilt_never_followed(
+        tmp_path: Path, replace: Any) -> None:
+    index = write_shards(tmp_path / "ds", num_shards=4)
+    cache_dir = tmp_path / "cache"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    cache = NodeCache(index, str(cache_dir))
+    cache.install(0)
     path = cache_dir / ACCOUNTING_NAME
-    obj = json.loads(path.read_text())
-    for key, nbytes in planted.items():
-        obj["entries"][key] = {"bytes": nbytes, "installed": 1.0}
-    path.write_text(json.dumps(obj))
+    kept = path.read_bytes()
+    path.unlink()
+    replace(path, outside / "victim", kept)
+    cache.install(1)
+    assert accounting(cache_dir) == installed_bytes(cache_dir)
+    assert path.is_file() and not path.is_symlink()
+    assert all(p.read_bytes() == kept for p in outside.iterdir())  # nothing written there
 
 
 def test_a_key_outside_the_cache_in_the_accounting_never_deletes_a_file(tmp_path: Path) -> None:

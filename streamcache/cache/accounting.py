@@ -1,43 +1,39 @@
-"""The node cache's books: ``accounting.json`` (installed bytes per shard of every dataset in
-the directory) under the cache-wide lock, its validation, the evictions made under that lock
-(the rule itself is eviction.py's), and this process's counters.
+"""The node cache's books: the accounting of installed bytes per shard of every dataset in the
+directory (its file and format: ledger.py) under the cache-wide lock, the evictions made under
+that lock (the rule itself is eviction.py's), and this process's counters.
 
-The file is rewritten atomically under ``accounting.lock`` and rebuilt from the directory
-when it is missing or does not validate: everything read back from the folder is untrusted,
-so an accounting key must name a shard file of a real (not symlinked) dataset folder inside
-``cache_dir``, or the file is rebuilt (see node.py for the layout).
+The accounting is read and changed only under ``accounting.lock``; it is rebuilt from the
+directory when the cache opens and whenever the file is missing or does not validate:
+everything read back from the folder is untrusted, and the files are the truth (see node.py
+for the layout, docs/cache.md for the order that keeps the accounting at or above the files).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-import re
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
 
 from ..errors import CacheError
-from ..remote import storage
 from .confine import open_below
 from .eviction import Resident, choose_victims
+from .ledger import (
+    ACCOUNTING_NAME,
+    DATASET_NAME,
+    KEY_PATTERN,
+    SHARD_FILE,
+    Entry,
+    Ledger,
+    LedgerError,
+)
 from .temporaries import listdir, temp_dir
 
-ACCOUNTING_NAME = "accounting.json"
 ACCOUNTING_LOCK = "accounting.lock"
-ACCOUNTING_FORMAT = "streamcache-cache-accounting"
-ACCOUNTING_VERSION = 1
-KEY_FORMAT, KEY_VERSION, KEY_ENTRIES = "format", "version", "entries"
-KEY_BYTES, KEY_INSTALLED = "bytes", "installed"
-SHARD_FILE = re.compile(r"^(\d{6,})\.arrow$")
-_DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
-#: An accounting key: a shard file of a dataset folder; nothing else is ever trusted.
-_KEY = re.compile(r"^datasets/([A-Za-z0-9][A-Za-z0-9_-]{0,127})/(\d{6,})\.arrow$")
 #: A shard handed out by lookup() this recently (by any process) is evicted only when
 #: nothing else can make room: the process may not have mapped it yet.
 EVICTION_GRACE_S = 2.0
@@ -78,63 +74,60 @@ class Accounting:
     _next_use: Callable[[int], float] | None
     _listeners: list[EvictionListener]
     _book_lock: threading.Lock
+    _ledger: Ledger
     _guard: threading.Lock
     _stats: CacheStats
     _tmp: str | None
 
-    def _read_accounting(self) -> dict[str, dict[str, Any]]:
-        """The accounting entries (the cache lock must be held). A missing or unreadable
-        file is rebuilt from the directory."""
+    def _books(self) -> Ledger:
+        """The accounting, up to date (the cache lock must be held): the records other
+        processes appended since this cache last looked, or the whole file when it was
+        rewritten; rebuilt from the directory when it is missing or does not validate
+        (untrusted input: the files are the truth)."""
         try:
-            with open(os.path.join(self.cache_dir, ACCOUNTING_NAME), "rb") as f:
-                obj = json.loads(f.read())
-            if obj[KEY_FORMAT] != ACCOUNTING_FORMAT or obj[KEY_VERSION] != ACCOUNTING_VERSION:
-                raise ValueError("unknown accounting format")
-            entries = {str(k): {KEY_BYTES: int(v[KEY_BYTES]),
-                                KEY_INSTALLED: float(v[KEY_INSTALLED])}
-                       for k, v in obj[KEY_ENTRIES].items()}
-            if any(not _KEY.match(k) or e[KEY_BYTES] < 0 or not math.isfinite(e[KEY_INSTALLED])
-                   for k, e in entries.items()):
-                raise ValueError("an entry that does not name a shard of this cache")
-            return entries
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError):
-            return self._walk()  # untrusted input: the files are the truth
+            self._ledger.refresh(self.cache_dir)
+        except LedgerError:
+            self._rebuild()
+        return self._ledger
 
-    def _write_accounting(self, entries: Mapping[str, Mapping[str, Any]]) -> None:
-        obj = {KEY_FORMAT: ACCOUNTING_FORMAT, KEY_VERSION: ACCOUNTING_VERSION,
-               KEY_ENTRIES: entries}
-        # the temporary lives in this process's folder, which is swept once it is dead
-        with storage.atomic_write(os.path.join(self.cache_dir, ACCOUNTING_NAME), "w",
-                                  durable=False, temp_dir=self._tmp_dir()) as f:
-            json.dump(obj, f, separators=(",", ":"))
+    def _rebuild(self) -> None:
+        """Rewrite the accounting from the directory (the cache lock must be held)."""
+        self._ledger.rewrite(self.cache_dir, self._walk(), self._tmp_dir())
 
-    def _walk(self) -> dict[str, dict[str, Any]]:
+    def _record(self, removed: list[str], added: dict[str, Entry] | None = None) -> None:
+        """Record evictions and an install in the accounting (the cache lock must be held,
+        and the books read under it)."""
+        self._ledger.commit(self.cache_dir, removed, added or {}, self._tmp_dir())
+
+    def _walk(self) -> dict[str, Entry]:
         """Every installed shard of every dataset in the directory, from the files: regular
         files of real folders only (a planted symlink is never counted or evicted)."""
-        entries: dict[str, dict[str, Any]] = {}
+        entries: dict[str, Entry] = {}
         root = os.path.join(self.cache_dir, "datasets")
         for dataset in listdir(root):
-            if not _DATASET_NAME.match(dataset) or os.path.islink(os.path.join(root, dataset)):
+            if not DATASET_NAME.fullmatch(dataset) or os.path.islink(
+                    os.path.join(root, dataset)):
                 continue
             for name in listdir(os.path.join(root, dataset)):
-                if not SHARD_FILE.match(name):
+                if not SHARD_FILE.fullmatch(name):
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     st = os.lstat(os.path.join(root, dataset, name))
                     if stat.S_ISREG(st.st_mode):
-                        entries[f"datasets/{dataset}/{name}"] = {
-                            KEY_BYTES: st.st_size, KEY_INSTALLED: st.st_mtime}
+                        entries[f"datasets/{dataset}/{name}"] = Entry(st.st_size, st.st_mtime)
         return entries
 
-    def _evict(self, entries: dict[str, dict[str, Any]], incoming: int,
-               limit: int | None = None) -> None:
-        """Evict from ``entries`` until ``incoming`` more bytes fit ``limit`` (default:
-        ``cache_limit``), farthest next use first."""
+    def _evict(self, books: Ledger, incoming: int, limit: int | None = None,
+               exclude: str | None = None) -> list[str]:
+        """Unlink shards of ``books`` until ``incoming`` more bytes fit ``limit`` (default:
+        ``cache_limit``), farthest next use first; ``exclude`` (a shard being installed
+        again) neither counts nor is chosen. Returns the keys evicted: the caller records
+        them (after the unlinks, so that a crash leaves the accounting above the files)."""
         limit = self.cache_limit if limit is None else limit
         assert limit is not None
-        residents = {key: Resident(int(e[KEY_BYTES]),
-                                   max(float(e[KEY_INSTALLED]), self._last_used.get(key, 0.0)))
-                     for key, e in entries.items()}
+        residents = {key: Resident(entry.nbytes, max(entry.installed,
+                                                     self._last_used.get(key, 0.0)))
+                     for key, entry in books.entries.items() if key != exclude}
         fresh: set[str] = set()
         checked: set[str] = set()
         while True:  # stat only the candidates, never the whole directory
@@ -146,38 +139,38 @@ class Accounting:
             checked.update(unchecked)
             fresh.update(key for key in unchecked if self._handed_out_lately(key))
         for key in victims:
-            path = self._confined(key)
-            if path is not None:  # an entry naming anything else is dropped, never followed
-                self._remove_copy(path)
-            nbytes = int(entries.pop(key)[KEY_BYTES])
-            self._count(evictions=1, bytes_evicted=nbytes)
-            shard = self._shard_of(key)
-            if shard is not None:
-                for listener in self._listeners:
-                    listener(shard, nbytes)
+            self._evict_one(key, residents[key].nbytes)
+        return victims
+
+    def _evict_one(self, key: str, nbytes: int) -> None:
+        path = self._confined(key)
+        if path is not None:  # an entry naming anything else is dropped, never followed
+            self._remove_copy(path)
+        self._count(evictions=1, bytes_evicted=nbytes)
+        shard = self._shard_of(key)
+        if shard is not None:
+            for listener in self._listeners:
+                listener(shard, nbytes)
 
     def _make_room(self, incoming: int) -> None:
         """Evict (under the cache lock) so that ``incoming`` more bytes fit ``cache_limit``:
         before a download, so that a disk sized to the budget has room for it."""
         assert self.cache_limit is not None
         with self._accounting_lock():
-            entries = self._read_accounting()
-            total = sum(int(e[KEY_BYTES]) for e in entries.values())
-            if total + incoming > self.cache_limit:
-                self._evict(entries, min(incoming, self.cache_limit))
-                self._write_accounting(entries)
+            books = self._books()
+            if books.total + incoming > self.cache_limit:
+                self._record(self._evict(books, min(incoming, self.cache_limit)))
 
     def _evict_for_disk(self, needed: int) -> int:
         """The disk is full: evict about ``needed`` bytes of shards, farthest next use first,
         whatever the budget. Returns the bytes evicted (0: nothing left to evict)."""
         with self._accounting_lock():
-            entries = self._read_accounting()
-            before = sum(int(e[KEY_BYTES]) for e in entries.values())
-            if not entries:
+            books = self._books()
+            before = books.total
+            if not books.entries:
                 return 0
-            self._evict(entries, needed, limit=before)
-            self._write_accounting(entries)
-            return before - sum(int(e[KEY_BYTES]) for e in entries.values())
+            self._record(self._evict(books, needed, limit=before))
+            return before - books.total
 
     def _handed_out_lately(self, key: str) -> bool:
         """Whether some process's lookup() returned this shard in the last few seconds: it
@@ -202,13 +195,13 @@ class Accounting:
 
     def _accounted_bytes(self) -> int:
         with contextlib.suppress(OSError, CacheError), self._accounting_lock():
-            return sum(int(e[KEY_BYTES]) for e in self._read_accounting().values())
+            return self._books().total
         return 0
 
     def _confined(self, key: str) -> str | None:
         """The file an accounting key names, if it is a shard file of a real dataset folder
         directly under ``cache_dir/datasets`` (symlinks resolved); else None."""
-        match = _KEY.match(key)
+        match = KEY_PATTERN.fullmatch(key)
         if match is None:
             return None
         datasets = os.path.join(os.path.realpath(self.cache_dir), "datasets")
@@ -234,7 +227,7 @@ class Accounting:
 
     def _shard_of(self, key: str) -> int | None:
         folder, _, name = key.rpartition("/")
-        match = SHARD_FILE.match(name)
+        match = SHARD_FILE.fullmatch(name)
         return int(match.group(1)) if folder == self._dataset_key and match else None
 
     def _count(self, **increments: int) -> None:

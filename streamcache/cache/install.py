@@ -18,16 +18,11 @@ from ..format.index import DatasetIndex
 from ..format.materialize import is_local_layout, materialize
 from ..remote import storage
 from ..remote.fetch import Fetcher
-from .accounting import (
-    EVICTION_GRACE_S,
-    KEY_BYTES,
-    KEY_INSTALLED,
-    Accounting,
-    remove_quietly,
-)
+from .accounting import EVICTION_GRACE_S, Accounting, remove_quietly
 from .confine import check_folder_below
 from .faults import DISK_FULL_ATTEMPTS, disk_full_error, is_disk_full
 from .identity import Identity, record_path, source_identity, write_record
+from .ledger import Entry
 
 #: Installed shards are read-only files: the cache never writes a published file (it only
 #: renames new ones in and unlinks old ones), and a process that maps one would die of
@@ -109,9 +104,9 @@ class Installer(Accounting):
         """Make room, account and rename ``staged`` into place, all under the cache lock.
 
         Order, chosen so that a crash at any point leaves the accounting at or above the
-        truth (never a budget overrun): victims are unlinked before the accounting is
-        written, the accounting is written before the new shard is renamed into place. The
-        source record is written before the shard appears, so a shard is never without it.
+        truth (never a budget overrun): victims are unlinked before they are recorded gone,
+        the new shard is recorded before it is renamed into place. The source record is
+        written before the shard appears, so a shard is never without it.
         """
         nbytes = os.path.getsize(staged)
         os.chmod(staged, INSTALLED_MODE)
@@ -123,18 +118,9 @@ class Installer(Accounting):
         self._actual_bytes[shard] = nbytes
         key = self._key(shard)
         with self._accounting_lock():
-            entries = self._read_accounting()
-            entries.pop(key, None)
-            if self.cache_limit is not None:
-                if nbytes > self.cache_limit:
-                    raise CacheBudgetError(
-                        f"shard {shard} takes {nbytes} bytes installed; cache_limit="
-                        f"{self.cache_limit} cannot hold it: set cache_limit to at least "
-                        f"{max(nbytes, self.working_set_bytes)} bytes")
-                self._evict(entries, nbytes)
+            victims = self._room_to_publish(shard, key, nbytes)
             now = time.time()
-            entries[key] = {KEY_BYTES: nbytes, KEY_INSTALLED: now}
-            self._write_accounting(entries)
+            self._record(victims, {key: Entry(nbytes, now)})
             # installed is not handed out: only lookup() makes a shard fresh for eviction
             os.utime(staged, (now - EVICTION_GRACE_S, now - EVICTION_GRACE_S))
             # the publishing half of storage.atomic_path, split: the staged file was written
@@ -144,6 +130,28 @@ class Installer(Accounting):
                 storage.fsync_dir(self._shard_dir)
         self._last_used[key] = time.time()
         self._confirmed.add(shard)
+
+    def _room_to_publish(self, shard: int, key: str, nbytes: int) -> list[str]:
+        """Unlink what must go for ``nbytes`` more to fit ``cache_limit`` (the cache lock must
+        be held); returns the keys evicted. An entry ``key`` already has (a copy removed before
+        this install) is replaced, so it neither counts nor is evicted.
+
+        Raises:
+            CacheBudgetError: the shard alone is larger than ``cache_limit``.
+        """
+        books = self._books()
+        if self.cache_limit is None:
+            return []
+        if nbytes > self.cache_limit:
+            raise CacheBudgetError(
+                f"shard {shard} takes {nbytes} bytes installed; cache_limit="
+                f"{self.cache_limit} cannot hold it: set cache_limit to at least "
+                f"{max(nbytes, self.working_set_bytes)} bytes")
+        replaced = books.entries.get(key)
+        others = books.total - (replaced.nbytes if replaced is not None else 0)
+        if others + nbytes <= self.cache_limit:
+            return []
+        return self._evict(books, nbytes, exclude=key)
 
 
 __all__ = ["INSTALLED_MODE", "Installer"]

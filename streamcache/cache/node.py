@@ -4,9 +4,10 @@ A shard is installed once per node: downloaded into a temporary file of the inst
 process, verified (size and checksum), materialized into the uncompressed local layout the
 reader memory-maps, and published by a rename. A per-shard file lock makes one process
 install while the others on the node block on the lock and find the shard installed when it
-is released. The installed bytes are kept in an accounting file under a cache-wide lock,
-rebuilt from the directory once when a cache is opened. Eviction (see eviction.py) removes
-the shard whose next use is farthest, or the least recently used one when no plan is known.
+is released. The installed bytes are kept in an accounting file under a cache-wide lock (an
+install appends a record: ledger.py), rebuilt from the directory once when a cache is opened.
+Eviction (see eviction.py) removes the shard whose next use is farthest, or the least recently
+used one when no plan is known.
 Local source shards already in the local layout are read in place, never copied or evicted;
 they are verified once per file version (identity.py).
 
@@ -17,7 +18,8 @@ compared once per process before the copy is first served.
 
 Layout under ``cache_dir`` (see docs/cache.md)::
 
-    accounting.json         installed bytes per shard, rewritten atomically under the lock
+    accounting.json         installed bytes per shard: a header, then records appended under
+                            the lock (JSON lines; rewritten whole now and then: ledger.py)
     accounting.lock         the cache-wide lock (flock)
     datasets/<ds>/NNNNNN.arrow    installed shards (read-only files) of the dataset <ds>
     datasets/<ds>/NNNNNN.source   the source object's identity, when the index has no checksum
@@ -29,9 +31,10 @@ Everything read back from the folder is untrusted: accounting keys must name a s
 a real (not symlinked) dataset folder inside ``cache_dir``, or the file is rebuilt.
 
 The parts: copies.py (lookup: which local copy may be served), install.py (fetch, verify,
-materialize, publish), accounting.py (the accounting file, its validation, evictions under
-its lock, counters), faults.py (a full disk, a read-only folder), temporaries.py (each
-process's temporaries, and the sweep of dead ones).
+materialize, publish), accounting.py (the accounting under its lock, evictions, counters),
+ledger.py (the accounting file, its validation, a process's view of it), faults.py (a full
+disk, a read-only folder), temporaries.py (each process's temporaries, and the sweep of dead
+ones).
 """
 
 from __future__ import annotations
@@ -49,18 +52,13 @@ from ..errors import CacheBudgetError, CacheError
 from ..format.index import DatasetIndex, ShardInfo
 from ..remote.fetch import Fetcher
 from ..remote.options import FetchOptions
-from .accounting import (
-    KEY_BYTES,
-    CacheStats,
-    CacheUsage,
-    EvictionListener,
-    file_lock,
-)
+from .accounting import CacheStats, CacheUsage, EvictionListener, file_lock
 from .confine import check_folder_below
 from .copies import CopyLookup
 from .faults import NOT_WRITABLE, not_writable_error
 from .identity import dataset_folder_name
 from .install import Installer
+from .ledger import Ledger
 from .temporaries import remove_dead_temporaries
 
 #: Bytes a local-layout file holds beyond its raw column data (schema, footer, padding).
@@ -131,6 +129,7 @@ class NodeCache(Installer, CopyLookup):
         self._next_use: Callable[[int], float] | None = None
         self._listeners: list[EvictionListener] = []
         self._stats = CacheStats()
+        self._ledger = Ledger()
         self._closed = False
         self._reset_process_state()
         self.working_set_bytes = self._check_budget(working_set_bytes)
@@ -241,9 +240,8 @@ class NodeCache(Installer, CopyLookup):
     def usage(self) -> CacheUsage:
         """Installed bytes and shards of the whole directory, from the accounting file."""
         with self._accounting_lock():
-            entries = self._read_accounting()
-        return CacheUsage(sum(e[KEY_BYTES] for e in entries.values()), len(entries),
-                          self.cache_limit)
+            books = self._books()
+            return CacheUsage(books.total, len(books.entries), self.cache_limit)
 
     def close(self) -> None:
         """Release the Fetcher (if the cache made it) and this process's temporaries."""
@@ -283,7 +281,7 @@ class NodeCache(Installer, CopyLookup):
         """Remove temporaries of dead processes and rebuild the accounting from the files."""
         remove_dead_temporaries(os.path.join(self.cache_dir, "tmp"))
         with self._accounting_lock():
-            self._write_accounting(self._walk())
+            self._rebuild()
 
     def _make_layout(self) -> None:
         """Create the folders this cache writes to (again, if someone removed them).
