@@ -10,13 +10,23 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from test_cache import check_batch, write_shards
+from test_cache import (
+    check_batch,
+    installed_size,
+    node_view,
+    process_context,
+    write_one_row_shards,
+    write_shards,
+)
 
 from streamcache import DatasetReader, load_index
+from streamcache.cache import ledger
 from streamcache.cache.node import NodeCache
 from streamcache.errors import CacheError
 
@@ -133,3 +143,45 @@ def test_a_second_process_sharing_the_folder_installs_each_shard_once(tmp_path: 
         check_batch(reader.read_batch(ids), ids)
     assert mine + int(report.read_text()) == 4  # each shard downloaded once on the node
     assert len(list((tmp_path / "cache" / "datasets").rglob("*.arrow"))) == 4
+
+
+def _install_in_turn(index_folder: str, cache_dir: str, limit: int, reverse: bool,
+                     start: Any) -> None:
+    ledger.COMPACT_SLACK = 8  # the accounting file is rewritten while the other appends
+    index = load_index(index_folder)
+    order = list(range(len(index.shards)))
+    with NodeCache(index, cache_dir, cache_limit=limit, working_set_bytes=1,
+                   durable=False) as cache:  # (fsyncs would only slow the races down)
+        start.wait()
+        for shard in (order[::-1] if reverse else order) * 2:
+            cache.install(shard)
+
+
+def test_two_processes_installing_at_once_keep_the_node_within_its_budget(
+        tmp_path: Path) -> None:
+    """Each process evicts with the other's installs counted: at every moment (read under
+    the cache lock) the installed files fit cache_limit and each of them is counted."""
+    index = write_one_row_shards(tmp_path / "ds", 80)
+    cache_dir = tmp_path / "cache"
+    limit = 10 * installed_size(index, tmp_path / "probe")
+    ctx = process_context()
+    start = ctx.Barrier(3)
+    procs = [ctx.Process(target=_install_in_turn,
+                         args=(str(tmp_path / "ds"), str(cache_dir), limit, reverse, start))
+             for reverse in (False, True)]
+    for proc in procs:
+        proc.start()
+    start.wait(60)  # both opened the cache
+    views = 0
+    while any(proc.is_alive() for proc in procs):
+        files, books = node_view(cache_dir)
+        assert sum(files.values()) <= limit
+        assert books is not None and set(files) <= set(books), set(files) - set(books or {})
+        views += 1
+        time.sleep(0.01)  # (the lock is theirs most of the time)
+    for proc in procs:
+        proc.join(60)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert views >= 10  # the budget was looked at while they installed
+    files, books = node_view(cache_dir)
+    assert books == files and len(files) == 10
