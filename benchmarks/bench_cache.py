@@ -1,10 +1,11 @@
-"""Node cache and prefetcher: cold epoch, warm reads, reader wait, Belady vs LRU.
+"""Node cache and prefetcher: cold epoch, warm reads, reader wait, Belady vs LRU, many small
+shards.
 
 Run:  python benchmarks/bench_cache.py [--repeats 5] [--mb 64] [--workers 4]
-          [--parts cold,warm,wait,evict]
+          [--parts cold,warm,wait,evict,small] [--small-shards 10000]
 
 Four parts, each a ratio measured in the same run (cases interleaved per repetition; the
-median of the per-repetition ratios is reported):
+median of the per-repetition ratios is reported), and one rate (small):
 
 cold   a dataset of --mb MB (about 100 KB samples, random bytes, zstd Arrow shards of ~2 MB)
        in moto's S3-compatible server on 127.0.0.1 (tests/servers.py).
@@ -29,8 +30,26 @@ evict  Belady vs LRU re-fetches with cache_limit at 30% of the dataset over 3 ep
        real plan order (EpochOrder, shuffled, windows of 8 shards): a pure simulation over
        the order (streamcache.cache.eviction.simulate_fetches), and a real run of the same reads
        through a NodeCache (local compressed source, so every fetch materializes).
+small  a cold first epoch of --small-shards one-row shards (local zstd Arrow files, indexed
+       with checksums: every shard is installed) through StreamDataset + StreamLoader with
+       the defaults (global batches of 64, 4 prefetch threads), each repetition into a fresh
+       cache folder: shards installed per second of the epoch (the median). Bounded, before
+       #33 item 7, by the rewrite of the whole accounting file on every install.
 
 Results go to benchmarks/out/bench_cache.json.
+
+small, last results (2026-12-04, the 2-core VM shared with other engineers' jobs: measured
+under load; ``--parts small --small-shards 10000``; load average from ``uptime`` at the
+start and the end of each run):
+
+  code                                   installs/s   epoch s   load average
+  before (accounting rewritten per install)    18.2     548.5   1.90 -> 5.76  (1 repetition)
+  after (records appended: cache/ledger.py)    293.4      34.1   1.31 -> 4.11  (3 repetitions:
+                                                                 293, 277, 297 installs/s)
+
+After the change an install of a one-row shard is the download, the decode and five fsyncs
+(the downloaded temporary and its folder, the materialized file and its folder, the shard
+folder): about 3 ms each on this disk, most of what is left.
 
 Last results (2026-11-29, 2-core VM shared with other engineers' jobs: load average 5.4-5.8
 during the runs; Python 3.11; ``--repeats 5 --mb 64 --workers 8``; the S3 server and the
@@ -93,12 +112,19 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from servers import MotoServer, S3Bucket, aws_test_environment  # noqa: E402
 
-from streamcache import DatasetReader, _native, load_index, write_dataset  # noqa: E402
+from streamcache import (  # noqa: E402
+    DatasetReader,
+    StreamDataset,
+    StreamLoader,
+    _native,
+    load_index,
+    write_dataset,
+)
 from streamcache.cache.advice import shard_usage  # noqa: E402
 from streamcache.cache.eviction import simulate_fetches  # noqa: E402
 from streamcache.cache.node import NodeCache  # noqa: E402
 from streamcache.cache.prefetch import Prefetcher, PrefetchOptions  # noqa: E402
-from streamcache.format.index import DatasetIndex  # noqa: E402
+from streamcache.format.index import DatasetIndex, build_index  # noqa: E402
 from streamcache.format.reader import ShardReader  # noqa: E402
 from streamcache.plan import EpochOrder, ShuffleOptions  # noqa: E402
 from streamcache.remote.options import FetchOptions  # noqa: E402
@@ -336,6 +362,59 @@ def run_evict(scratch: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# ------------------------------------------------------------------------------- small
+
+
+def one_row_shards(folder: str, count: int) -> str:
+    """``count`` zstd Arrow files of one row each, indexed with checksums: every shard is
+    installed (decoded into the local layout), none is read in place. Written with pyarrow
+    and indexed (``streamcache index --checksum``'s path): ShardWriter would take minutes
+    for 10,000 shards."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    os.makedirs(folder)
+    arrow_schema = pa.schema([("id", pa.int64())])
+    options = ipc.IpcWriteOptions(compression="zstd")
+    for i in range(count):
+        with ipc.new_file(os.path.join(folder, f"part-{i:06d}.arrow"), arrow_schema,
+                          options=options) as writer:
+            writer.write_batch(pa.record_batch([pa.array([i], pa.int64())],
+                                               schema=arrow_schema))
+    return build_index(folder, checksums=True).url or folder
+
+
+def small_epoch(url: str, scratch: str, batch: int) -> dict[str, float]:
+    """One cold first epoch through StreamDataset + StreamLoader (default prefetching) into
+    a fresh cache folder: seconds, and shards installed per second."""
+    cache_dir = tempfile.mkdtemp(dir=scratch)
+    began = time.perf_counter()
+    dataset = StreamDataset(url, global_batch_size=batch, rank=0, world_size=1,
+                            cache_dir=cache_dir)
+    samples = 0
+    with StreamLoader(dataset) as loader:
+        for step in loader:
+            samples += len(step["id"])
+    seconds = time.perf_counter() - began
+    dataset.close()
+    installed = sum(name.endswith(".arrow") for _, _, names in
+                    os.walk(os.path.join(cache_dir, "datasets")) for name in names)
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    return {"seconds": seconds, "samples": samples, "installed": installed,
+            "installs_s": installed / seconds}
+
+
+def run_small(scratch: str, args: argparse.Namespace) -> dict[str, Any]:
+    url = one_row_shards(os.path.join(scratch, "small-src"), args.small_shards)
+    rounds = []
+    for repeat in range(args.repeats):
+        rounds.append(small_epoch(url, scratch, batch=64))
+        print(f"small round {repeat + 1}: {rounds[-1]}", flush=True)
+    return {"shards": args.small_shards, "rounds": rounds,
+            "installs_s": statistics.median(r["installs_s"] for r in rounds),
+            "load_average": os.getloadavg()}
+
+
 # ------------------------------------------------------------------------------- main
 
 
@@ -346,7 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--warm-batches", type=int, default=60)
     parser.add_argument("--compute-ms", type=float, default=20.0)
-    parser.add_argument("--parts", default="cold,warm,wait,evict")
+    parser.add_argument("--small-shards", type=int, default=10_000,
+                        help="one-row shards of the 'small' part")
+    parser.add_argument("--parts", default="cold,warm,wait,evict,small")
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
     os.makedirs(OUT, exist_ok=True)
@@ -363,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
             results["warm"] = run_warm(scratch, args)
         if "evict" in parts:
             results["evict"] = run_evict(scratch, args)
+        if "small" in parts:
+            results["small"] = run_small(scratch, args)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print_table(results)
@@ -388,6 +471,10 @@ def print_table(results: dict[str, Any]) -> None:
         for key in ("read_ms_per_step", "later_steps_ms"):
             print(f"{key + ' on/off':<28}{on[key]:>14.2f}{off[key]:>14.2f}"
                   f"{off[key] / max(on[key], 1e-9):>8.1f}")
+    if "small" in results:
+        m = results["small"]
+        print(f"{'small shards installs/s':<28}{m['installs_s']:>14.1f}"
+              f"{'':>14}{'':>8}   ({m['shards']} one-row shards, cold first epoch)")
     if "evict" in results:
         e = results["evict"]
         for kind in ("simulated", "real"):
