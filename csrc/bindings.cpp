@@ -23,6 +23,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "gather.h"
@@ -120,12 +121,62 @@ std::tuple<int, int64_t, std::string, uint64_t, uint64_t> py_xxh64_file(const st
   return {static_cast<int>(s.code), s.item, s.message, digest, bytes};
 }
 
-StatusTuple py_gather_fixed(const std::vector<Bytes>& sources, int64_t stride, const Int32s& which,
-                            const Int64s& rows, MutAny& out) {
+// One shard's column as a gather reads it: the buffers of each of its record batches (one, or
+// the chunks of a shard read in place), converted once, when the shard is opened. A gather
+// then takes one object per shard instead of one array per chunk: converting an array costs
+// about what copying a 1 KB row does, so a batch of small rows from chunked shards would pay
+// it for every row. It keeps the arrays, and so the mapping under them, alive.
+class ColumnChunks {
+ public:
+  ColumnChunks(std::vector<Bytes> values, std::vector<Int64s> offsets)
+      : values_(std::move(values)), offsets_(std::move(offsets)), spans_(spans_of(values_)) {
+    if (!offsets_.empty()) {
+      Status s;
+      var_ = var_sources(values_, offsets_, &s);
+      if (!s.ok()) throw std::invalid_argument(s.message);
+    }
+  }
+  size_t size() const { return values_.size(); }
+  bool has_offsets() const { return !offsets_.empty(); }
+  const std::vector<Span>& spans() const { return spans_; }
+  const std::vector<VarSource>& var() const { return var_; }
+
+ private:
+  std::vector<Bytes> values_;
+  std::vector<Int64s> offsets_;
+  std::vector<Span> spans_;
+  std::vector<VarSource> var_;
+};
+
+// The columns' chunks one after another: a row's source is its shard's first chunk's place
+// in this list plus its chunk (the caller numbers them so).
+std::vector<Span> flat_spans(const std::vector<ColumnChunks*>& columns) {
+  std::vector<Span> out;
+  size_t total = 0;
+  for (const auto* c : columns) total += c->size();
+  out.reserve(total);
+  for (const auto* c : columns) out.insert(out.end(), c->spans().begin(), c->spans().end());
+  return out;
+}
+
+std::vector<VarSource> flat_var(const std::vector<ColumnChunks*>& columns, Status* status) {
+  std::vector<VarSource> out;
+  for (size_t i = 0; i < columns.size(); ++i) {
+    if (!columns[i]->has_offsets()) {
+      *status = Status::Error(StatusCode::kInvalid, static_cast<int64_t>(i),
+                              "a column without offsets in a variable-width gather");
+      return out;
+    }
+    out.insert(out.end(), columns[i]->var().begin(), columns[i]->var().end());
+  }
+  return out;
+}
+
+StatusTuple gather_fixed_from(const std::vector<Span>& spans, int64_t stride, const Int32s& which,
+                              const Int64s& rows, MutAny& out) {
   Status s = check_batch(which, rows);
   if (s.ok()) s = check_positive(stride, "stride");
   if (!s.ok()) return to_tuple(s);
-  std::vector<Span> spans = spans_of(sources);
   auto* out_ptr = static_cast<uint8_t*>(out.data());
   size_t out_size = out.nbytes();
   {
@@ -138,18 +189,26 @@ StatusTuple py_gather_fixed(const std::vector<Bytes>& sources, int64_t stride, c
   return to_tuple(s);
 }
 
-std::tuple<int, int64_t, std::string, int64_t> py_var_offsets(const std::vector<Bytes>& values,
-                                                              const std::vector<Int64s>& offsets,
-                                                              int64_t elem_size, const Int32s& which,
-                                                              const Int64s& rows,
-                                                              MutInt64s& out_offsets) {
+StatusTuple py_gather_fixed(const std::vector<Bytes>& sources, int64_t stride, const Int32s& which,
+                            const Int64s& rows, MutAny& out) {
+  return gather_fixed_from(spans_of(sources), stride, which, rows, out);
+}
+
+StatusTuple py_gather_fixed_chunks(const std::vector<ColumnChunks*>& columns, int64_t stride,
+                                   const Int32s& which, const Int64s& rows, MutAny& out) {
+  return gather_fixed_from(flat_spans(columns), stride, which, rows, out);
+}
+
+// `sourced`: how converting the sources went (checked after the batch's shape, as before).
+std::tuple<int, int64_t, std::string, int64_t> var_offsets_from(
+    const Status& sourced, const std::vector<VarSource>& sources, int64_t elem_size,
+    const Int32s& which, const Int64s& rows, MutInt64s& out_offsets) {
   Status s = check_batch(which, rows);
   int64_t total = 0;
   if (s.ok() && out_offsets.size() != which.size() + 1) {
     s = Status::Error(StatusCode::kInvalid, -1, "out_offsets must hold len(rows) + 1 entries");
   }
-  std::vector<VarSource> sources;
-  if (s.ok()) sources = var_sources(values, offsets, &s);
+  if (s.ok()) s = sourced;
   if (s.ok()) s = check_positive(elem_size, "elem_size");
   if (s.ok()) {
     nb::gil_scoped_release release;
@@ -161,15 +220,32 @@ std::tuple<int, int64_t, std::string, int64_t> py_var_offsets(const std::vector<
   return {static_cast<int>(s.code), s.item, s.message, total};
 }
 
-StatusTuple py_gather_var(const std::vector<Bytes>& values, const std::vector<Int64s>& offsets,
-                          int64_t elem_size, const Int32s& which, const Int64s& rows,
-                          const Int64s& out_offsets, MutAny& out_values) {
+std::tuple<int, int64_t, std::string, int64_t> py_var_offsets(const std::vector<Bytes>& values,
+                                                              const std::vector<Int64s>& offsets,
+                                                              int64_t elem_size, const Int32s& which,
+                                                              const Int64s& rows,
+                                                              MutInt64s& out_offsets) {
+  Status sourced;
+  std::vector<VarSource> sources = var_sources(values, offsets, &sourced);
+  return var_offsets_from(sourced, sources, elem_size, which, rows, out_offsets);
+}
+
+std::tuple<int, int64_t, std::string, int64_t> py_var_offsets_chunks(
+    const std::vector<ColumnChunks*>& columns, int64_t elem_size, const Int32s& which,
+    const Int64s& rows, MutInt64s& out_offsets) {
+  Status sourced;
+  std::vector<VarSource> sources = flat_var(columns, &sourced);
+  return var_offsets_from(sourced, sources, elem_size, which, rows, out_offsets);
+}
+
+StatusTuple gather_var_from(const Status& sourced, const std::vector<VarSource>& sources,
+                            int64_t elem_size, const Int32s& which, const Int64s& rows,
+                            const Int64s& out_offsets, MutAny& out_values) {
   Status s = check_batch(which, rows);
   if (s.ok() && out_offsets.size() != which.size() + 1) {
     s = Status::Error(StatusCode::kInvalid, -1, "out_offsets must hold len(rows) + 1 entries");
   }
-  std::vector<VarSource> sources;
-  if (s.ok()) sources = var_sources(values, offsets, &s);
+  if (s.ok()) s = sourced;
   if (s.ok()) s = check_positive(elem_size, "elem_size");
   if (s.ok()) {
     auto* out_ptr = static_cast<uint8_t*>(out_values.data());
@@ -181,6 +257,22 @@ StatusTuple py_gather_var(const std::vector<Bytes>& values, const std::vector<In
     });
   }
   return to_tuple(s);
+}
+
+StatusTuple py_gather_var(const std::vector<Bytes>& values, const std::vector<Int64s>& offsets,
+                          int64_t elem_size, const Int32s& which, const Int64s& rows,
+                          const Int64s& out_offsets, MutAny& out_values) {
+  Status sourced;
+  std::vector<VarSource> sources = var_sources(values, offsets, &sourced);
+  return gather_var_from(sourced, sources, elem_size, which, rows, out_offsets, out_values);
+}
+
+StatusTuple py_gather_var_chunks(const std::vector<ColumnChunks*>& columns, int64_t elem_size,
+                                 const Int32s& which, const Int64s& rows,
+                                 const Int64s& out_offsets, MutAny& out_values) {
+  Status sourced;
+  std::vector<VarSource> sources = flat_var(columns, &sourced);
+  return gather_var_from(sourced, sources, elem_size, which, rows, out_offsets, out_values);
 }
 
 // Keeps the GIL (an exception to the rule): the job takes a microsecond or two, less than
@@ -203,13 +295,11 @@ std::tuple<int, int64_t, std::string, int64_t> py_group_shards(const Int64s& sha
 // no data), and the pool threads then write only into those buffers, never into an object's
 // header or reference count: nothing else can see the objects before this function returns
 // them. This is the GIL rule's "allocate outputs with the GIL" with outputs that are objects.
-std::tuple<int, int64_t, std::string, nb::list> py_gather_bytes(const std::vector<Bytes>& values,
-                                                                const std::vector<Int64s>& offsets,
-                                                                const Int32s& which,
-                                                                const Int64s& rows) {
+std::tuple<int, int64_t, std::string, nb::list> gather_bytes_from(
+    const Status& sourced, const std::vector<VarSource>& sources, const Int32s& which,
+    const Int64s& rows) {
   Status s = check_batch(which, rows);
-  std::vector<VarSource> sources;
-  if (s.ok()) sources = var_sources(values, offsets, &s);
+  if (s.ok()) s = sourced;
   const size_t n = which.size();
   std::vector<int64_t> out_offsets(n + 1, 0);
   int64_t total = 0;
@@ -247,6 +337,22 @@ std::tuple<int, int64_t, std::string, nb::list> py_gather_bytes(const std::vecto
     for (auto& object : objects) result.append(object);
   }
   return {static_cast<int>(s.code), s.item, s.message, result};
+}
+
+std::tuple<int, int64_t, std::string, nb::list> py_gather_bytes(const std::vector<Bytes>& values,
+                                                                const std::vector<Int64s>& offsets,
+                                                                const Int32s& which,
+                                                                const Int64s& rows) {
+  Status sourced;
+  std::vector<VarSource> sources = var_sources(values, offsets, &sourced);
+  return gather_bytes_from(sourced, sources, which, rows);
+}
+
+std::tuple<int, int64_t, std::string, nb::list> py_gather_bytes_chunks(
+    const std::vector<ColumnChunks*>& columns, const Int32s& which, const Int64s& rows) {
+  Status sourced;
+  std::vector<VarSource> sources = flat_var(columns, &sourced);
+  return gather_bytes_from(sourced, sources, which, rows);
 }
 
 // An XXH64 over several buffers (a file checksummed while it is written). update() releases
@@ -512,6 +618,25 @@ NB_MODULE(_core, m) {
         nb::arg("offsets").noconvert(), nb::arg("which").noconvert(), nb::arg("rows").noconvert(),
         "Rows of byte columns as one bytes object each, one copy per row; returns (code, item, "
         "message, list of bytes).");
+  nb::class_<ColumnChunks>(m, "ColumnChunks",
+                           "One shard's column: the buffers of each of its record batches.")
+      .def(nb::init<std::vector<Bytes>, std::vector<Int64s>>(), nb::arg("values").noconvert(),
+           nb::arg("offsets").noconvert())
+      .def("__len__", &ColumnChunks::size);
+  m.def("gather_fixed_chunks", &py_gather_fixed_chunks, nb::arg("columns"), nb::arg("stride"),
+        nb::arg("which").noconvert(), nb::arg("rows").noconvert(), nb::arg("out").noconvert(),
+        "gather_fixed over ColumnChunks: which[i] numbers the columns' chunks one after "
+        "another; returns (code, item, message).");
+  m.def("var_offsets_chunks", &py_var_offsets_chunks, nb::arg("columns"), nb::arg("elem_size"),
+        nb::arg("which").noconvert(), nb::arg("rows").noconvert(),
+        nb::arg("out_offsets").noconvert(), "var_offsets over ColumnChunks.");
+  m.def("gather_var_chunks", &py_gather_var_chunks, nb::arg("columns"), nb::arg("elem_size"),
+        nb::arg("which").noconvert(), nb::arg("rows").noconvert(),
+        nb::arg("out_offsets").noconvert(), nb::arg("out_values").noconvert(),
+        "gather_var over ColumnChunks.");
+  m.def("gather_bytes_chunks", &py_gather_bytes_chunks, nb::arg("columns"),
+        nb::arg("which").noconvert(), nb::arg("rows").noconvert(),
+        "gather_bytes over ColumnChunks.");
   m.def("group_shards", &py_group_shards, nb::arg("shards").noconvert(),
         nb::arg("unique_out").noconvert(), nb::arg("which_out").noconvert(),
         "The distinct shards of a batch in increasing order into unique_out, each row's "

@@ -32,6 +32,27 @@ def gather_bytes(values: Sequence[Annotated[NDArray[numpy.uint8], dict(shape=(No
     Rows of byte columns as one bytes object each, one copy per row; returns (code, item, message, list of bytes).
     """
 
+class ColumnChunks:
+    """One shard's column: the buffers of each of its record batches."""
+
+    def __init__(self, values: Sequence[Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)]], offsets: Sequence[Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]]) -> None: ...
+
+    def __len__(self) -> int: ...
+
+def gather_fixed_chunks(columns: Sequence[ColumnChunks], stride: int, which: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu', writable=False)], rows: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], out: Annotated[NDArray, dict(order='C', device='cpu')]) -> tuple[int, int, str]:
+    """
+    gather_fixed over ColumnChunks: which[i] numbers the columns' chunks one after another; returns (code, item, message).
+    """
+
+def var_offsets_chunks(columns: Sequence[ColumnChunks], elem_size: int, which: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu', writable=False)], rows: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], out_offsets: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')]) -> tuple[int, int, str, int]:
+    """var_offsets over ColumnChunks."""
+
+def gather_var_chunks(columns: Sequence[ColumnChunks], elem_size: int, which: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu', writable=False)], rows: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], out_offsets: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], out_values: Annotated[NDArray, dict(order='C', device='cpu')]) -> tuple[int, int, str]:
+    """gather_var over ColumnChunks."""
+
+def gather_bytes_chunks(columns: Sequence[ColumnChunks], which: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu', writable=False)], rows: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> tuple[int, int, str, list]:
+    """gather_bytes over ColumnChunks."""
+
 def group_shards(shards: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], unique_out: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')], which_out: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu')]) -> tuple[int, int, str, int]:
     """
     The distinct shards of a batch in increasing order into unique_out, each row's position among them into which_out; returns (code, item, message, count).

@@ -74,6 +74,16 @@ class Backend(Protocol):
                    out_offsets: np.ndarray, out_values: np.ndarray) -> tuple[int, int, str]: ...
     def gather_bytes(self, values: Sequence[np.ndarray], offsets: Sequence[np.ndarray],
                      which: np.ndarray, rows: np.ndarray) -> tuple[int, int, str, list[Any]]: ...
+    def gather_fixed_chunks(self, columns: Sequence[Any], stride: int, which: np.ndarray,
+                            rows: np.ndarray, out: np.ndarray) -> tuple[int, int, str]: ...
+    def var_offsets_chunks(self, columns: Sequence[Any], elem_size: int, which: np.ndarray,
+                           rows: np.ndarray, out_offsets: np.ndarray
+                           ) -> tuple[int, int, str, int]: ...
+    def gather_var_chunks(self, columns: Sequence[Any], elem_size: int, which: np.ndarray,
+                          rows: np.ndarray, out_offsets: np.ndarray, out_values: np.ndarray
+                          ) -> tuple[int, int, str]: ...
+    def gather_bytes_chunks(self, columns: Sequence[Any], which: np.ndarray, rows: np.ndarray
+                            ) -> tuple[int, int, str, list[Any]]: ...
     def group_shards(self, shards: np.ndarray, unique_out: np.ndarray,
                      which_out: np.ndarray) -> tuple[int, int, str, int]: ...
     def set_num_threads(self, threads: int) -> None: ...
@@ -84,6 +94,8 @@ class Backend(Protocol):
     def GlobalRngs(self) -> Callable[[Any, Any, np.ndarray], _GlobalRngsImpl]: ...
     @property
     def Xxh64(self) -> Callable[[int], _Xxh64Impl]: ...
+    @property
+    def ColumnChunks(self) -> Callable[[list[np.ndarray], list[np.ndarray]], Any]: ...
 
 
 _compiled: Backend | None
@@ -259,6 +271,79 @@ def gather_bytes(
     except TypeError as exc:
         _refused(exc, _twin_checks.check_var_args("gather_bytes", values, offsets, which, rows,
                                                   np.zeros(1, np.int64)))
+    _raise(code, item, message)
+    return list(result)
+
+
+class ColumnChunks:
+    """One shard's column as the ``*_chunks`` gathers read it: the buffers of each of its
+    record batches (one, or the chunks of a shard read in place), converted for the backend
+    once (per backend) instead of on every batch.
+
+    Args:
+        values: one-dimensional C-contiguous uint8 arrays, one per record batch.
+        offsets: for a variable-width column, their int64 offsets; else None.
+
+    Thread safety: any thread may use it (two threads converting it at once both succeed).
+    """
+
+    __slots__ = ("_handles", "offsets", "values")
+
+    def __init__(self, values: Sequence[np.ndarray],
+                 offsets: Sequence[np.ndarray] | None = None) -> None:
+        self.values = list(values)
+        self.offsets = list(offsets) if offsets is not None else []
+        self._handles: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def handle(self) -> Any:
+        """This column as the active backend holds it."""
+        handle = self._handles.get(id(_backend))
+        if handle is None:
+            handle = self._handles[id(_backend)] = _backend.ColumnChunks(self.values,
+                                                                         self.offsets)
+        return handle
+
+
+def gather_fixed_chunks(columns: Sequence[ColumnChunks], stride: int, which: np.ndarray,
+                        rows: np.ndarray, out: np.ndarray) -> None:
+    """:func:`gather_fixed` over the columns' record batches: ``which[i]`` numbers them one
+    column after another (column k's batch j is ``sum(len(c) for c in columns[:k]) + j``).
+
+    Raises: as :func:`gather_fixed`.
+    """
+    if not isinstance(out, np.ndarray) or not (out.flags.c_contiguous and out.flags.writeable):
+        problem = _twin_checks.array_problem("out", out, writable=True, one_d=False)
+        raise NativeError(f"gather_fixed: {problem}", CODE_INVALID)
+    handles = [column.handle() for column in columns]
+    _raise(*_backend.gather_fixed_chunks(handles, stride, which, rows,
+                                         out.reshape(-1).view(np.uint8)))
+
+
+def gather_var_chunks(columns: Sequence[ColumnChunks], elem_size: int, which: np.ndarray,
+                      rows: np.ndarray, allocate: Callable[[int], np.ndarray] | None = None,
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`gather_var` over the columns' record batches (numbered as
+    :func:`gather_fixed_chunks` says). Raises: as :func:`gather_var`."""
+    handles = [column.handle() for column in columns]
+    out_offsets = np.empty(len(rows) + 1, dtype=np.int64)
+    code, item, message, total = _backend.var_offsets_chunks(handles, elem_size, which, rows,
+                                                             out_offsets)
+    _raise(code, item, message)
+    nbytes = int(total) * elem_size
+    out_values = allocate(nbytes) if allocate is not None else np.empty(nbytes, dtype=np.uint8)
+    _raise(*_backend.gather_var_chunks(handles, elem_size, which, rows, out_offsets,
+                                       out_values))
+    return out_values, out_offsets
+
+
+def gather_bytes_chunks(columns: Sequence[ColumnChunks], which: np.ndarray,
+                        rows: np.ndarray) -> list[bytes]:
+    """:func:`gather_bytes` over the columns' record batches. Raises: as :func:`gather_var`."""
+    handles = [column.handle() for column in columns]
+    code, item, message, result = _backend.gather_bytes_chunks(handles, which, rows)
     _raise(code, item, message)
     return list(result)
 

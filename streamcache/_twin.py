@@ -270,6 +270,60 @@ def gather_bytes(
     ]
 
 
+class ColumnChunks:
+    """One shard's column: the buffers of each of its record batches (csrc/bindings.cpp)."""
+
+    def __init__(self, values: Sequence[np.ndarray], offsets: Sequence[np.ndarray]) -> None:
+        if offsets and len(offsets) != len(values):
+            raise ValueError("values and offsets lists differ in length")
+        self.values = list(values)
+        self.offsets = list(offsets)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+def _flat_offsets(columns: Sequence[ColumnChunks]) -> list[np.ndarray] | Status:
+    for i, column in enumerate(columns):
+        if not column.offsets:
+            return INVALID, i, "a column without offsets in a variable-width gather"
+    return [o for column in columns for o in column.offsets]
+
+
+def gather_fixed_chunks(columns: Sequence[ColumnChunks], stride: int, which: np.ndarray,
+                        rows: np.ndarray, out: np.ndarray) -> Status:
+    """:func:`gather_fixed` over the columns' chunks, numbered one after another."""
+    return gather_fixed([v for column in columns for v in column.values], stride, which, rows,
+                        out)
+
+
+def var_offsets_chunks(columns: Sequence[ColumnChunks], elem_size: int, which: np.ndarray,
+                       rows: np.ndarray, out_offsets: np.ndarray) -> tuple[int, int, str, int]:
+    offsets = _flat_offsets(columns)
+    if isinstance(offsets, tuple):
+        return (*offsets, 0)
+    return var_offsets([v for column in columns for v in column.values], offsets, elem_size,
+                       which, rows, out_offsets)
+
+
+def gather_var_chunks(columns: Sequence[ColumnChunks], elem_size: int, which: np.ndarray,
+                      rows: np.ndarray, out_offsets: np.ndarray, out_values: np.ndarray
+                      ) -> Status:
+    offsets = _flat_offsets(columns)
+    if isinstance(offsets, tuple):
+        return offsets
+    return gather_var([v for column in columns for v in column.values], offsets, elem_size,
+                      which, rows, out_offsets, out_values)
+
+
+def gather_bytes_chunks(columns: Sequence[ColumnChunks], which: np.ndarray, rows: np.ndarray
+                        ) -> tuple[int, int, str, list[bytes]]:
+    offsets = _flat_offsets(columns)
+    if isinstance(offsets, tuple):
+        return (*offsets, [])
+    return gather_bytes([v for column in columns for v in column.values], offsets, which, rows)
+
+
 def group_shards(shards: np.ndarray, unique_out: np.ndarray,
                  which_out: np.ndarray) -> tuple[int, int, str, int]:
     """The distinct shards in increasing order into ``unique_out``, each row's position among

@@ -183,13 +183,14 @@ def test_chunk_layouts_survive_a_side_file(tmp_path: Path, monkeypatch: Any) -> 
         load_index(folder)
 
 
-def test_installing_a_chunked_shard_gives_the_one_batch_local_layout(tmp_path: Path) -> None:
+def test_a_local_chunked_uncompressed_shard_is_read_in_place(tmp_path: Path) -> None:
     folder = write(tmp_path / "ds", compression=None)
     index = load_index(folder)
     with NodeCache(index, str(tmp_path / "cache")) as cache:
         path = cache.local_path(0)
-        assert path != str(tmp_path / "ds" / index.shards[0].path)  # not read in place
-        assert ipc.open_file(path).num_record_batches == 1
+        assert os.path.samefile(path, tmp_path / "ds" / index.shards[0].path)  # in place
+        assert ipc.open_file(path).num_record_batches > 1  # its chunks, as written
+        assert not list((tmp_path / "cache").rglob("*.arrow"))
 
 
 def test_coalesce_merges_near_blocks_within_the_limit() -> None:

@@ -211,6 +211,19 @@ class ShardReader:
         except (pa.ArrowException, ValueError) as exc:
             raise corrupt_shard_error(self.path, exc) from exc
 
+    def column_chunks(self, name: str) -> _native.ColumnChunks:
+        """The column's buffers, one per record batch, as the native gather takes them (made
+        on first use, then kept: a batch converts one object per shard, not per chunk)."""
+        columns = self.__dict__.setdefault("_columns", {})
+        found = columns.get(name)
+        if found is None:
+            parts = ([self._buffers[name]] if self._chunks is None else
+                     [chunk.buffers(name) for chunk in self._chunks.chunks])
+            offsets = [part.offsets for part in parts if part.offsets is not None]
+            found = columns[name] = _native.ColumnChunks(
+                [part.data for part in parts], offsets if offsets else None)
+        return found
+
     def buffers(self, name: str) -> ColumnBuffers:
         """The column's views (a shard of one record batch; :func:`gather` reads a chunked
         one chunk by chunk)."""
@@ -228,6 +241,7 @@ class ShardReader:
     def close(self) -> None:
         self._buffers.clear()
         self._chunks = None
+        self.__dict__.pop("_columns", None)
         self._mmap.close()
 
     def __enter__(self) -> ShardReader:
@@ -325,41 +339,40 @@ def batch_shards(shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _native.group_shards(np.ascontiguousarray(shards, dtype=np.int64))
 
 
-def by_chunk(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray
-             ) -> tuple[list[Any], np.ndarray, np.ndarray]:
-    """What :func:`gather` reads when some shards are chunked: the distinct (shard, chunk)
-    pairs the rows fall in (a shard of one batch is its own), each row's index among them
-    and its row inside its chunk. A row outside its shard gets an index past the sources, so
-    the native gather refuses it as it refuses any row that does not exist."""
+def locate_in_chunks(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's record batch, numbered over ``shards`` one after another (shard k's batch j
+    is the shards' batches before k plus j: what the ``*_chunks`` gathers take), and its row
+    inside that batch. A row outside its shard stays in that shard's first or last batch,
+    outside its rows, so the native gather refuses it as it refuses any row that does not
+    exist (it never reaches another shard's batch)."""
     count = len(shards)
     chunks = np.ones(count, dtype=np.int64)
-    sizes = np.empty(count, dtype=np.int64)
-    fixed = np.zeros(count, dtype=np.int64)  # rows a chunk (0: one batch, or found by search)
+    step = np.full(count, 1 << 62, dtype=np.int64)  # rows a chunk; one batch: all in chunk 0
+    uneven = []
     for i, shard in enumerate(shards):
-        sizes[i] = shard.num_rows
-        if shard._chunks is not None:
-            chunks[i] = len(shard._chunks.chunks)
-            fixed[i] = shard._chunks.fixed_rows
+        table = shard._chunks
+        if table is not None:
+            chunks[i] = len(table.chunks)
+            if table.fixed_rows:
+                step[i] = table.fixed_rows
+            else:
+                uneven.append(i)
     base = np.zeros(count, dtype=np.int64)
     np.cumsum(chunks[:-1], out=base[1:])
-    outside = (rows < 0) | (rows >= sizes[which])
-    inside = np.where(outside, 0, rows)
-    per_chunk = fixed[which]
-    chunk = inside // np.maximum(per_chunk, 1) * (per_chunk > 0)  # ShardWriter's: arithmetic
-    local = inside - chunk * per_chunk
-    for i in np.flatnonzero((chunks > 1) & (fixed == 0)).tolist():  # uneven batches: search
+    # A row outside its shard lands in its first or last chunk, outside that chunk's rows
+    # (clipped): the native gather refuses it, and it never reaches another shard's chunk.
+    chunk = np.minimum(np.maximum(rows // step[which], 0), (chunks - 1)[which])
+    local = rows - chunk * step[which]
+    for i in uneven:  # batches of uneven row counts (foreign files): a binary search
         table = shards[i]._chunks
         assert table is not None
         mine = np.flatnonzero(which == i)
-        found = table.locate(inside[mine])
+        found = np.clip(table.locate(rows[mine]), 0, len(table.chunks) - 1)
         chunk[mine] = found
-        local[mine] = inside[mine] - table.starts[found]
-    pairs, index = batch_shards(base[which] + chunk)
-    owner = np.searchsorted(base, pairs, side="right") - 1
-    sources = [shards[s] if chunks[s] == 1 else shards[s]._chunks.chunks[c]
-               for s, c in zip(owner.tolist(), (pairs - base[owner]).tolist(), strict=True)]
-    index = np.where(outside, len(sources), index).astype(np.int32)
-    return sources, index, local
+        local[mine] = rows[mine] - table.starts[found]
+    flat = base[which] + chunk
+    return flat.astype(np.int32), local
 
 
 def gather(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray,
@@ -379,30 +392,26 @@ def gather(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray,
     """
     which = np.ascontiguousarray(which, dtype=np.int32)
     rows = np.ascontiguousarray(rows, dtype=np.int64)
-    sources: Sequence[Any] = shards
     if any(shard._chunks is not None for shard in shards):
-        sources, which, rows = by_chunk(shards, which, rows)
+        which, rows = locate_in_chunks(shards, which, rows)
     pool = _OUTPUTS.get()
     out: dict[str, np.ndarray | Ragged] = {}
     for field in fields:
-        views = [source.buffers(field.name) for source in sources]
+        columns = [shard.column_chunks(field.name) for shard in shards]
         if field.fixed_width:
             # a pooled buffer: no page faults on fresh memory (see buffers.py)
             array = pool.take(len(rows) * field.row_bytes).view(field.numpy_dtype).reshape(
                 (len(rows), *field.shape))
-            _native.gather_fixed([v.data for v in views], field.row_bytes, which, rows, array)
+            _native.gather_fixed_chunks(columns, field.row_bytes, which, rows, array)
             out[field.name] = array
             continue
         if field.kind == "bytes" and _BYTES_AS_ROWS.get():
             settle_allocator()
-            out[field.name] = Ragged.from_rows(_native.gather_bytes(
-                [v.data for v in views], [v.offsets for v in views],
-                which, rows))
+            out[field.name] = Ragged.from_rows(_native.gather_bytes_chunks(columns, which,
+                                                                           rows))
             continue
-        values, offsets = _native.gather_var(
-            [v.data for v in views], [v.offsets for v in views],
-            field.elem_size, which, rows, pool.take,
-        )
+        values, offsets = _native.gather_var_chunks(columns, field.elem_size, which, rows,
+                                                    pool.take)
         dtype = field.numpy_dtype
         if field.kind == "sequence" and field.elem_size != dtype.itemsize:
             offsets //= dtype.itemsize  # stored as raw bytes: offsets counted bytes
