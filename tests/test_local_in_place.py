@@ -100,3 +100,23 @@ def test_a_chunked_shard_changed_after_indexing_is_an_error_never_another_sample
             f.truncate(size - 100)
     with pytest.raises(StreamcacheError, match=victim.name):
         _read_epoch(url, tmp_path / "cache")
+
+
+def test_a_slow_mount_can_be_copied_into_the_cache_instead(tmp_path: Path) -> None:
+    """local_data="copy": local uncompressed shards are installed as remote ones are (read
+    once from the mount, then from the node cache); the samples are the same."""
+    url = _write(tmp_path, None)
+    in_place = _read_epoch(url, tmp_path / "in-place")
+    copied = _read_epoch(url, tmp_path / "copied", local_data="copy")
+    assert copied == in_place
+    installed = [p for p in _cache_files(tmp_path / "copied") if p.suffix == ".arrow"]
+    assert len(installed) == len(list(Path(url).glob("*.arrow")))
+
+
+def test_local_data_is_checked(tmp_path: Path) -> None:
+    from streamcache.errors import ConfigError
+
+    url = _write(tmp_path, None)
+    with pytest.raises(ConfigError, match="local_data must be one of 'in_place', 'copy'"):
+        StreamDataset(url, global_batch_size=64, cache_dir=str(tmp_path / "c"),
+                      local_data="mmap")  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ class CopyLookup(Accounting):
     index: DatasetIndex
     fetcher: Fetcher
     verify_in_place: bool
+    read_in_place: bool
     _storage_options: Mapping[str, Any]
     _shard_dir: str
     _in_place: dict[int, str | None]
@@ -91,7 +92,8 @@ class CopyLookup(Accounting):
         info = self.index.shards[shard]
         url = self.index.shard_url(shard)
         path = local_file(url)
-        if info.format != "arrow" or info.compression is not None or path is None:
+        if not self.read_in_place or info.format != "arrow" or info.compression is not None \
+                or path is None:
             return None  # remote, Parquet or compressed: never in the local layout as it is
         return path if is_local_layout(path, self.index.schema) else None
 

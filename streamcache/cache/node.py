@@ -91,6 +91,8 @@ class NodeCache(Installer, CopyLookup):
         verify_in_place: hash a local shard that is read in place against the index's
             checksum before it is first served, once per (path, size, mtime, inode) and
             remembered in ``cache_dir``; its size is always checked. False: size only.
+        read_in_place: serve local uncompressed shards where they lie (default). False:
+            install them like remote ones (a slow mount read once, then the local disk).
 
     Raises:
         CacheBudgetError: ``cache_limit`` is below ``working_set_bytes``; the message states
@@ -105,8 +107,9 @@ class NodeCache(Installer, CopyLookup):
                  working_set_bytes: int | None = None, fetcher: Fetcher | None = None,
                  fetch_options: FetchOptions | None = None,
                  storage_options: Mapping[str, Any] | None = None, durable: bool = True,
-                 verify_in_place: bool = True) -> None:
+                 verify_in_place: bool = True, read_in_place: bool = True) -> None:
         self.index = index
+        self.read_in_place = read_in_place
         self.cache_dir = os.path.abspath(cache_dir)
         self.cache_limit = cache_limit
         self.durable = durable

@@ -52,7 +52,7 @@ from .mixture import MixtureFeed
 from .mixture_store import MixtureReader
 from .node_reader import NodeReader
 from .nodes import NodeLocality, fingerprint_of
-from .options import RaggedMode, StreamOptions, TailMode, WindowUnit
+from .options import LocalData, RaggedMode, StreamOptions, TailMode, WindowUnit
 from .schedule import Schedule, StepRef, later_epoch_samples
 from .seeding import GlobalRngSeeder, preserved_global_rngs, step_seed
 from .source import Source
@@ -89,11 +89,16 @@ class StreamDataset(IterableDataset):
         with_seeds: add ``__seed__`` to batches without a transform.
         infinite: iterate across epochs without end (LLM jobs count steps).
         cache_dir: the node-local cache folder shared by every process of the node
-            (default: $STREAMCACHE_CACHE_DIR, else ~/.cache/streamcache). Local shards in the
-            local layout are read in place and never copied.
+            (default: $STREAMCACHE_CACHE_DIR, else ~/.cache/streamcache). Local uncompressed
+            shards (``ShardWriter(compression=None)``, chunked or not) are read in place and
+            never copied; compressed or Parquet shards are decoded once into it.
         cache_limit: bytes the cache may hold (None: no limit). Below the working set (the
             shards one shuffle window keeps in use) it is refused at construction, with the
             minimum in the message: lower ``shuffle_window`` to stream with less disk.
+        local_data: ``"in_place"`` (default, for a local disk): local uncompressed shards are
+            memory-mapped where they lie. ``"copy"``: they are copied into ``cache_dir`` first,
+            as remote shards are, for a slow mount (NFS, Lustre, a mounted bucket) whose
+            per-read latency a page-cache read path would pay on every batch.
         storage_options: keyword arguments of the URL's fsspec filesystem (credentials,
             endpoint); they replace ``fetch.storage_options``.
         fetch: how shards and the index are downloaded: a
@@ -161,6 +166,7 @@ class StreamDataset(IterableDataset):
         infinite: bool = False,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | None = None,
+        local_data: LocalData = "in_place",
         storage_options: Mapping[str, Any] | None = None,
         fetch: FetchOptions | None = None,
         prefetch: PrefetchOptions | None = None,
@@ -177,7 +183,7 @@ class StreamDataset(IterableDataset):
             tail=tail, fields=fields, ragged=ragged, pad_value=pad_value, transform=transform,
             batch_transform=batch_transform, collate_fn=collate_fn, with_seeds=with_seeds,
             infinite=infinite, cache_dir=cache_dir, cache_limit=cache_limit,
-            storage_options=storage_options, fetch=fetch, prefetch=prefetch,
+            local_data=local_data, storage_options=storage_options, fetch=fetch, prefetch=prefetch,
             allow_external_paths=allow_external_paths, rank=rank, world_size=world_size,
             nodes=nodes, resume_check=resume_check,
         )

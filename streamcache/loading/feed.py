@@ -295,7 +295,8 @@ class ShardFeed(FeedBase):
         working_set = self.working_set_bytes() if opts.cache_limit is not None else None
         cache = NodeCache(self.index, folder, cache_limit=opts.cache_limit,
                           working_set_bytes=working_set, fetch_options=opts.fetch,
-                          storage_options=opts.storage_options)
+                          storage_options=opts.storage_options,
+                          read_in_place=opts.local_data == "in_place")
         return self._prefetcher(cache, cursor)
 
 

@@ -263,7 +263,8 @@ class MixtureFeed(FeedBase):
         working_set = self.working_set_bytes() if opts.cache_limit is not None else None
         caches = source_caches(self.indexes, default_cache_dir(opts.cache_dir),
                                cache_limit=opts.cache_limit, working_set_bytes=working_set,
-                               storage_options=self.storage, fetch_options=opts.fetch)
+                               storage_options=self.storage, fetch_options=opts.fetch,
+                               read_in_place=opts.local_data == "in_place")
         return self._prefetcher(cast(NodeCache, MixtureCache(caches)), cursor)
 
 #: Indexes read at once when a mixture is made (remote ones are a request each).

@@ -21,6 +21,9 @@ from .batching import RAGGED_MODES
 TailMode = Literal["drop", "pad", "split"]
 RaggedMode = Literal["padded", "offsets"]
 WindowUnit = Literal["samples", "shards"]
+#: How local uncompressed shards are read: where they lie (a local disk) or copied into the
+#: node cache first (a slow shared mount: NFS, Lustre, a mounted bucket).
+LocalData = Literal["in_place", "copy"]
 TAIL_MODES: tuple[TailMode, ...] = get_args(TailMode)
 WINDOW_UNITS: tuple[WindowUnit, ...] = get_args(WindowUnit)
 
@@ -52,6 +55,7 @@ class StreamOptions:
     infinite: bool = False
     cache_dir: str | os.PathLike[str] | None = None
     cache_limit: int | None = None
+    local_data: LocalData = "in_place"
     storage_options: Mapping[str, Any] | None = None
     fetch: FetchOptions | None = None  # timeouts, retries, requests in flight
     prefetch: PrefetchOptions | None = None  # download threads, shards kept ahead
@@ -74,6 +78,7 @@ class StreamOptions:
             raise ConfigError(f"seed must be below 2**64, got {self.seed}")
         for name, allowed in (("tail", TAIL_MODES), ("ragged", RAGGED_MODES),
                               ("shuffle_window_unit", WINDOW_UNITS),
+                              ("local_data", get_args(LocalData)),
                               ("resume_check", RESUME_CHECKS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}; "
@@ -146,6 +151,7 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 __all__ = [
     "TAIL_MODES",
     "WINDOW_UNITS",
+    "LocalData",
     "RaggedMode",
     "StreamOptions",
     "TailMode",
