@@ -1,6 +1,7 @@
 """fsspec helpers (streamcache/remote/storage.py): URLs to filesystems, path joining, atomic
 publication (old file or whole new one, never a part, no temporary left), exclusive
-creation locally and on memory://, and OS errors as one clear DestinationError."""
+creation locally and on memory://, OS errors as one clear DestinationError, and bounded
+reads of small local regular files."""
 
 from __future__ import annotations
 
@@ -130,3 +131,27 @@ def test_os_errors_while_writing_say_what_to_do(tmp_path: Path) -> None:
 def test_fsync_dir_is_a_no_op_where_a_folder_cannot_be_opened(tmp_path: Path) -> None:
     storage.fsync_dir(str(tmp_path))
     storage.fsync_dir(str(tmp_path / "absent"))
+
+
+def test_read_regular_local_reads_a_bounded_prefix_and_follows_links_only_when_told(
+        tmp_path: Path) -> None:
+    """One reader of small local files for the checkpoint tiers (a link is refused: the
+    root's writers are not trusted) and the Trainer's checkpoint folders (followed: they may
+    be copies made of links)."""
+    data = tmp_path / "state.json"
+    data.write_bytes(b"x" * 10)
+    link = tmp_path / "link.json"
+    link.symlink_to(data)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for follow in (False, True):
+        assert storage.read_regular_local(str(data), 100, follow_links=follow) == b"x" * 10
+        assert storage.read_regular_local(str(data), 4, follow_links=follow) == b"x" * 5
+        for not_regular in (fifo, tmp_path):  # a FIFO is refused at once, not waited on
+            with pytest.raises(storage.UnreadableFileError, match="not a regular file"):
+                storage.read_regular_local(str(not_regular), 100, follow_links=follow)
+        with pytest.raises(FileNotFoundError):
+            storage.read_regular_local(str(tmp_path / "missing"), 100, follow_links=follow)
+    assert storage.read_regular_local(str(link), 100, follow_links=True) == b"x" * 10
+    with pytest.raises(storage.UnreadableFileError, match="symbolic link"):
+        storage.read_regular_local(str(link), 100, follow_links=False)

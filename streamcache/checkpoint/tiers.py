@@ -12,12 +12,10 @@ so that a flaky object store is never mistaken for a damaged checkpoint.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import random
 import shutil
-import stat
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -28,6 +26,7 @@ from ..format.checksum import checksum_bytes, checksum_file
 from ..remote import storage
 from ..remote.options import FetchOptions
 from ..remote.retry import backoff_delay, is_transient
+from ..remote.storage import UnreadableFileError
 
 log = logging.getLogger("streamcache.checkpoint")
 
@@ -53,10 +52,6 @@ def retrying(call: Callable[[], T], what: str) -> T:
                         READ_ATTEMPTS, type(exc).__name__, exc)
             time.sleep(backoff_delay(attempt, _READ_BACKOFF, random.random()))
     raise AssertionError("unreachable")
-
-
-class UnreadableFileError(ValueError):
-    """A small file that must not be read as it is: a symlink, not a regular file, too large."""
 
 
 class Location:
@@ -151,7 +146,7 @@ class Location:
             data = bytes(retrying(lambda: self.fs.cat_file(self._p(name), start=0,
                                                            end=limit + 1), self.join(name)))
         else:
-            data = _read_regular_file(self.local_path(name), limit)
+            data = storage.read_regular_local(self.local_path(name), limit, follow_links=False)
         if len(data) > limit:
             raise UnreadableFileError(f"{self.join(name)} is larger than {limit} bytes")
         return data
@@ -207,28 +202,3 @@ class Location:
 
     def _p(self, name: str) -> str:
         return f"{self.path}/{name}" if name else self.path
-
-
-def _read_regular_file(path: str, limit: int) -> bytes:
-    """At most ``limit + 1`` bytes of a local regular file, never through a symlink."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnreadableFileError(f"{path} is a symbolic link") from exc
-        raise
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise UnreadableFileError(f"{path} is not a regular file")
-        chunks, size = [], 0
-        while size <= limit:
-            chunk = os.read(fd, limit + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -47,7 +46,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ..errors import ConfigError, LoaderStateError
 from ..loading.loader import StreamLoader
-from ..remote.storage import write_atomic_local
+from ..remote.storage import UnreadableFileError, read_regular_local, write_atomic_local
 
 #: The loader's state in each of the Trainer's checkpoint folders.
 LOADER_STATE_NAME = "streamcache_loader.json"
@@ -270,32 +269,25 @@ def _read_json(path: str, what: str, limit: int) -> Any:
 
 def _read_regular_file(path: str, what: str, limit: int) -> bytes:
     """At most ``limit`` bytes of the regular file ``path`` (links followed: a checkpoint
-    folder may be a copy made of links). Opened without blocking, so a FIFO in its place is
-    refused rather than waited on.
+    folder may be a copy made of links), through
+    :func:`~streamcache.remote.storage.read_regular_local` (a FIFO is refused, not waited on).
 
     Raises:
-        LoaderStateError: missing, not a regular file, or larger than ``limit``.
+        LoaderStateError: missing, not a regular file, unreadable, or larger than ``limit``.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        data = read_regular_local(path, limit, follow_links=True)
     except FileNotFoundError:
         raise LoaderStateError(
             f"{path} is missing: the checkpoint was not written by a StreamTrainer, so "
             f"{what} cannot be restored exactly; resume with ignore_data_skip=True to start "
             "the epoch over") from None
+    except UnreadableFileError:
+        raise LoaderStateError(f"{path} is not a regular file: replace it with the file "
+                               "the checkpoint was saved with, or resume from another "
+                               "checkpoint") from None
     except OSError as error:
         raise _unreadable(path, error) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise LoaderStateError(f"{path} is not a regular file: replace it with the file "
-                                   "the checkpoint was saved with, or resume from another "
-                                   "checkpoint")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(limit + 1)
-    except OSError as error:
-        raise _unreadable(path, error) from None
-    finally:
-        os.close(fd)
     if len(data) > limit:
         raise LoaderStateError(f"{path} is larger than {limit} bytes: it is not a "
                                "checkpoint's state; resume from another checkpoint")

@@ -1,4 +1,5 @@
-"""fsspec helpers shared by the writer, the index and the readers.
+"""fsspec helpers shared by the writer, the index and the readers, and small local-file I/O
+(atomic writes, bounded reads of regular files) shared by the checkpoint and the Trainer.
 
 fsspec is the only remote layer: a URL is anything fsspec knows (a local path, file://,
 memory://, s3://, gs://, az://, http(s)://). Nothing here knows a particular cloud.
@@ -7,8 +8,10 @@ memory://, s3://, gs://, az://, http(s)://). Nothing here knows a particular clo
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import posixpath
+import stat
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import IO, Any
@@ -122,6 +125,49 @@ def write_atomic_local(path: str, data: bytes, *, durable: bool = True) -> None:
         f.write(data)
 
 
+class UnreadableFileError(ValueError):
+    """A small file that must not be read as it is: a symlink, not a regular file, too large."""
+
+
+def read_regular_local(path: str, limit: int, *, follow_links: bool) -> bytes:
+    """At most ``limit + 1`` bytes of the local regular file ``path``: one byte more than
+    ``limit`` tells the caller the file is too large, without reading the rest.
+
+    The file is opened without blocking, so a FIFO in its place is refused at once rather
+    than waited on. ``follow_links=False`` refuses a symbolic link as the last part of the
+    path (a folder whose writers are not trusted, such as a checkpoint root);
+    ``follow_links=True`` follows it (a Trainer checkpoint folder may be a copy made of links).
+
+    Raises:
+        FileNotFoundError: nothing is at ``path``.
+        UnreadableFileError: ``path`` is a symbolic link (with ``follow_links=False``) or
+            not a regular file (a FIFO, a device, a folder).
+        OSError: another failure to open or read it.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if not follow_links:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_links:
+            raise UnreadableFileError(f"{path} is a symbolic link") from exc
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnreadableFileError(f"{path} is not a regular file")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(folder: str) -> None:
     """Make renames inside ``folder`` durable (no-op where folders cannot be opened)."""
     try:
@@ -209,6 +255,7 @@ def publish_bytes(fs: Any, path: str, data: bytes) -> None:
 
 
 __all__ = [
+    "UnreadableFileError",
     "atomic_path",
     "atomic_write",
     "create_exclusive",
@@ -220,6 +267,7 @@ __all__ = [
     "join",
     "publish_bytes",
     "publish_temp",
+    "read_regular_local",
     "temp_path",
     "unstrip",
     "write_atomic_local",
