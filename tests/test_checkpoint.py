@@ -127,7 +127,7 @@ def test_latest_never_returns_a_partial_or_tampered_checkpoint(tmp_path: Path) -
         ckpt.save(1, state)
         ckpt.save(2, state)
         ckpt.save(3, state)
-    names = sorted(p.name for p in tmp_path.iterdir())
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-"))
     # step 3: marker removed (a save killed before its commit)
     (tmp_path / names[2] / layout.MARKER_NAME).unlink()
     # step 2: marker edited by hand (its self-checksum no longer matches)
@@ -263,7 +263,7 @@ def test_tiered_save_loads_local_copy_and_falls_back_to_root(
     with Checkpointer(root, local_dir=nvme) as ckpt:
         ckpt.save(4, state)
         ckpt.wait()
-    name = next(p.name for p in root.iterdir())
+    name = next(p.name for p in root.iterdir() if p.name.startswith("step-"))
     assert (root / name / layout.MARKER_NAME).exists()
     assert not (nvme / name / layout.MARKER_NAME).exists()  # root's marker is the truth
     local_files = {p.name for p in (nvme / name).iterdir()}
@@ -448,7 +448,8 @@ def test_newest_attempt_of_a_step_wins(tmp_path: Path) -> None:
             ckpt.save(2, state_a)
         first_run = ckpt.latest()
     assert first_run is not None and first_run.name.endswith("-10")  # 10 sorts after 9
-    assert sorted(n.rsplit("-", 1)[1] for n in os.listdir(tmp_path)) == ["10", "8", "9"]
+    assert sorted(n.rsplit("-", 1)[1] for n in os.listdir(tmp_path)
+                  if n.startswith("step-")) == ["10", "8", "9"]
     time.sleep(0.002)  # the next run's id (its start time in ms) is later
     with Checkpointer(tmp_path, async_mode="sync", keep_last=20) as ckpt:
         ckpt.save(2, state_b)
@@ -456,7 +457,8 @@ def test_newest_attempt_of_a_step_wins(tmp_path: Path) -> None:
         loaded, loaded_state = big_state(3)
         assert ckpt.load(loaded_state) == 2
     assert newest is not None and newest.name == sorted(
-        (p.name for p in tmp_path.iterdir()), key=lambda n: layout.parse_dir_name(n)[1])[-1]
+        (p.name for p in tmp_path.iterdir() if p.name.startswith("step-")),
+        key=lambda n: layout.parse_dir_name(n)[1])[-1]
     assert_same(loaded, model_b)
 
 
