@@ -321,6 +321,21 @@ def column_buffers(field: Field, array: pa.Array) -> ColumnBuffers:
         )
     if array.null_count:
         raise SchemaError(f"column {field.name!r} holds nulls")
+    return _views(field, array)
+
+
+def chunk_buffers(field: Field, chunks: list[pa.Array]) -> list[ColumnBuffers]:
+    """:func:`column_buffers` of each record batch's array of one column (one type, checked
+    once: the arrays of a file's batches share its schema). Raises as it does."""
+    if chunks and not chunks[0].type.equals(field.arrow_type()):
+        column_buffers(field, chunks[0])  # (raises the SchemaError that names the type)
+    if any(chunk.null_count for chunk in chunks):
+        raise SchemaError(f"column {field.name!r} holds nulls")
+    return [_views(field, chunk) for chunk in chunks]
+
+
+def _views(field: Field, array: pa.Array) -> ColumnBuffers:
+    """The zero-copy views of a canonical, null-free array."""
     n, off = len(array), array.offset
     if field.kind == "tensor":
         stride = field.row_bytes

@@ -21,7 +21,7 @@ import pyarrow.ipc as ipc
 from .. import _native
 from ..errors import SchemaError, ShardCorruptError
 from .buffers import POOL, BufferPool, settle_allocator
-from .columns import ColumnBuffers, column_buffers
+from .columns import ColumnBuffers, chunk_buffers, column_buffers
 from .materialize import COPY_OF_KEY
 from .schema import Field, Schema
 
@@ -156,8 +156,10 @@ class ShardReader:
             if expected_rows is not None and self.num_rows != expected_rows:
                 raise ShardCorruptError(
                     f"{path} holds {self.num_rows} rows, the index says {expected_rows}")
-            columns = [{field.name: self._column(batch, field) for field in schema}
-                       for batch in batches]
+            if len(batches) == 1:
+                columns = [{field.name: self._column(batches[0], field) for field in schema}]
+            else:
+                columns = self._chunk_columns(batches)
         except BaseException:
             self.close()
             raise
@@ -176,17 +178,17 @@ class ShardReader:
             reader = ipc.open_file(self._mmap)
             if self._copy_of is not None:
                 self._check_copy_of(reader.schema.metadata or {})
-            if reader.num_record_batches == 0:  # a shard of zero rows
+            table = reader.read_all()  # (every batch at once: a chunked shard has ~1,000)
+            table.validate(full=True)
+            # the names are decoded here, inside this check (a flipped bit may leave one that
+            # is not UTF-8, or two alike)
+            if len(set(table.schema.names)) != table.num_columns:
+                raise ShardCorruptError(f"{self.path} names a column twice")
+            batches: list[pa.RecordBatch] = table.to_batches()
+            if not batches:  # a shard of zero rows
                 return [pa.RecordBatch.from_arrays(
                     [pa.array([], type=f.arrow_type()) for f in self.schema],
                     schema=self.schema.arrow_schema())]
-            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
-            for batch in batches:
-                batch.validate(full=True)
-            # the names are decoded here, inside this check (a flipped bit may leave one that
-            # is not UTF-8, or two alike)
-            if len(set(batches[0].schema.names)) != batches[0].num_columns:
-                raise ShardCorruptError(f"{self.path} names a column twice")
             return batches
         except (pa.ArrowException, OSError, ValueError) as exc:
             # any pyarrow error: a flipped bit may read as an unknown type or a huge length
@@ -200,6 +202,23 @@ class ShardReader:
                 f"{self.path} is a copy of {found}, not of {self._copy_of!r}: another entry's "
                 "file under this name (moved or swapped in the cache folder); delete it and "
                 "the cache installs it again")
+
+    def _chunk_columns(self, batches: list[pa.RecordBatch]) -> list[dict[str, ColumnBuffers]]:
+        """Each record batch's column views (the type of each column checked once)."""
+        names = batches[0].schema.names
+        per_field = {}
+        for field in self.schema:
+            if field.name not in names:
+                raise SchemaError(f"{self.path} has no column {field.name!r}")
+            index = names.index(field.name)
+            try:
+                per_field[field.name] = chunk_buffers(field, [b.column(index) for b in batches])
+            except SchemaError as exc:
+                raise SchemaError(f"{self.path}: {exc}") from exc
+            except (pa.ArrowException, ValueError) as exc:
+                raise corrupt_shard_error(self.path, exc) from exc
+        return [{name: views[i] for name, views in per_field.items()}
+                for i in range(len(batches))]
 
     def _column(self, batch: pa.RecordBatch, field: Field) -> ColumnBuffers:
         if field.name not in batch.schema.names:
