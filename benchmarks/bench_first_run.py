@@ -1,0 +1,194 @@
+"""A local dataset's first run beside its warm runs: StreamLoader vs a DataLoader over a memmap.
+
+Run:  python benchmarks/bench_first_run.py [--mb 1000] [--repeats 3] [--data tokens,blobs]
+                                           [--workers 0]
+
+Data: bench_loader.py's (1 KB token rows, batch 256; 100 KB rows, batch 32), written by
+ShardWriter at the library's defaults (zstd, 64 MB shards, 64 KiB chunks) and the same rows
+with ``compression=None`` (everything else default), beside a numpy .npy of the same bytes.
+Cases, each in a fresh process, interleaved, ``--repeats`` times, shuffled, one epoch:
+  dataloader-cold   DataLoader(map-style memmap Dataset, shuffle=True), page cache dropped
+  dataloader-warm   the same, page cache warm
+  raw-cold          StreamLoader(StreamDataset(...)) at its defaults over the uncompressed
+                    shards: a fresh cache folder, page cache dropped (read in place)
+  raw-warm          the same folder again, page cache warm
+  zstd-cold         the same over the zstd shards: a fresh cache folder, page cache dropped
+                    (decoded into the cache as it reads)
+  zstd-warm         the same cache folder again (installed copies), page cache warm
+Measured: construction, first batch after construction, samples/s over the whole first epoch
+(first batch included: what a user waits for), the bytes the cache folder gained, peak RSS.
+The page cache is dropped with /proc/sys/vm/drop_caches (root); where that is not allowed the
+"cold" cases say so in the output ("page cache: kept") and are cold only for the library.
+
+Goals (issue 32): raw first batch <= 2x the DataLoader's, raw-cold rate >= 0.9x raw-warm, the
+cache gains no shard (<= 1 MB); zstd first batch <= 0.5 s, zstd-cold >= 0.5x zstd-warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_loader import BATCH, DATA, SHAPES, MemmapDataset, build, peak_rss_mb  # noqa: E402
+
+# each warm case right after its cold one (a cold case drops the page cache: a warm case
+# after another cold one would read its files from disk again)
+CASES = ["dataloader-cold", "dataloader-warm", "raw-cold", "raw-warm", "zstd-cold",
+         "zstd-warm"]
+FIRST_CACHE = os.path.join(HERE, "out", "first-run-cache")
+
+
+def build_raw(name: str) -> str:
+    """``name``'s rows written with compression=None (built once beside the zstd shards)."""
+    from streamcache import Field, Schema, ShardWriter
+
+    url = os.path.join(DATA, f"{name}-raw")
+    array = np.load(os.path.join(DATA, f"{name}.npy"), mmap_mode="r")
+    marker = f"{url}.done"
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == {"n": len(array)}:
+                return url
+    shape, dtype, _ = SHAPES[name]
+    schema = Schema([Field.tensor("data", dtype, shape)])
+    import pyarrow as pa
+
+    from streamcache.format.columns import build_column
+
+    with ShardWriter(url, schema=schema, compression=None, overwrite=True) as writer:
+        for start in range(0, len(array), 4096):
+            column = build_column(schema.fields[0], np.asarray(array[start:start + 4096]))
+            writer.write_batch(pa.table({"data": column}))
+    with open(marker, "w") as f:
+        json.dump({"n": len(array)}, f)
+    return url
+
+
+def folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, name))
+               for root, _, names in os.walk(folder) for name in names)
+
+
+def run_case(case: str, data: str, workers: int, cache: str) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)  # as in bench_loader.py: a fair num_workers=0 baseline
+    batch = BATCH[data]
+    started = time.perf_counter()
+    if case.startswith("dataloader"):
+        loader: Any = torch.utils.data.DataLoader(
+            MemmapDataset(os.path.join(DATA, f"{data}.npy")), batch_size=batch, shuffle=True,
+            num_workers=workers, drop_last=True)
+    else:
+        from streamcache import StreamDataset, StreamLoader
+
+        url = os.path.join(DATA, data if case.startswith("zstd") else f"{data}-raw")
+        loader = StreamLoader(StreamDataset(url, batch_size=batch, rank=0, world_size=1,
+                                            seed=int(time.time()), cache_dir=cache),
+                              num_workers=workers)
+    before = folder_bytes(cache) if os.path.isdir(cache) else 0
+    constructed = time.perf_counter()
+    first_batch, samples = None, 0
+    for out in loader:
+        first_batch = first_batch or time.perf_counter() - constructed
+        samples += len(out["__id__"]) if isinstance(out, dict) and "__id__" in out else len(out)
+    elapsed = time.perf_counter() - constructed
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()
+    return {"case": case, "data": data, "construct_s": constructed - started,
+            "first_batch_s": first_batch, "samples": samples,
+            "samples_per_s": samples / elapsed,
+            "cache_gained_mb": ((folder_bytes(cache) if os.path.isdir(cache) else 0) - before)
+            / 1e6, "peak_rss_mb": peak_rss_mb()}
+
+
+def drop_page_cache() -> bool:
+    """Drop the page cache (root only); whether it was dropped."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    lines = [f"{'data':<8}{'case':<17}{'samples/s':>11}{'vs warm':>8}{'1st batch s':>12}"
+             f"{'vs DL':>7}{'construct s':>12}{'cache +MB':>10}{'RSS MB':>8}"]
+    median = statistics.median
+    for data in sorted({r["data"] for r in runs}):
+        def of(case: str, key: str, data: str = data) -> float:
+            values = [r[key] for r in runs if r["data"] == data and r["case"] == case]
+            return median(values) if values else float("nan")
+
+        for case in CASES:
+            if not any(r["data"] == data and r["case"] == case for r in runs):
+                continue
+            warm = case.replace("-cold", "-warm")
+            lines.append(
+                f"{data:<8}{case:<17}{of(case, 'samples_per_s'):>11,.0f}"
+                f"{of(case, 'samples_per_s') / of(warm, 'samples_per_s'):>8.2f}"
+                f"{of(case, 'first_batch_s'):>12.4f}"
+                f"{of(case, 'first_batch_s') / of('dataloader-cold', 'first_batch_s'):>7.1f}"
+                f"{of(case, 'construct_s'):>12.4f}{of(case, 'cache_gained_mb'):>10.1f}"
+                f"{of(case, 'peak_rss_mb'):>8.0f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mb", type=int, default=1000)
+    parser.add_argument("--data", default="tokens,blobs")
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--case")
+    parser.add_argument("--cache")
+    parser.add_argument("--out", default=os.path.join(HERE, "out", "bench_first_run.json"))
+    args = parser.parse_args(argv)
+    if args.case:
+        print(json.dumps(run_case(args.case, args.data, args.workers, args.cache)))
+        return 0
+    build(args.mb)
+    datas = args.data.split(",")
+    for data in datas:
+        build_raw(data)
+    runs: list[dict[str, Any]] = []
+    dropped = []
+    for _ in range(args.repeats):
+        for data in datas:
+            shutil.rmtree(FIRST_CACHE, ignore_errors=True)  # a fresh cache folder per repeat
+            for case in CASES:
+                if case.endswith("-cold"):
+                    dropped.append(drop_page_cache())
+                cache = os.path.join(FIRST_CACHE, case.split("-")[0])
+                result = subprocess.run(
+                    [sys.executable, __file__, "--case", case, "--data", data, "--workers",
+                     str(args.workers), "--cache", cache],
+                    capture_output=True, text=True, check=True)
+                runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    shutil.rmtree(FIRST_CACHE, ignore_errors=True)
+    print(f"page cache: {'dropped' if all(dropped) else 'kept'} before each cold case; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(table(runs))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "page_cache_dropped": all(dropped), "runs": runs}, f,
+                  indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
