@@ -22,6 +22,35 @@ The page cache is dropped with /proc/sys/vm/drop_caches (root); where that is no
 
 Goals (issue 32): raw first batch <= 2x the DataLoader's, raw-cold rate >= 0.9x raw-warm, the
 cache gains no shard (<= 1 MB); zstd first batch <= 0.5 s, zstd-cold >= 0.5x zstd-warm.
+
+Last result (2026-12-04 21:27-21:30 UTC, ``--mb 1000 --repeats 3``, the 2-core machine
+otherwise quiet, load average 0.95 before and 2.09 during; page cache dropped before each cold
+case; medians; "vs warm": the warm case of the same reader; "vs DL": to dataloader-cold's first
+batch):
+
+  data    case               samples/s vs warm 1st batch s  vs DL construct s cache +MB  RSS MB
+  blobs   dataloader-cold       10,502    0.28      0.1489    1.0      0.0008       0.0    1187
+  blobs   dataloader-warm       37,090    1.00      0.0075    0.1      0.0006       0.0    1190
+  blobs   raw-cold              11,248    0.48      0.7101    4.8      0.3658       0.0    1256
+  blobs   raw-warm              23,360    1.00      0.2480    1.7      0.3082       0.0    1256
+  blobs   zstd-cold              2,665    0.06      0.1265    0.8      0.3738    1000.0    1797
+  blobs   zstd-warm             48,342    1.00      0.0282    0.2      0.3226       0.0    1236
+  tokens  dataloader-cold      233,569    0.85      0.5184    1.0      0.0008       0.0    1223
+  tokens  dataloader-warm      275,679    1.00      0.0508    0.1      0.0005       0.0    1224
+  tokens  raw-cold             393,150    0.73      0.2575    0.5      0.3919       0.0    1335
+  tokens  raw-warm             540,123    1.00      0.1228    0.2      0.3146       0.0    1329
+  tokens  zstd-cold            233,122    0.22      1.3449    2.6      0.3833    1000.0    1680
+  tokens  zstd-warm          1,053,409    1.00      0.0161    0.0      0.3171       0.0    1241
+
+Against the goals: uncompressed shards are read in place (cache +0.0 MB: met); first batch
+0.5x the DataLoader's for 1 KB rows (met), 4.8x for 100 KB rows (not met: the first batch opens
+every shard of the window and hashes each file once before serving it, 1 GB read from disk);
+first-epoch rate 0.73x and 0.48x of warm (goal 0.9x: not met; with 100 KB rows the epoch is
+10,000 samples, so the first batch weighs). zstd: first batch 1.34 s for 1 KB rows, 0.13 s for
+100 KB rows (goal 0.5 s: met for 100 KB only); first epoch 0.22x and 0.06x of warm (goal 0.5x:
+not met: each shard is copied to a temporary, fsynced, decoded whole and published before its
+rows are served). Before this change (same data, earlier runs of this script on this machine)
+raw shards were copied whole into the cache: 1,000 MB gained on the first run.
 """
 
 from __future__ import annotations
