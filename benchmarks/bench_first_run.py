@@ -49,8 +49,9 @@ first-epoch rate 0.73x and 0.48x of warm (goal 0.9x: not met; with 100 KB rows t
 10,000 samples, so the first batch weighs). zstd: first batch 1.34 s for 1 KB rows, 0.13 s for
 100 KB rows (goal 0.5 s: met for 100 KB only); first epoch 0.22x and 0.06x of warm (goal 0.5x:
 not met: each shard is copied to a temporary, fsynced, decoded whole and published before its
-rows are served). Before this change (same data, earlier runs of this script on this machine)
-raw shards were copied whole into the cache: 1,000 MB gained on the first run.
+rows are served). Before this change raw shards were copied whole into the cache (what
+tests/test_local_in_place.py shows failing on the previous code); this script was not run on
+the previous code.
 """
 
 from __future__ import annotations
