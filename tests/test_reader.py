@@ -32,7 +32,7 @@ def sample(i: int) -> dict:
             "b": bytes([i % 256]) * (i % 5), "s": f"é{i}"}
 
 
-def write_shard(path: Path, ids: range, schema: Schema = SCHEMA) -> str:
+def batch_of(ids: range, schema: Schema = SCHEMA) -> pa.RecordBatch:
     rows = [sample(i) for i in ids]
     columns = []
     for field in schema:
@@ -40,8 +40,11 @@ def write_shard(path: Path, ids: range, schema: Schema = SCHEMA) -> str:
         if field.name == "x":
             values = [np.int64(v) for v in values]
         columns.append(build_column(field, values))
-    write_local_layout(pa.RecordBatch.from_arrays(columns, schema=schema.arrow_schema()),
-                       str(path))
+    return pa.RecordBatch.from_arrays(columns, schema=schema.arrow_schema())
+
+
+def write_shard(path: Path, ids: range, schema: Schema = SCHEMA) -> str:
+    write_local_layout(batch_of(ids, schema), str(path))
     return str(path)
 
 
@@ -147,14 +150,7 @@ def test_bad_shards_are_refused_with_what_is_wrong(tmp_path: Path) -> None:
 
 def _write_chunked(path: Path, ids: range, cuts: list[int]) -> str:
     """A shard of ``ids`` written as record batches cut at ``cuts`` (uncompressed)."""
-    rows = [sample(i) for i in ids]
-    columns = []
-    for field in SCHEMA:
-        values = [r[field.name] for r in rows]
-        if field.name == "x":
-            values = [np.int64(v) for v in values]
-        columns.append(build_column(field, values))
-    whole = pa.RecordBatch.from_arrays(columns, schema=SCHEMA.arrow_schema())
+    whole = batch_of(ids)
     bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(ids))), len(ids)]
     with ipc.new_file(str(path), whole.schema) as writer:
         for start, stop in itertools.pairwise(bounds):
