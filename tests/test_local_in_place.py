@@ -19,10 +19,12 @@ from streamcache.errors import StreamcacheError
 ROWS, TOKENS = 6000, 64  # 256 B of tokens a row: many 64 KiB chunks a shard
 
 
-def _write(folder: Path, compression: str | None) -> str:
-    url = str(folder / f"ds-{compression}")
+def _write(folder: Path, compression: str | None, shard_size: int | None = 1 << 20) -> str:
+    """ShardWriter at its defaults but ``compression`` (and ``shard_size`` unless None)."""
+    url = str(folder / f"ds-{compression}-{shard_size}")
     rng = np.random.default_rng(1)
-    with ShardWriter(url, compression=compression, shard_size=1 << 20) as writer:
+    sizes = {} if shard_size is None else {"shard_size": shard_size}
+    with ShardWriter(url, compression=compression, **sizes) as writer:
         for i in range(ROWS):
             writer.write({"x": i, "tokens": rng.integers(0, 1000, TOKENS, dtype=np.int32),
                           "blob": bytes([i % 251]) * (i % 300)})
@@ -52,12 +54,14 @@ def _read_epoch(url: str, cache: Path, **options: object) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(("workers", "shard_size"), [(0, None), (2, None), (0, 1 << 20)])
 def test_uncompressed_shards_are_read_in_place_and_the_cache_gains_no_shard(
-        tmp_path: Path, workers: int) -> None:
-    url = _write(tmp_path, None)
+        tmp_path: Path, workers: int, shard_size: int | None) -> None:
+    """The writer's defaults with compression=None (one 64 MiB shard of 64 KiB chunks here;
+    several small shards too): an epoch read where the shards lie."""
+    url = _write(tmp_path, None, shard_size)
     shards = sorted(Path(url).glob("*.arrow"))
-    assert len(shards) > 1
+    assert len(shards) == 1 if shard_size is None else len(shards) > 1
     cache = tmp_path / "cache"
     dataset = StreamDataset(url, global_batch_size=64, cache_dir=str(cache), seed=3)
     assert all((info.chunk_rows or 0) < info.rows for info in dataset.index.shards)  # chunked
