@@ -37,6 +37,14 @@ import seeds
 from format_helpers import backend  # noqa: F401  (fixture: native core and Python twin)
 from servers import FaultServer, MotoServer, S3Bucket, aws_test_environment
 
+# With the resilience extra installed (nvidia-resiliency-ext brings pynvml 13), ``import torch``
+# warns in every process that pynvml is deprecated: torch's import, not ours (pyproject's
+# filterwarnings ignores it in this process). Children the tests start inherit this one
+# exception, so a test of a child's stderr reads what streamcache and its examples print.
+_PYNVML_DEPRECATION = "ignore:The pynvml package is deprecated:FutureWarning"
+os.environ["PYTHONWARNINGS"] = ",".join(
+    part for part in (os.environ.get("PYTHONWARNINGS"), _PYNVML_DEPRECATION) if part)
+
 # Folders a process keeps for its lifetime, made by the libraries beneath the tests
 # (multiprocessing's helper folder for spawn and forkserver; torch's compile cache, made
 # when torch._dynamo is first imported, e.g. by the first optimizer): not a test's leftovers.
