@@ -91,6 +91,37 @@ def test_a_slow_transform_is_named_the_bottleneck(warm: tuple[str, str]) -> None
     assert "num_workers=" in str(diagnosis)
 
 
+def test_a_slow_transform_in_worker_processes_is_named_with_its_workers(
+        warm: tuple[str, str]) -> None:
+    """The advice to move a slow transform into worker processes, followed: the verdict
+    still names the transform (the workers' counters come with their batches) and never
+    advises reader threads, which do nothing with worker processes."""
+    url, cache = warm
+    dataset = StreamDataset(url, global_batch_size=24, rank=0, world_size=1, cache_dir=cache,
+                            transform=_slow_transform)
+    with StreamLoader(dataset, num_workers=2) as loader:
+        stats, wall_s = _run(loader, steady=True)
+    diagnosis = diagnose(stats, wall_s, num_workers=2)
+    assert diagnosis.bottleneck == "transform", str(diagnosis)
+    assert stats.workers == 2 and stats.transform_s >= 8 * 24 * 0.003  # the workers' sleeps
+    assert "threads=" not in str(diagnosis) and "2 worker processes" in str(diagnosis)
+    assert "cache hits" in str(diagnosis)  # the workers' lookups, not "no cache lookups"
+
+
+def test_worker_processes_count_their_cache_lookups_and_downloads(tmp_path: Path) -> None:
+    served = tmp_path / "served"
+    make_dataset(str(served), [60, 60, 60, 60], seq=False)
+    with FaultServer(root=served) as server:
+        dataset = StreamDataset(server.url_for("ds/index.json"), global_batch_size=24,
+                                rank=0, world_size=1, cache_dir=str(tmp_path / "cache"),
+                                transform=_slow_transform)
+        with StreamLoader(dataset, num_workers=2) as loader:
+            stats, wall_s = _run(loader)
+    assert stats.cache_hits + stats.cache_misses + stats.range_reads > 0
+    assert stats.bytes_fetched > 0  # the cold cache's downloads, made in the workers
+    assert "no cache lookups" not in str(diagnose(stats, wall_s, num_workers=2))
+
+
 def test_fast_everything_is_not_input_bound(warm: tuple[str, str]) -> None:
     url, cache = warm
     dataset = StreamDataset(url, global_batch_size=24, rank=0, world_size=1, cache_dir=cache)

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -189,6 +190,9 @@ class StreamDataset(IterableDataset):
         )
         opts = self.options
         self.tail = TailPolicy(opts.tail)
+        # seconds make_batch spent (reading, transforming) in this process: what a worker
+        # process reports with its batches (loading/shared_batches.py)
+        self.work_seconds = [0.0, 0.0]
         self.shuffle = ShuffleOptions(enabled=opts.shuffle, window=opts.shuffle_window,
                                       window_unit=opts.shuffle_window_unit)
         self._feed: ShardFeed | MixtureFeed
@@ -445,7 +449,13 @@ class StreamDataset(IterableDataset):
         if part is None:
             part = ref.segment.rank_batch(self.order(ref.epoch), ref.step, self.rank,
                                           self.locality.assignment)
-        return self.finish_step(ref, self.read_step(ref, part))
+        started = time.perf_counter()
+        arrays = self.read_step(ref, part)
+        read = time.perf_counter()
+        batch = self.finish_step(ref, arrays)
+        self.work_seconds[0] += read - started
+        self.work_seconds[1] += time.perf_counter() - read
+        return batch
 
     def _tensors(self, arrays: Mapping[str, Any]) -> dict[str, Any]:
         out = dict(arrays)

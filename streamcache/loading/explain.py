@@ -6,7 +6,8 @@ the wait for batches. Below a small share of waiting (:data:`INPUT_BOUND_SHARE`)
 not input-bound and nothing needs to change. Otherwise the counters name the cause:
 
 - the transform: a per-sample or batch transform ran on the loop's thread for at least
-  half of the wait (``transform_s``);
+  half of the wait (``transform_s``), or, with worker processes, took at least half of the
+  workers' time (the workers send their counters with their batches);
 - the store: readers had to go to the store for what they read (cache misses: a reader
   blocked on a shard not installed yet; or range reads of shards not in the cache): the
   downloads are slower than the loop;
@@ -57,8 +58,11 @@ def diagnose(stats: LoaderStats, wall_s: float, *, num_workers: int = 0,
         lines.append(f"not input-bound: the loop waited {wait_share:.0%} of its time for "
                      "batches; no input setting would speed it up")
         return Diagnosis("none", wait_share, tuple(lines))
-    if stats.transform_s >= stats.wait_s / 2:
-        bottleneck: Bottleneck = "transform"
+    bottleneck: Bottleneck
+    if num_workers and stats.transform_s >= (stats.transform_s + stats.read_s) / 2:
+        bottleneck = "transform"  # the workers' time went to the transform
+    elif not num_workers and stats.transform_s >= stats.wait_s / 2:
+        bottleneck = "transform"
     elif stats.cache_misses or stats.range_reads:
         bottleneck = "store"
     else:
@@ -72,7 +76,15 @@ def _where(stats: LoaderStats, wall_s: float, wait_share: float, steps: int) -> 
     return (f"where the time went: {wall_s:.2f} s over {stats.steps} steps; the loop worked "
             f"{work_s:.2f} s ({1 - wait_share:.0%}) and waited for batches {stats.wait_s:.2f} s "
             f"({wait_share:.0%}, {1e3 * stats.wait_s / steps:.1f} ms a step); "
-            f"{stats.ready_steps} of {stats.steps} batches were ready when asked")
+            f"{stats.ready_steps} of {stats.steps} batches had been read ahead when asked"
+            f"{_ready_note(stats)}")
+
+
+def _ready_note(stats: LoaderStats) -> str:
+    """Why batches read ahead may still be waited for: the transform runs after the read."""
+    if stats.workers or not stats.transform_s:
+        return ""
+    return " (a transform on the loop's thread still runs after the read)"
 
 
 def _counters(stats: LoaderStats) -> str:
@@ -80,9 +92,12 @@ def _counters(stats: LoaderStats) -> str:
     hits = "no cache lookups" if hit_rate is None else \
         f"cache hits {stats.cache_hits} of {stats.cache_hits + stats.cache_misses} " \
         f"({hit_rate:.0%}), range reads {stats.range_reads}"
+    where = f"in the {stats.workers} worker processes" if stats.workers else \
+        "on the loop's thread"
+    readers = "worker processes" if stats.workers else "threads"
     return (f"behind the wait: readers blocked on downloads {stats.shard_wait_s:.2f} s, "
-            f"transform on the loop's thread {stats.transform_s:.2f} s, reading "
-            f"{stats.read_s:.2f} s (all threads); {hits}; fetched "
+            f"transform {where} {stats.transform_s:.2f} s, reading "
+            f"{stats.read_s:.2f} s (all {readers}); {hits}; fetched "
             f"{stats.bytes_fetched / 1e6:,.1f} MB, retries {stats.fetch_retries}, stalls "
             f"{stats.fetch_stalls}")
 
@@ -100,9 +115,19 @@ def _advice(bottleneck: Bottleneck, stats: LoaderStats, steps: int, num_workers:
     if bottleneck == "transform":
         per_step = 1e3 * stats.transform_s / steps
         more = max(2, num_workers * 2)
+        if num_workers:
+            return (f"input-bound on the transform: {per_step:.1f} ms a step in the "
+                    f"{num_workers} worker processes, most of their time; more workers "
+                    f"(StreamLoader(num_workers={more})) if the cores are free, a cheaper "
+                    "transform, or a batch_transform (one call per batch, not per sample)")
         return (f"input-bound on the transform: {per_step:.1f} ms a step ran on the loop's "
                 f"thread; run it in worker processes (StreamLoader(num_workers={more})), or "
                 "make it a batch_transform (one call per batch instead of one per sample)")
+    if num_workers:
+        return (f"input-bound on reading in the {num_workers} worker processes: batches were "
+                f"not ready in time; more workers (StreamLoader(num_workers={num_workers * 2}))"
+                ", read only the fields the model needs (fields=[...]), or, without a "
+                "transform, threads (num_workers=0) read with less overhead")
     return (f"input-bound on reading: batches from the cache were not ready in time; raise "
             f"StreamLoader(threads={threads * 2}, prefetch=...) and read only the fields the "
             "model needs (fields=[...])")

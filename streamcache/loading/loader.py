@@ -42,7 +42,7 @@ from ..plan.bijection import derive_key
 from ..plan.mixture_cursor import MixtureCursor
 from .dataset import StreamDataset
 from .schedule import Schedule, StepRef
-from .shared_batches import SharedBatchDataset, SlotReader
+from .shared_batches import SharedBatchDataset, SlotReader, WorkerBatch
 from .stats import LoaderStats, StepCounters, open_reader
 from .stats_logger import StatsLogger, metrics_sink
 
@@ -239,6 +239,7 @@ class _WorkerBatches:
     def __init__(self, loader: StreamLoader, schedule: Schedule) -> None:
         check_socket_folder()
         self._pin = loader.pin_memory
+        self._counters = loader.counters
         self._slots = SlotReader()
         torch_loader = DataLoader(
             SharedBatchDataset(loader.dataset, slots=loader.prefetch + 3), batch_size=None,
@@ -250,7 +251,11 @@ class _WorkerBatches:
         self._batches = iter(torch_loader)
 
     def __next__(self) -> Any:
-        batch = self._slots.unpack(next(self._batches))
+        item = next(self._batches)
+        if isinstance(item, WorkerBatch):  # (and the worker's counters so far)
+            self._counters.worker(item.process, item.counters)
+            item = item.batch
+        batch = self._slots.unpack(item)
         return _pinned(batch) if self._pin else batch
 
     def close(self) -> None:

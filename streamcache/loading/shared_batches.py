@@ -31,6 +31,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .stats import worker_counters
+
 _ALIGN = 64
 _MAX_SEGMENT_BYTES = 1 << 30  # per worker: larger batches travel torch's way
 
@@ -236,8 +238,20 @@ def _rebuild(structure: Any, owner: np.ndarray) -> Any:
     return structure
 
 
+@dataclasses.dataclass
+class WorkerBatch:
+    """A worker's batch and what that worker process counted so far (cumulative:
+    :func:`~streamcache.loading.stats.worker_counters`), so the loader's statistics count the
+    reads and transforms its workers did."""
+
+    batch: Any
+    process: int  # the worker's pid: counters of one worker process replace its earlier ones
+    counters: dict[str, Any]
+
+
 class SharedBatchDataset(IterableDataset):
-    """What the worker processes iterate: ``dataset``'s batches, packed into shared slots."""
+    """What the worker processes iterate: ``dataset``'s batches, packed into shared slots,
+    each with the worker's counters (:class:`WorkerBatch`)."""
 
     def __init__(self, dataset: Any, slots: int) -> None:
         super().__init__()
@@ -254,4 +268,4 @@ class SharedBatchDataset(IterableDataset):
         atexit.register(self.dataset.close)
         writer = SlotWriter(self.slots)
         for batch in self.dataset:
-            yield writer.pack(batch)
+            yield WorkerBatch(writer.pack(batch), os.getpid(), worker_counters(self.dataset))

@@ -18,8 +18,9 @@ two clock reads and an addition under an uncontended lock per step on a reader t
 Thread safety: counters are written by the loop's thread and the loader's reader threads;
 :meth:`StepCounters.snapshot` may be called from any thread at any time (also while the
 loader closes) and returns a consistent-enough snapshot: each counter is read once.
-Worker processes (``num_workers>0`` with a transform) count their own reads, which this
-process does not see: there, reads and transforms show only as the loop's wait.
+Worker processes (``num_workers>0``) count their own reads, transforms, cache lookups and
+downloads (:func:`worker_counters`) and send the totals with each batch; the snapshot adds each
+worker process's latest totals.
 """
 
 from __future__ import annotations
@@ -43,13 +44,15 @@ class LoaderStats:
             of the loop's time; with a transform on the loop's thread, that too).
         last_wait_s: the last step's wait.
         ready_steps: steps whose batch was ready when the loop asked (no wait for reads).
-        read_s: seconds reader threads spent reading and assembling batches (shard waits
-            included); more than the wall time when several threads read at once.
-        transform_s: seconds transforms ran on the loop's thread (part of ``wait_s``).
+        read_s: seconds reader threads (or worker processes) spent reading and assembling
+            batches (shard waits included); more than the wall time when several read at once.
+        transform_s: seconds transforms ran: on the loop's thread (part of ``wait_s``), or in
+            the worker processes (``workers`` > 0).
         log_s: seconds spent in logger hooks (:meth:`StreamLoader.log_stats`).
         prefetch_depth: batches ready behind the one the loop took last.
         prefetch_target: batches the loader keeps in preparation (its ``prefetch``).
-        workers: worker processes (their reads are not counted here), 0 with threads.
+        workers: worker processes (their counters are added as their batches arrive), 0
+            with threads.
         shard_wait_s: seconds readers were blocked on shards not installed yet (downloads).
         cache_hits, cache_misses: shard lookups in the node cache that found the shard
             installed, or had to wait for it.
@@ -137,6 +140,7 @@ class StepCounters:
         self.transform_s = 0.0
         self.log_s = 0.0
         self.prefetch_depth = 0
+        self._workers: dict[int, dict[str, Any]] = {}  # worker pid: its latest totals
 
     def received(self, waited_s: float) -> None:
         """The loop received a batch after waiting ``waited_s`` (the loop's thread)."""
@@ -158,17 +162,28 @@ class StepCounters:
         with self._lock:
             self.read_s += seconds
 
+    def worker(self, process: int, counters: dict[str, Any]) -> None:
+        """Worker process ``process`` has counted ``counters`` so far (its latest totals)."""
+        with self._lock:
+            self._workers[process] = counters
+
     def snapshot(self, reader: Any) -> LoaderStats:
         """These counters and ``reader``'s (this process's reader, or None when none is
         open), read once each."""
         with self._lock:
             read_s = self.read_s
+            workers = list(self._workers.values())
+        counted: dict[str, Any] = dict(io_counters(reader))
+        for totals in workers:
+            for name, value in totals.items():
+                counted[name] = counted.get(name, 0) + value
+        read_s += counted.pop("read_s", 0.0)
+        transform_s = self.transform_s + counted.pop("transform_s", 0.0)
         return LoaderStats(
             steps=self.steps, wait_s=self.wait_s, last_wait_s=self.last_wait_s,
-            ready_steps=self.ready_steps, read_s=read_s, transform_s=self.transform_s,
+            ready_steps=self.ready_steps, read_s=read_s, transform_s=transform_s,
             log_s=self.log_s, prefetch_depth=self.prefetch_depth,
-            prefetch_target=self.prefetch_target, workers=self.workers,
-            **io_counters(reader),
+            prefetch_target=self.prefetch_target, workers=self.workers, **counted,
         )
 
 
@@ -183,6 +198,14 @@ def open_reader(dataset: Any) -> Any:
     with lock:
         reader = getattr(feed, "_reader", None)
         return reader if getattr(feed, "_reader_pid", -1) == os.getpid() else None
+
+
+def worker_counters(dataset: Any) -> dict[str, Any]:
+    """What this (worker) process counted for ``dataset`` so far: the seconds its batches took
+    to read and to transform, and its reader's cache, range-read and Fetcher counters."""
+    read_s, transform_s = getattr(dataset, "work_seconds", (0.0, 0.0))
+    return {"read_s": float(read_s), "transform_s": float(transform_s),
+            **io_counters(open_reader(dataset))}
 
 
 def io_counters(reader: Any) -> dict[str, Any]:
@@ -217,4 +240,4 @@ def _fetcher_stats(store: Any) -> Any:
         return None
 
 
-__all__ = ["LoaderStats", "StepCounters", "io_counters", "open_reader"]
+__all__ = ["LoaderStats", "StepCounters", "io_counters", "open_reader", "worker_counters"]
