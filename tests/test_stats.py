@@ -122,6 +122,19 @@ def test_worker_processes_count_their_cache_lookups_and_downloads(tmp_path: Path
     assert "no cache lookups" not in str(diagnose(stats, wall_s, num_workers=2))
 
 
+def test_a_trivial_transform_on_the_loops_thread_is_not_called_input_bound() -> None:
+    """12% of the loop in a cheap transform, every batch read ahead: moving the transform
+    would give back at most 12%, which is not what "input-bound" tells a user."""
+    trivial = LoaderStats(steps=100, wait_s=0.125, ready_steps=100, transform_s=0.12)
+    diagnosis = diagnose(trivial, 1.0)
+    assert diagnosis.bottleneck == "none", str(diagnosis)
+    assert "12% of it the transform" in str(diagnosis)
+    heavy = LoaderStats(steps=100, wait_s=0.45, ready_steps=100, transform_s=0.44)
+    assert diagnose(heavy, 1.0).bottleneck == "transform"
+    reads = LoaderStats(steps=100, wait_s=0.30, ready_steps=10, transform_s=0.05)
+    assert diagnose(reads, 1.0).bottleneck == "read"
+
+
 def test_fast_everything_is_not_input_bound(warm: tuple[str, str]) -> None:
     url, cache = warm
     dataset = StreamDataset(url, global_batch_size=24, rank=0, world_size=1, cache_dir=cache)

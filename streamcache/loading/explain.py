@@ -27,8 +27,11 @@ from .stats import LoaderStats
 
 Bottleneck = Literal["none", "store", "transform", "read"]
 
-#: The loop waiting less than this share of its time is not input-bound.
+#: The loop waiting less than this share of its time for reads is not input-bound.
 INPUT_BOUND_SHARE = 0.10
+#: A transform on the loop's thread is work the job does somewhere: below this share of the
+#: loop's time, moving it to worker processes is not worth calling the job input-bound.
+TRANSFORM_BOUND_SHARE = 0.20
 
 
 @dataclass(frozen=True)
@@ -54,9 +57,15 @@ def diagnose(stats: LoaderStats, wall_s: float, *, num_workers: int = 0,
     steps = max(1, stats.steps)
     wait_share = stats.wait_s / wall_s if wall_s > 0 else 0.0
     lines = [_where(stats, wall_s, wait_share, steps), _counters(stats)]
-    if wait_share < INPUT_BOUND_SHARE:
+    on_loop = 0.0 if num_workers else min(stats.transform_s, stats.wait_s)
+    transform_share = on_loop / wall_s if wall_s > 0 else 0.0
+    if wait_share - transform_share < INPUT_BOUND_SHARE and \
+            transform_share < TRANSFORM_BOUND_SHARE:
         lines.append(f"not input-bound: the loop waited {wait_share:.0%} of its time for "
-                     "batches; no input setting would speed it up")
+                     "batches" + (f", {transform_share:.0%} of it the transform on its own "
+                                  "thread (worker processes could give back at most that)"
+                                  if transform_share >= 0.005 else "") +
+                     "; no input setting would speed it up much")
         return Diagnosis("none", wait_share, tuple(lines))
     bottleneck: Bottleneck
     if num_workers and stats.transform_s >= (stats.transform_s + stats.read_s) / 2:
@@ -133,4 +142,4 @@ def _advice(bottleneck: Bottleneck, stats: LoaderStats, steps: int, num_workers:
             "model needs (fields=[...])")
 
 
-__all__ = ["INPUT_BOUND_SHARE", "Bottleneck", "Diagnosis", "diagnose"]
+__all__ = ["INPUT_BOUND_SHARE", "TRANSFORM_BOUND_SHARE", "Bottleneck", "Diagnosis", "diagnose"]
