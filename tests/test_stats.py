@@ -154,6 +154,10 @@ def test_bench_explain_prints_where_the_time_went(warm: tuple[str, str],
                      "--compute-ms", "40", "--explain"]) == 0
     out = capsys.readouterr().out
     assert "where the time went" in out and "not input-bound" in out
+    # the cache line counts the whole run, the explanation the steady state: each says so
+    # (on a cold cache they read as a contradiction: hits and misses beside "no lookups")
+    assert "cache (whole run, first batch included):" in out
+    assert out.index("from the first batch on") < out.index("where the time went")
     assert cli_main(["bench", url, "--cache-dir", cache, "--batch-size", "24", "--explain",
                      "--json"]) == 0
     report = json.loads(capsys.readouterr().out)[0]

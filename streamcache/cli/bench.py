@@ -339,7 +339,7 @@ def format_results(results: list[BenchResult]) -> str:
                      f"{r.peak_rss_mb:>8.0f}MB")
     for r in results:
         if r.store:
-            lines.append(f"{r.name} cache: " + ", ".join(
+            lines.append(f"{r.name} cache (whole run, first batch included): " + ", ".join(
                 f"{k}={format_number(v)}" for k, v in r.store.items()))
         if r.cache_dir:
             lines.append(f"{r.name} cache folder: {r.cache_dir}")
@@ -425,6 +425,8 @@ def _bench_from_args(args: argparse.Namespace, url: str, cache_dir: str | None,
     else:
         print(format_results(results))
         diagnosis = results[0].explain() if args.explain else None
-        if diagnosis is not None:
+        if diagnosis is not None:  # (its counters are the steady state's, as the rates are)
+            print("from the first batch on (start-up, cold fetches included, is the first "
+                  "batch's time):")
             print(str(diagnosis))
     return results
