@@ -326,6 +326,7 @@ class _LoaderIterator:
             self._abandon = weakref.finalize(self, self._source.stop)
         else:
             self._source = _WorkerBatches(loader, self._schedule)
+        loader._source = self._source
 
     def __iter__(self) -> _LoaderIterator:
         return self
@@ -471,6 +472,9 @@ class StreamLoader:
         self.multiprocessing_context = multiprocessing_context
         self.pin_memory = pin_memory and self._can_pin()
         self._active: weakref.ref[_LoaderIterator] | None = None
+        # the last iteration's readers (or workers), held strongly: the iterator does not
+        # refer to them back, so no cycle; close() waits for them
+        self._source: _NativeBatches | _WorkerBatches | None = None
         self._lock = threading.Lock()
         self.counters = StepCounters(prefetch, num_workers if self.uses_processes else 0)
         self.stats_loggers: list[StatsLogger] = []
@@ -490,9 +494,7 @@ class StreamLoader:
 
     def __iter__(self) -> Iterator[Any]:
         with self._lock:
-            active = self._current()
-            if active is not None:
-                active.close()
+            self._close_iteration()
             iterator = _LoaderIterator(self)
             # held weakly: an iteration the loop dropped is collected at once (its readers
             # told to stop), not kept alive by the loader until a cycle collection
@@ -624,10 +626,19 @@ class StreamLoader:
 
     def _close_active(self) -> None:
         with self._lock:
-            active = self._current()
-            if active is not None:
-                active.close()
-            self._active = None
+            self._close_iteration()
+
+    def _close_iteration(self) -> None:
+        """Close the last iteration (lock held): the iterator if someone still holds it, and
+        its readers or workers in any case (an iteration dropped after a ``break`` has told
+        its readers to stop; here they are waited for, so none reads after close())."""
+        active = self._current()
+        if active is not None:
+            active.close()
+        source, self._source = self._source, None
+        if source is not None:
+            source.close()
+        self._active = None
 
     def close(self) -> None:
         """Stop the active iteration's threads or workers and release the reader."""
