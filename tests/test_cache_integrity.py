@@ -194,28 +194,8 @@ def test_a_flipped_bit_in_a_local_uncompressed_shard_is_refused(tmp_path: Path) 
         reader.read_batch([victim])  # the folder store (no cache) verifies as well
 
 
-def _foreign_single_batch_dataset(folder: Path, files: int = 3) -> Any:
-    """The rows of ``write_shards`` as uncompressed Arrow IPC files of one record batch each
-    (as another tool writes them), indexed with checksums: read in place and hashed whole
-    before first use."""
-    from streamcache.format.index import build_index
-
-    source = write_shards(folder.parent / f"{folder.name}-src", num_shards=files,
-                          compression=None)
-    folder.mkdir()
-    for f in range(len(source.shards)):
-        table = pa.ipc.open_file(source.shard_url(f).removeprefix("file://")).read_all()
-        table = table.replace_schema_metadata(None).combine_chunks()
-        with pa.OSFile(str(folder / f"part-{f:02d}.arrow"), "wb") as sink, \
-                pa.ipc.new_file(sink, table.schema) as writer:
-            writer.write_table(table)
-    index = build_index(str(folder), checksums=True)
-    assert all(info.chunk_rows is None and info.checksum for info in index.shards)
-    return index
-
-
 def test_in_place_verification_is_remembered_per_file_size_and_mtime(tmp_path: Path) -> None:
-    index = _foreign_single_batch_dataset(tmp_path / "ds")
+    index = write_shards(tmp_path / "ds", num_shards=3, compression=None)
     cache_dir = tmp_path / "cache"
 
     def verified_files() -> int:
@@ -231,19 +211,6 @@ def test_in_place_verification_is_remembered_per_file_size_and_mtime(tmp_path: P
     os.utime(path, (stamp, stamp))
     assert verified_files() == 1  # a changed file is hashed again
     assert installed_files(cache_dir) == []  # still read in place, never copied
-
-
-def test_chunked_shards_read_in_place_are_checked_chunk_by_chunk_not_hashed_whole(
-        tmp_path: Path) -> None:
-    """ShardWriter's chunked shards (compression=None): the footer is checked against the
-    index and each chunk against its digest before its rows are served, so no file is hashed
-    whole (a cold first batch reads the chunks it needs, not every file of the window)."""
-    index = write_shards(tmp_path / "ds", num_shards=3, compression=None)
-    assert all(info.chunk_rows is not None for info in index.shards)
-    with DatasetReader(index, store=NodeCache(index, str(tmp_path / "cache"))) as reader:
-        read_everything(reader)
-        assert int(reader.store.stats.verified) == 0  # type: ignore[attr-defined]
-    assert installed_files(tmp_path / "cache") == []
 
 
 # ------------------------------------------------------------------ bookkeeping confinement

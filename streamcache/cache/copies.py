@@ -12,9 +12,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..format.index import DatasetIndex, ShardInfo
+from ..format.index import DatasetIndex
 from ..format.materialize import is_local_layout
-from ..format.reader import ChunkCheck
 from ..remote.fetch import Fetcher
 from .accounting import Accounting
 from .confine import check_folder_below
@@ -70,18 +69,6 @@ class CopyLookup(Accounting):
         self._last_used[self._key(shard)] = time.time()
         return path
 
-    def chunk_check(self, shard: int) -> ChunkCheck | None:
-        """How to verify ``shard``'s file chunk by chunk, where its whole file is not hashed:
-        a chunked shard read in place whose index records its footer's checksum (the reader
-        checks the footer when it opens the file and each chunk before its rows are first
-        served, so a first batch reads the chunks it needs, not every file of the window).
-        None: the file was verified whole (or needs no check)."""
-        info = self.index.shards[shard]
-        if not self.verify_in_place or info.checksum is None or not _chunk_checkable(info) \
-                or self.in_place_path(shard) is None:
-            return None
-        return ChunkCheck(info, self.index.schema)
-
     def copy_of(self, shard: int) -> str | None:
         """What an installed file of ``shard`` must record it is a copy of (``ShardReader``'s
         ``copy_of``), or None where the entry is not stamped (a whole shard, identified by
@@ -131,18 +118,14 @@ class CopyLookup(Accounting):
     def _verify_in_place(self, shard: int, path: str) -> None:
         """Check a shard read in place (size, and checksum once per file version)."""
         info = self.index.shards[shard]
-        if not self.verify_in_place or self.chunk_check(shard) is not None:
-            info = replace(info, checksum=None)  # the size alone (chunks: the reader checks)
+        if not self.verify_in_place:
+            info = replace(info, checksum=None)  # the size alone
         record = os.path.join(self._shard_dir, f"{shard:06d}.inplace")
         with contextlib.suppress(OSError):
             check_folder_below(self.cache_dir, os.path.relpath(self._shard_dir, self.cache_dir))
         if verify_in_place(path, info, where=path, record=record):
             self._count(verified=1)
         self._verified.add(shard)
-
-
-def _chunk_checkable(info: ShardInfo) -> bool:
-    return info.chunked and info.tail_bytes is not None and info.tail_checksum is not None
 
 
 __all__ = ["CopyLookup"]

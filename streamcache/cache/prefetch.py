@@ -275,10 +275,6 @@ class Prefetcher:
         threads install it in first-use order."""
         return self.cache.installed(shard)
 
-    def chunk_check(self, shard: int) -> Any:
-        """How to verify ``shard``'s file chunk by chunk (the cache's), or None."""
-        return self.cache.chunk_check(shard)
-
     def copy_of(self, shard: int) -> str | None:
         """What an installed file of ``shard`` must record it is a copy of (the cache's)."""
         return self.cache.copy_of(shard)

@@ -152,7 +152,7 @@ def is_local_layout(path: str, schema: Schema) -> bool:
                 return True
             base = _base_address(mm)
             return _mappable(reader.get_batch(0), schema, base, base + mm.size())
-    except (pa.ArrowException, OSError):  # any damage: not mapped; installing verifies it
+    except (pa.ArrowInvalid, OSError):
         return False
 
 

@@ -12,24 +12,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from .. import _native
-from ..errors import ChecksumMismatchError, SchemaError, ShardCorruptError
+from ..errors import SchemaError, ShardCorruptError
 from .buffers import POOL, BufferPool, settle_allocator
-from .checksum import verify_bytes
-from .chunks import chunk_digest, read_footer_metadata
 from .columns import ColumnBuffers, chunk_buffers, column_buffers
 from .materialize import COPY_OF_KEY
 from .schema import Field, Schema
-
-if TYPE_CHECKING:
-    from .shard_table import ShardInfo
 
 
 class Ragged:
@@ -140,18 +134,12 @@ class ShardReader:
 
     #: the chunks of a file of several record batches (None: one batch, in ``_buffers``)
     _chunks: ChunkTable | None = None
-    #: chunks whose digest is still to be checked before their rows are served (None: none)
-    _pending: ChunkDigests | None = None
 
     def __init__(self, path: str, schema: Schema, *, expected_rows: int | None = None,
-                 copy_of: str | None = None, chunk_check: ChunkCheck | None = None) -> None:
+                 copy_of: str | None = None) -> None:
         """``copy_of``: what the file must record it is a copy of (materialize.COPY_OF_KEY),
         for a cache entry whose copies are stamped; a file that records another entry or
-        nothing is a :class:`ShardCorruptError` (another entry's file under this name).
-        ``chunk_check``: verify the file chunk by chunk instead of whole (its footer against
-        the index's tail checksum when it is opened, each chunk against the footer's digest
-        before its rows are first gathered): for a chunked shard read in place, whose whole
-        file the caller did not hash."""
+        nothing is a :class:`ShardCorruptError` (another entry's file under this name)."""
         self.path = path
         self.schema = schema
         self._copy_of = copy_of
@@ -181,12 +169,6 @@ class ShardReader:
         else:
             self._chunks = ChunkTable(columns, [batch.num_rows for batch in batches])
             self._batch = pa.Table.from_batches(batches)  # (zero-copy; for inspection)
-        if chunk_check is not None:
-            try:
-                self._pending = ChunkDigests(self._mmap, batches, chunk_check, path)
-            except BaseException:
-                self.close()
-                raise
 
     def _read_batches(self) -> list[pa.RecordBatch]:
         """The shard's record batches, each checked whole: offsets in order and inside their
@@ -323,61 +305,6 @@ class ChunkTable:
         return np.searchsorted(self.starts, rows, side="right") - 1
 
 
-@dataclass(frozen=True)
-class ChunkCheck:
-    """What verifies a chunked shard chunk by chunk: its index entry (chunk rows, the tail's
-    size and checksum) and the dataset's whole schema (a chunk's digest covers every field)."""
-
-    info: ShardInfo
-    schema: Schema
-
-
-class ChunkDigests:
-    """A chunked shard's chunk digests, from its footer verified against the index, and which
-    chunks have been checked (each once, before its rows are first gathered).
-
-    Raises (constructor):
-        ChecksumMismatchError: the footer does not match the index's tail checksum.
-        ShardCorruptError: the footer describes other chunks than the index's.
-    Thread safety: two threads may check one chunk at once (both compute, both agree).
-    """
-
-    def __init__(self, mapping: pa.MemoryMappedFile, batches: list[pa.RecordBatch],
-                 check: ChunkCheck, path: str) -> None:
-        info = check.info
-        assert info.chunk_rows is not None and info.tail_bytes is not None
-        size = mapping.size()
-        mapping.seek(size - info.tail_bytes)
-        verify_bytes(mapping.read(info.tail_bytes), info.tail_checksum, what=f"{path} (footer)")
-        mapping.seek(0)
-        try:
-            metadata = ipc.open_file(mapping).metadata
-            self.digests = read_footer_metadata(metadata, chunks=len(batches),
-                                                chunk_rows=info.chunk_rows, where=path)
-        except (ValueError, pa.ArrowException) as exc:
-            raise ShardCorruptError(f"{path} is not the chunked shard its index describes "
-                                    f"({exc}): rebuild the index or rewrite it") from exc
-        self.batches = batches
-        self.schema = check.schema
-        self.path = path
-        self.unchecked = np.ones(len(batches), dtype=bool)
-
-    def check(self, chunks: np.ndarray) -> None:
-        """Verify those of ``chunks`` not checked yet.
-
-        Raises:
-            ChecksumMismatchError: a chunk's content does not match its digest.
-        """
-        for chunk in np.unique(chunks[self.unchecked[chunks]]).tolist():
-            actual = chunk_digest(self.batches[chunk], self.schema)
-            if actual != self.digests[chunk]:
-                raise ChecksumMismatchError(
-                    f"{self.path}: chunk {chunk} does not match its digest ({actual}, the "
-                    f"footer says {self.digests[chunk]}); the file is corrupt or was "
-                    "rewritten after indexing (restore it, or rebuild the index)")
-            self.unchecked[chunk] = False
-
-
 def corrupt_shard_error(path: str, exc: BaseException) -> ShardCorruptError:
     """The error for a local shard that cannot be read (``exc`` says why)."""
     return ShardCorruptError(
@@ -456,9 +383,6 @@ def locate_in_chunks(shards: Sequence[ShardReader], which: np.ndarray, rows: np.
     # (clipped): the native gather refuses it, and it never reaches another shard's chunk.
     chunk = np.minimum(np.maximum(rows // step[which], 0), (chunks - 1)[which])
     local = rows - chunk * step[which]
-    for i, shard in enumerate(shards):  # a shard read in place: its chunks checked first use
-        if shard._pending is not None and shard._pending.unchecked.any():
-            shard._pending.check(chunk[which == i])
     for i in uneven:  # batches of uneven row counts (foreign files): a binary search
         table = shards[i]._chunks
         assert table is not None
@@ -487,7 +411,7 @@ def gather(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray,
     """
     which = np.ascontiguousarray(which, dtype=np.int32)
     rows = np.ascontiguousarray(rows, dtype=np.int64)
-    if any(shard._chunks is not None or shard._pending is not None for shard in shards):
+    if any(shard._chunks is not None for shard in shards):
         which, rows = locate_in_chunks(shards, which, rows)
     pool = _OUTPUTS.get()
     out: dict[str, np.ndarray | Ragged] = {}

@@ -236,12 +236,10 @@ class DatasetReader:
 
     def _open(self, shard: int) -> ShardReader:
         rows = self.index.shards[shard].rows
-        chunk_check = getattr(self.store, "chunk_check", None)  # (a store of ours has one)
         for attempt in (1, 2):  # evicted by another process between handed out and mapped
             try:
-                path = self.store.local_path(shard)
-                return ShardReader(path, self.schema, expected_rows=rows,
-                                   chunk_check=chunk_check(shard) if chunk_check else None)
+                return ShardReader(self.store.local_path(shard), self.schema,
+                                   expected_rows=rows)
             except (FileNotFoundError, FetchError) as error:
                 if isinstance(error, FetchError) and self._own_store:
                     # a local file of the wrong size, as DatasetReader has always said

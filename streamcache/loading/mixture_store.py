@@ -140,10 +140,6 @@ class MixtureCache:
         cache, local = self._route(shard)
         return cache.copy_of(local)
 
-    def chunk_check(self, shard: int) -> Any:
-        cache, local = self._route(shard)
-        return cache.chunk_check(local)
-
     def set_next_use(self, next_use: Callable[[int], float] | None) -> None:
         for cache, base in zip(self.caches, self.base.tolist(), strict=True):
             cache.set_next_use(None if next_use is None else _shifted(next_use, base))
@@ -175,10 +171,6 @@ class _SourceStore:
 
     def local_path(self, shard: int) -> str:
         return self._store.local_path(self._base + shard)
-
-    def chunk_check(self, shard: int) -> Any:
-        """How to verify the shard's file chunk by chunk (the store's), or None."""
-        return self._store.chunk_check(self._base + shard)
 
     def ready(self, shard: int) -> bool:
         """Whether the shard is installed now (the reader's cold-start rule asks)."""
