@@ -87,18 +87,21 @@ def test_compressed_shards_are_decoded_once_into_the_cache(tmp_path: Path) -> No
     assert _read_epoch(url, cache) == first  # the same order from the installed copies
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
+@pytest.mark.parametrize("damage", ["flip", "footer", "truncate"])
 def test_a_chunked_shard_changed_after_indexing_is_an_error_never_another_sample(
         tmp_path: Path, damage: str) -> None:
+    """A flipped byte in a chunk or in the footer, or a truncated file: an error naming the
+    file (a damaged footer raised pyarrow's own error before), never another sample."""
     url = _write(tmp_path, None)
     victim = sorted(Path(url).glob("*.arrow"))[0]
     size = victim.stat().st_size
     os.chmod(victim, 0o644)
     with open(victim, "r+b") as f:
-        if damage == "flip":
-            f.seek(size // 2)
+        if damage in ("flip", "footer"):
+            at = size // 2 if damage == "flip" else size - 200
+            f.seek(at)
             byte = f.read(1)
-            f.seek(size // 2)
+            f.seek(at)
             f.write(bytes([byte[0] ^ 0xFF]))
         else:
             f.truncate(size - 100)

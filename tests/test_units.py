@@ -148,3 +148,19 @@ def test_units_of_another_layout_or_dataset_never_share_a_folder(served) -> None
     assert unit_index(index, big).shards[0].path == index.shards[0].path
     with pytest.raises(PlanError, match="does not exist"):
         unit_index(index, big).shards[big.num_units]
+
+
+def test_a_local_uncompressed_shard_is_installed_as_a_unit_never_read_in_place(
+        tmp_path) -> None:
+    """A node's units record which unit they are (copy_of): even a whole local shard that a
+    single-node job reads in place is installed as a stamped unit."""
+    with ShardWriter(str(tmp_path / "ds"), compression=None) as writer:
+        writer.write_batch(pa.record_batch({"x": np.arange(ROWS, dtype=np.int64)}))
+    index = load_index(str(tmp_path / "ds"))
+    layout = UnitLayout.whole_shards(index.shard_rows)
+    with UnitCache(index, layout, str(tmp_path / "cache"), working_set_bytes=1 << 30) as cache:
+        path = cache.local_path(0)
+        assert not os.path.samefile(path, tmp_path / "ds" / index.shards[0].path)
+        reader = ShardReader(path, index.schema, expected_rows=ROWS, copy_of=cache.copy_of(0))
+        assert np.array_equal(reader._batch.column("x").to_numpy(), np.arange(ROWS))
+        reader.close()

@@ -122,8 +122,10 @@ class UnitCache(NodeCache):
                  working_set_bytes: int, **options: Any) -> None:
         self.dataset = index
         self.layout = layout
+        # (never read in place: every unit file records which unit it is, so even a whole
+        # local shard is installed as a unit, stamped)
         super().__init__(unit_index(index, layout), cache_dir,
-                         working_set_bytes=working_set_bytes, **options)
+                         working_set_bytes=working_set_bytes, read_in_place=False, **options)
         self._ranges = RangeReader(index, self.fetcher)
         self._range_lock = threading.Lock()
 

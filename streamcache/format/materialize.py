@@ -152,7 +152,7 @@ def is_local_layout(path: str, schema: Schema) -> bool:
                 return True
             base = _base_address(mm)
             return _mappable(reader.get_batch(0), schema, base, base + mm.size())
-    except (pa.ArrowInvalid, OSError):
+    except (pa.ArrowException, OSError):  # any damage: not mapped; installing verifies it
         return False
 
 
