@@ -203,7 +203,9 @@ def test_eight_nodes_at_the_defaults_fetch_about_1_3_eighths_each(served, tmp_pa
     pieces of 63 rows at 8 nodes, about 32 a node (benchmarks/bench_multinode.py measures
     larger ones)."""
     shares = check_job(served, 8, 1, 1024, tmp_path)
-    assert sum(shares) <= 1.3 and max(shares) * 8 <= 1.45
+    # (the bytes depend on the piece-to-node assignment, keyed by the dataset's fingerprint,
+    # which the writer's random shard names draw anew in each run: the message names it)
+    assert sum(shares) <= 1.3 and max(shares) * 8 <= 1.45, (served[1].fingerprint, shares)
 
 
 def test_a_four_node_state_resumes_on_three_nodes_exactly(served, tmp_path) -> None:
