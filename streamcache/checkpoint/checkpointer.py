@@ -43,8 +43,9 @@ from .commit import Committer, SaveJob
 from .errors import CheckpointError
 from .layout import CheckpointInfo
 from .lease import Lease
-from .memory import MemoryOptions, MemoryTier, restore_agreed, snapshot_entries
+from .memory import MemoryOptions, MemoryTier
 from .memory_format import RootView
+from .memory_restore import restore_agreed, snapshot_entries
 from .pace import Pace
 from .ranks import Ranks
 from .restore import Restorer
