@@ -21,7 +21,7 @@ import pyarrow.ipc as ipc
 from .. import _native
 from ..errors import SchemaError, ShardCorruptError
 from .buffers import POOL, BufferPool, settle_allocator
-from .columns import ColumnBuffers, chunk_buffers, column_buffers
+from .columns import ColumnBuffers, chunk_buffers
 from .materialize import COPY_OF_KEY
 from .schema import Field, Schema
 
@@ -134,6 +134,9 @@ class ShardReader:
 
     #: the chunks of a file of several record batches (None: one batch, in ``_buffers``)
     _chunks: ChunkTable | None = None
+    #: each field's views, one per record batch (None: a reader built otherwise, whose one
+    #: batch is in ``_buffers``)
+    _views: dict[str, list[ColumnBuffers]] | None = None
 
     def __init__(self, path: str, schema: Schema, *, expected_rows: int | None = None,
                  copy_of: str | None = None) -> None:
@@ -156,18 +159,15 @@ class ShardReader:
             if expected_rows is not None and self.num_rows != expected_rows:
                 raise ShardCorruptError(
                     f"{path} holds {self.num_rows} rows, the index says {expected_rows}")
-            if len(batches) == 1:
-                columns = [{field.name: self._column(batches[0], field) for field in schema}]
-            else:
-                columns = self._chunk_columns(batches)
+            self._views = self._field_views(batches)
         except BaseException:
             self.close()
             raise
         if len(batches) == 1:
-            self._buffers = columns[0]
+            self._buffers = {name: views[0] for name, views in self._views.items()}
             self._batch: pa.RecordBatch | pa.Table = batches[0]
         else:
-            self._chunks = ChunkTable(columns, [batch.num_rows for batch in batches])
+            self._chunks = ChunkTable([batch.num_rows for batch in batches])
             self._batch = pa.Table.from_batches(batches)  # (zero-copy; for inspection)
 
     def _read_batches(self) -> list[pa.RecordBatch]:
@@ -203,8 +203,8 @@ class ShardReader:
                 "file under this name (moved or swapped in the cache folder); delete it and "
                 "the cache installs it again")
 
-    def _chunk_columns(self, batches: list[pa.RecordBatch]) -> list[dict[str, ColumnBuffers]]:
-        """Each record batch's column views (the type of each column checked once)."""
+    def _field_views(self, batches: list[pa.RecordBatch]) -> dict[str, list[ColumnBuffers]]:
+        """Each field's views, one per record batch (its type checked once for them all)."""
         names = batches[0].schema.names
         per_field = {}
         for field in self.schema:
@@ -217,18 +217,7 @@ class ShardReader:
                 raise SchemaError(f"{self.path}: {exc}") from exc
             except (pa.ArrowException, ValueError) as exc:
                 raise corrupt_shard_error(self.path, exc) from exc
-        return [{name: views[i] for name, views in per_field.items()}
-                for i in range(len(batches))]
-
-    def _column(self, batch: pa.RecordBatch, field: Field) -> ColumnBuffers:
-        if field.name not in batch.schema.names:
-            raise SchemaError(f"{self.path} has no column {field.name!r}")
-        try:
-            return column_buffers(field, batch.column(field.name))
-        except SchemaError as exc:
-            raise SchemaError(f"{self.path}: {exc}") from exc
-        except (pa.ArrowException, ValueError) as exc:
-            raise corrupt_shard_error(self.path, exc) from exc
+        return per_field
 
     def column_chunks(self, name: str) -> _native.ColumnChunks:
         """The column's buffers, one per record batch, as the native gather takes them (made
@@ -236,8 +225,7 @@ class ShardReader:
         columns = self.__dict__.setdefault("_columns", {})
         found = columns.get(name)
         if found is None:
-            parts = ([self._buffers[name]] if self._chunks is None else
-                     [chunk.buffers(name) for chunk in self._chunks.chunks])
+            parts = [self._buffers[name]] if self._views is None else self._views[name]
             offsets = [part.offsets for part in parts if part.offsets is not None]
             found = columns[name] = _native.ColumnChunks(
                 [part.data for part in parts], offsets if offsets else None)
@@ -259,7 +247,7 @@ class ShardReader:
 
     def close(self) -> None:
         self._buffers.clear()
-        self._chunks = None
+        self._chunks = self._views = None
         self.__dict__.pop("_columns", None)
         self._mmap.close()
 
@@ -270,28 +258,16 @@ class ShardReader:
         self.close()
 
 
-class _Chunk:
-    """One record batch of a chunked shard, as the gather reads it."""
-
-    __slots__ = ("_buffers",)
-
-    def __init__(self, buffers: dict[str, ColumnBuffers]) -> None:
-        self._buffers = buffers
-
-    def buffers(self, name: str) -> ColumnBuffers:
-        return self._buffers[name]
-
-
 class ChunkTable:
-    """The chunks of a shard of several record batches: their column views and where each
-    starts. ``fixed_rows``: the rows of every chunk but the last when they are all equal and
-    the last is not longer (how ShardWriter cuts), else 0 (found by binary search).
+    """Where each chunk of a shard of several record batches starts (``count`` of them).
+    ``fixed_rows``: the rows of every chunk but the last when they are all equal and the last
+    is not longer (how ShardWriter cuts), else 0 (found by binary search).
 
     Thread safety: immutable.
     """
 
-    def __init__(self, columns: list[dict[str, ColumnBuffers]], rows: list[int]) -> None:
-        self.chunks = [_Chunk(buffers) for buffers in columns]
+    def __init__(self, rows: list[int]) -> None:
+        self.count = len(rows)
         self.starts = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(rows, out=self.starts[1:])
         first = rows[0]
@@ -372,7 +348,7 @@ def locate_in_chunks(shards: Sequence[ShardReader], which: np.ndarray, rows: np.
     for i, shard in enumerate(shards):
         table = shard._chunks
         if table is not None:
-            chunks[i] = len(table.chunks)
+            chunks[i] = table.count
             if table.fixed_rows:
                 step[i] = table.fixed_rows
             else:
@@ -387,7 +363,7 @@ def locate_in_chunks(shards: Sequence[ShardReader], which: np.ndarray, rows: np.
         table = shards[i]._chunks
         assert table is not None
         mine = np.flatnonzero(which == i)
-        found = np.clip(table.locate(rows[mine]), 0, len(table.chunks) - 1)
+        found = np.clip(table.locate(rows[mine]), 0, table.count - 1)
         chunk[mine] = found
         local[mine] = rows[mine] - table.starts[found]
     flat = base[which] + chunk
