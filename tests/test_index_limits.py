@@ -23,7 +23,8 @@ import streamcache.format.index_format as index_format
 from streamcache.errors import IndexFormatError
 from streamcache.format.checksum import checksum_bytes
 from streamcache.format.index import build_index, load_index, parse_index
-from streamcache.format.shard_table import ShardInfo, ShardTable
+from streamcache.format.shard_entry import ShardInfo
+from streamcache.format.shard_table import ShardTable
 from streamcache.format.side_table import decode_side_table
 from streamcache.format.table_layout import memory_writer, open_memory
 from streamcache.format.writer import write_dataset

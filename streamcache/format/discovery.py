@@ -28,8 +28,8 @@ from .checksum import checksum_bytes, checksum_file
 from .columns import field_from_arrow
 from .index_format import read_capped
 from .schema import Schema
+from .shard_entry import ShardInfo
 from .shard_paths import local_escape
-from .shard_table import ShardInfo
 
 _PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 _ARROW_SUFFIXES = (".arrow", ".feather", ".ipc", ".arrows")

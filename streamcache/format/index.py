@@ -55,8 +55,9 @@ from .index_format import (
     uses_side_table,
 )
 from .schema import Schema
+from .shard_entry import SHARD_FORMATS, ShardInfo
 from .shard_paths import check_same_filesystem, check_shard_paths, local_escape
-from .shard_table import SHARD_FORMATS, ShardInfo, ShardTable
+from .shard_table import ShardTable
 
 INDEX_NAME = "index.json"
 MAX_INDEX_BYTES = 256 << 20  # index.json; a larger shard table belongs in a side file
@@ -200,7 +201,8 @@ def parse_index(raw: bytes, url: str, *, allow_external_paths: bool = False,
     if stated != index.num_samples or type(stated) is not int:
         raise IndexFormatError(f"{url} says num_samples={stated!r}, its shards hold "
                                f"{index.num_samples}; the index was edited or damaged: rebuild it")
-    check_shard_paths(index, allow_external_paths=allow_external_paths)
+    check_shard_paths(index.shard_table, url, index.root,
+                      allow_external_paths=allow_external_paths)
     if index.num_samples == 0:
         raise EmptyDatasetError(f"the dataset at {url} has no samples")
     return index

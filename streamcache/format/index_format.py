@@ -25,7 +25,8 @@ from ..remote import storage
 from .checksum import checksum_bytes, verify_bytes
 from .node_table import TableKey, open_node_table
 from .schema import Schema
-from .shard_table import ShardInfo, ShardTable, shard_entry_hook
+from .shard_entry import ShardInfo, shard_entry_hook
+from .shard_table import ShardTable
 from .side_table import decode_side_table
 from .table_layout import LayoutWriter, memory_writer, open_memory
 

@@ -12,20 +12,20 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..errors import IndexFormatError, SourceError
 from ..remote import storage
-from .shard_table import contains, numpy_values, string_buffers
-
-if TYPE_CHECKING:
-    from .index import DatasetIndex
+from .arrow_arrays import contains, numpy_values, string_buffers
+from .shard_table import ShardTable
 
 
-def check_shard_paths(index: DatasetIndex, *, allow_external_paths: bool = False) -> None:
-    """Refuse shard paths that leave the dataset's root.
+def check_shard_paths(table: ShardTable, url: str, root: str, *,
+                      allow_external_paths: bool = False) -> None:
+    """Refuse shard paths of ``table`` (the index at ``url``) that leave the dataset's folder
+    ``root``.
 
     A relative path must stay under the index's folder (no ``..`` above it); an absolute path
     or URL must lie under that folder too, unless ``allow_external_paths``; even then it must
@@ -34,17 +34,16 @@ def check_shard_paths(index: DatasetIndex, *, allow_external_paths: bool = False
     Raises:
         IndexFormatError: naming the first offending path and the option.
     """
-    table = index.shard_table
     if table.paths_outside == 0:  # counted when the table was verified: all plain names
         return
     paths = table.paths()
-    root_protocol, root_path = _split_url(index.root)
+    root_protocol, root_path = _split_url(root)
     for k in _named_outside(paths):
         path = paths[int(k)].as_py()
         if not storage.is_absolute_url(path):
             if posixpath.normpath(path).split("/")[0] == "..":
                 raise IndexFormatError(
-                    f"{index.url}: shard path {path!r} leaves the dataset's folder with '..'; "
+                    f"{url}: shard path {path!r} leaves the dataset's folder with '..'; "
                     "name files under the index's folder (or, with allow_external_paths=True, "
                     "by their absolute path or URL)"
                 )
@@ -54,13 +53,13 @@ def check_shard_paths(index: DatasetIndex, *, allow_external_paths: bool = False
             continue
         if not allow_external_paths:
             raise IndexFormatError(
-                f"{index.url}: shard path {path!r} is outside the dataset's folder "
-                f"{index.root}; pass allow_external_paths=True to read shards elsewhere on "
+                f"{url}: shard path {path!r} is outside the dataset's folder "
+                f"{root}; pass allow_external_paths=True to read shards elsewhere on "
                 f"the index's own filesystem ({root_protocol}://)"
             )
         if protocol != root_protocol:
             raise IndexFormatError(
-                f"{index.url}: shard path {path!r} is on {protocol}://, the index on "
+                f"{url}: shard path {path!r} is on {protocol}://, the index on "
                 f"{root_protocol}://; an index may name external shards on its own filesystem "
                 "only, even with allow_external_paths=True: copy the shards beside the index"
             )

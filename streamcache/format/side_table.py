@@ -30,20 +30,18 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import IndexFormatError
-from .shard_table import (
+from .arrow_arrays import contains, numpy_values, string_buffers
+from .shard_entry import (
     MAX_COUNT,
     MAX_NAME_CHARS,
     MAX_PATH_CHARS,
     MAX_SHARDS,
     SHARD_FORMATS,
-    _exact_sum,
+    UNKNOWN,
     check_chunk_columns,
-    contains,
-    fixed_digest,
-    string_buffers,
-    strings_digest_of,
-    table_digest,
+    exact_sum,
 )
+from .table_digest import fixed_digest, strings_digest_of, table_digest
 from .table_layout import HISTOGRAM, LayoutWriter
 
 #: A side file may decode to at most this many times its stored size ...
@@ -64,7 +62,6 @@ REQUIRED = ("path", "format", "rows", "bytes", "checksum", "compression", "raw_b
 #: The columns :meth:`ShardTable.digest` covers, in its order (layout names).
 DIGESTED = ("formats", "rows", "bytes", "raw_bytes", "paths", "checksums", "compressions")
 CHUNKED = ("chunk_rows", "tail_bytes", "tail_checksum")
-_UNKNOWN = -1
 
 
 def decoded_cap(stored_bytes: int, limit: int) -> int:
@@ -120,7 +117,7 @@ def decode_side_table(data: bytes, where: str, writer: LayoutWriter, limit: int)
     rows = integers["rows"]
     check_chunk_columns(formats, integers["bytes"], integers["chunk_rows"],
                         integers["tail_bytes"], digests.pop("tail_valid"), where)
-    total = _exact_sum(rows)
+    total = exact_sum(rows)
     if total >= MAX_COUNT:
         raise IndexFormatError(f"{where}: the shards hold {total} rows in all; at most "
                                "2**63 - 1 are supported")
@@ -189,12 +186,11 @@ def _decode_integers(parquet: Any, shards: int, where: str, writer: LayoutWriter
     """Write the int64 columns; returns them (nulls as -1: "not recorded")."""
     import pyarrow.compute as pc
 
-    from .shard_table import numpy_values
     chunked = "chunk_rows" in parquet.schema_arrow.names
     out = {}
     for name, nullable in INTEGER_COLUMNS.items():
         if name in CHUNKED and not chunked:
-            out[name] = np.full(shards, _UNKNOWN, dtype=np.int64)
+            out[name] = np.full(shards, UNKNOWN, dtype=np.int64)
         else:
             array = _read(parquet, name, shards, where).combine_chunks()
             if array.null_count and not nullable:
@@ -202,7 +198,7 @@ def _decode_integers(parquet: Any, shards: int, where: str, writer: LayoutWriter
             if len(array) and (pc.min(array).as_py() or 0) < 0:
                 raise IndexFormatError(f"{where}: column {name!r} has a negative value; it "
                                        "must be an integer in [0, 2**63)")
-            out[name] = np.array(numpy_values(array, fill=_UNKNOWN))  # (a copy: array freed)
+            out[name] = np.array(numpy_values(array, fill=UNKNOWN))  # (a copy: array freed)
             del array
         writer.add(name, out[name])
     return out
@@ -220,7 +216,6 @@ def _decode_formats(parquet: Any, shards: int, where: str) -> np.ndarray:
         if unknown:
             raise IndexFormatError(f"{where}: unknown shard format(s) {unknown}")
         table = np.array([SHARD_FORMATS.index(v) for v in known], dtype=np.uint8)
-        from .shard_table import numpy_values
         indices = numpy_values(chunk.indices)
         codes[done:done + len(chunk)] = table[indices] if table.size else 0
         done += len(chunk)
@@ -235,7 +230,6 @@ def _decode_strings(parquet: Any, name: str, shards: int, where: str, writer: La
     are recorded)."""
     import pyarrow.compute as pc
 
-    from .shard_table import numpy_values
     target, kind, nullable = STRING_COLUMNS[name]
     if name not in parquet.schema_arrow.names:  # the chunk columns of an unchunked table
         writer.add_strings(target, pa.nulls(shards, kind))

@@ -37,14 +37,9 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import IndexFormatError
-from .shard_table import (
-    SHARD_FORMATS,
-    TABLE_COLUMNS,
-    ShardInfo,
-    ShardTable,
-    null_mask,
-    string_buffers,
-)
+from .arrow_arrays import null_mask, string_buffers
+from .shard_entry import SHARD_FORMATS, ShardInfo
+from .shard_table import TABLE_COLUMNS, ShardTable
 
 MAGIC = b"SCTABLE1"
 LAYOUT_VERSION = 1
