@@ -120,6 +120,15 @@ class StreamDataset(IterableDataset):
             LOCAL_WORLD_SIZE, else the process group's host names, else 1. With several,
             each node caches only its share of the shards (docs/multinode.md); ``nodes=1``
             turns that off. The global batches are the same either way.
+        partitions: 0 (default): the order does not depend on the node count, and each node
+            reads the batch's samples of the pieces it holds, plus a few of other nodes' to
+            balance them. ``P > 0``: *canonical partitions* for many nodes with small
+            per-node parts (docs/multinode.md, "Canonical partitions"): the samples are cut
+            into ``P`` equal contiguous runs, each shuffled alone, and every global batch
+            takes as many of each; node ``n`` of ``N`` reads only its ``P / N`` runs (about
+            ``1/N`` of the bytes, whatever the batch). The node count must divide ``P`` and
+            the global batch be a multiple of it; a state resumes on any node count that
+            divides ``P``. Part of the order, so of the cursor: fix it for the whole run.
         resume_check: what a loaded state must match: ``"identity"`` (default) the data's
             fingerprint and, where its index has no checksums (the fingerprint then fixes only
             the shape), where the data lives and which index describes it;
@@ -176,6 +185,7 @@ class StreamDataset(IterableDataset):
         world_size: int | None = None,
         nodes: int | None = None,
         resume_check: ResumeCheck = "identity",
+        partitions: int = 0,
     ) -> None:
         super().__init__()
         self.options = StreamOptions(
@@ -186,7 +196,7 @@ class StreamDataset(IterableDataset):
             infinite=infinite, cache_dir=cache_dir, cache_limit=cache_limit,
             local_data=local_data, storage_options=storage_options, fetch=fetch, prefetch=prefetch,
             allow_external_paths=allow_external_paths, rank=rank, world_size=world_size,
-            nodes=nodes, resume_check=resume_check,
+            nodes=nodes, resume_check=resume_check, partitions=partitions,
         )
         opts = self.options
         self.tail = TailPolicy(opts.tail)
@@ -194,7 +204,8 @@ class StreamDataset(IterableDataset):
         # process reports with its batches (loading/shared_batches.py)
         self.work_seconds = [0.0, 0.0]
         self.shuffle = ShuffleOptions(enabled=opts.shuffle, window=opts.shuffle_window,
-                                      window_unit=opts.shuffle_window_unit)
+                                      window_unit=opts.shuffle_window_unit,
+                                      partitions=opts.partitions)
         self._feed: ShardFeed | MixtureFeed
         if isinstance(url, (str, DatasetIndex)):
             self.index = url if isinstance(url, DatasetIndex) else load_index(

@@ -64,6 +64,10 @@ class MixtureFeed(FeedBase):
         if not sources or not all(isinstance(s, Source) for s in sources):
             raise ConfigError("a mixture is a non-empty list of streamcache.Source; got "
                               f"{[type(s).__name__ for s in sources]}")
+        if shuffle.partitions:
+            raise ConfigError(f"partitions={shuffle.partitions} applies to one dataset, not to "
+                              "a mixture (its sources' orders are drawn by weight); leave "
+                              "partitions unset for a mixture")
         self.sources = sources
         self.options = options
         self.shuffle = shuffle

@@ -31,8 +31,11 @@ from ..cache.identity import local_file
 from ..cache.node import LAYOUT_OVERHEAD
 from ..cache.prefetch import Prefetcher, PrefetchOptions
 from ..format.index import DatasetIndex
-from ..plan import CONTIGUOUS, RankAssignment, ShuffleOptions
+from ..plan import CONTIGUOUS, PlanError, RankAssignment, ShuffleOptions
 from ..plan.locality import LocalityAssignment, ShardPositions, locality_key
+from ..plan.partition_split import PartitionAssignment
+from ..plan.partitions import check_partition_layout
+from ..plan.shards import ShardCounts
 from ..plan.units import UnitLayout, piece_rows_for
 from .topology import NodeTopology, resolve_nodes
 
@@ -81,16 +84,27 @@ class NodeLocality:
     """
 
     def __init__(self, topology: NodeTopology, key: int, layout: UnitLayout | None = None,
-                 global_batch: int | None = None) -> None:
+                 global_batch: int | None = None, partitions: int = 0) -> None:
         self.topology = topology
         self.key = key
         self.layout = layout
         self.global_batch = global_batch
-        # (pieces held by two nodes only where the node holds units)
-        held_twice = layout is not None and bool(layout.cut.any())
-        self._split = LocalityAssignment(
-            topology.num_nodes, key, layout, global_batch if held_twice else None) \
-            if topology.num_nodes > 1 else None
+        self.partitions = partitions
+        self._split: LocalityAssignment | None = None
+        if partitions:
+            check_partition_layout(partitions, topology.num_nodes, global_batch)
+        if topology.num_nodes > 1 and partitions:
+            if layout is None:
+                raise PlanError("canonical partitions on several nodes need the dataset's "
+                                "shard layout (a mixture cannot use partitions)")
+            self._split = PartitionAssignment(topology.num_nodes, key, partitions,
+                                              ShardCounts.of(layout.shard_rows), layout,
+                                              global_batch)
+        elif topology.num_nodes > 1:
+            # (pieces held by two nodes only where the node holds units)
+            held_twice = layout is not None and bool(layout.cut.any())
+            self._split = LocalityAssignment(topology.num_nodes, key, layout,
+                                             global_batch if held_twice else None)
 
     @classmethod
     def resolve(cls, cursor: Any, rank: int, world_size: int, nodes: int | None, *,
@@ -104,10 +118,13 @@ class NodeLocality:
         topology = resolve_nodes(rank, world_size, nodes, collective=collective, job=job)
         units = layout(topology.num_nodes) if layout is not None and \
             topology.num_nodes > 1 else None
-        return cls(topology, locality_key(fingerprint_of(cursor)), units, global_batch)
+        partitions = int(getattr(cursor.shuffle, "partitions", 0))
+        return cls(topology, locality_key(fingerprint_of(cursor)), units, global_batch,
+                   partitions)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (NodeLocality, (self.topology, self.key, self.layout, self.global_batch))
+        return (NodeLocality, (self.topology, self.key, self.layout, self.global_batch,
+                               self.partitions))
 
     def __repr__(self) -> str:
         t = self.topology

@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from ..plan import TailPolicy
 from ..plan.cursor import RESUME_CHECKS, ResumeCheck
 from ..plan.order import DEFAULT_WINDOW
+from ..plan.partitions import MAX_PARTITIONS
 from ..remote.options import FetchOptions
 from .batching import RAGGED_MODES
 
@@ -64,6 +65,7 @@ class StreamOptions:
     world_size: int | None = None
     nodes: int | None = None  # nodes the ranks run on (None: from the launcher)
     resume_check: ResumeCheck = "identity"  # what a loaded state must match (plan/cursor.py)
+    partitions: int = 0  # canonical partitions of the order (0: none; plan/partitions.py)
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.global_batch_size is None):
@@ -74,6 +76,15 @@ class StreamOptions:
                               ("world_size", 1), ("nodes", 1)):
             _check_int(name, getattr(self, name), minimum)
         _check_int("seed", self.seed, 0)
+        _check_int("partitions", self.partitions, 0)
+        if self.partitions is None or self.partitions > MAX_PARTITIONS:
+            raise ConfigError(f"partitions must be at most {MAX_PARTITIONS}, got "
+                              f"{self.partitions}")
+        if self.partitions and self.global_batch_size is not None and \
+                self.global_batch_size % self.partitions:
+            raise ConfigError(f"global_batch_size={self.global_batch_size} is not a multiple "
+                              f"of partitions={self.partitions}: every step takes as many "
+                              "samples of every partition")
         if self.seed >= 1 << 64:
             raise ConfigError(f"seed must be below 2**64, got {self.seed}")
         for name, allowed in (("tail", TAIL_MODES), ("ragged", RAGGED_MODES),

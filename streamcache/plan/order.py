@@ -24,6 +24,7 @@ from ..errors import EmptyDatasetError
 from ._util import PlanError, check_int, check_positions, check_seed, check_span
 from .bijection import MAX_DOMAIN, TAG_STAGGER, TAG_WINDOW, derive_key
 from .blocks import BLOCK, PositionBlocks
+from .partitions import MAX_PARTITIONS, Partitions
 from .shards import ShardCounts
 from .stream import ShardStream
 from .windows import RegularWindows, ShardWindows, ShuffleLayer, Windows
@@ -46,12 +47,21 @@ class ShuffleOptions:
             shards) or ``"shards"`` (windows of ``window`` whole shards).
         stagger: add a second shuffle inside windows offset by half a window, so that samples
             near a window boundary mix with both neighbours (no seam).
+        partitions: 0 (the default): one order over the whole dataset, the same for any node
+            count. ``P > 0``: *canonical partitions* (:mod:`streamcache.plan.partitions`): the
+            dataset is cut into ``P`` contiguous runs of samples of equal size, each shuffled
+            on its own (windows of ``window // P`` samples), and the epoch takes one sample
+            of each partition in turn, so any ``P`` consecutive positions from a multiple of
+            ``P`` hold one sample of every partition. On ``N`` nodes with ``N`` dividing
+            ``P`` and global batches that are multiples of ``P``, every node then reads
+            only its own partitions (docs/multinode.md, "Canonical partitions").
     """
 
     enabled: bool = True
     window: int = DEFAULT_WINDOW
     window_unit: str = "samples"
     stagger: bool = True
+    partitions: int = 0
 
     def __post_init__(self) -> None:
         for name in ("enabled", "stagger"):
@@ -59,21 +69,32 @@ class ShuffleOptions:
                 raise PlanError(f"ShuffleOptions.{name} must be a bool, got "
                                 f"{getattr(self, name)!r}")
         check_int("ShuffleOptions.window", self.window, minimum=1)
+        check_int("ShuffleOptions.partitions", self.partitions, minimum=0,
+                  maximum=MAX_PARTITIONS)
         if self.window_unit not in WINDOW_UNITS:
             raise PlanError(f"ShuffleOptions.window_unit must be one of {WINDOW_UNITS}, got "
                             f"{self.window_unit!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict; :meth:`from_dict` reads it back."""
-        return asdict(self)
+        """A JSON-able dict; :meth:`from_dict` reads it back. ``partitions`` is written only
+        when set, so a state without partitions reads the same as before they existed."""
+        data = asdict(self)
+        if not self.partitions:
+            del data["partitions"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> ShuffleOptions:
-        """Strict inverse of :meth:`to_dict`: unknown or missing keys raise :class:`PlanError`."""
+        """Strict inverse of :meth:`to_dict`: unknown or missing keys raise :class:`PlanError`
+        (``partitions`` may be absent: 0)."""
         expected = set(cls.__dataclass_fields__)
-        if not isinstance(data, dict) or set(data) != expected:
+        if not isinstance(data, dict) or not (set(data) == expected or
+                                              set(data) == expected - {"partitions"}):
             raise PlanError(f"shuffle options must be a dict with keys {sorted(expected)}, "
                             f"got {data!r}")
+        if data.get("partitions", 1) == 0:  # (written only when set)
+            raise PlanError(f"shuffle options {data!r}: partitions is written only when it is "
+                            "above 0")
         return cls(**data)
 
 
@@ -129,7 +150,10 @@ class EpochOrder:
         if self.num_samples == 0:
             raise EmptyDatasetError("the dataset holds no samples (every shard is empty); "
                                     "check the index or the dataset URL")
-        self._layers = self._build_layers() if shuffle.enabled else []
+        self._partitions = Partitions(counts, self.seed, self.epoch, shuffle, EpochOrder) \
+            if shuffle.partitions else None
+        self._layers = self._build_layers() if shuffle.enabled and \
+            self._partitions is None else []
         self._cache_bytes = check_int("cache_bytes", cache_bytes, minimum=0)
         self._blocks = PositionBlocks(self._resolve, self.num_samples, self._cache_bytes)
 
@@ -166,7 +190,7 @@ class EpochOrder:
             PositionOutOfRangeError: unless ``0 <= start <= stop <= num_samples``.
         """
         check_span(start, stop, self.num_samples)
-        if not self.shuffle.enabled:
+        if not self.shuffle.enabled and self._partitions is None:
             return np.arange(start, stop, dtype=np.int64)
         return self._blocks.lookup(start, stop)[0].copy()
 
@@ -233,6 +257,8 @@ class EpochOrder:
 
     def _resolve(self, positions: np.ndarray) -> np.ndarray:
         """A (2, n) int64 array: the sample id and the shard of each position."""
+        if self._partitions is not None:
+            return self._partitions.resolve(positions)
         out = np.empty((2, positions.size), dtype=np.int64)
         # Pieces of one block keep every temporary array in the CPU caches (3x faster on
         # long arrays than one pass).
