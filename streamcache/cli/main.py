@@ -50,7 +50,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("streamcache.cli.inspection", "show a dataset's schema, shards, sizes and samples"),
     "bench": ("streamcache.cli.bench", "stream a dataset and report throughput and waiting"),
     "checkpoints": ("streamcache.checkpoint", "list checkpoints under a root, or verify one"),
-    "goodput": ("streamcache.goodput", "checkpoint interval and expected goodput"),
+    "goodput": ("streamcache.cli.goodput", "checkpoint interval and expected goodput"),
 }
 
 

@@ -15,7 +15,7 @@ from ..errors import MissingDependencyError
 
 if TYPE_CHECKING:
     from ..goodput import GoodputReport
-    from .bench import BenchResult
+    from .bench_result import BenchResult
 
 RATE_WINDOW_STEPS = 10  # steps averaged into one throughput point
 
