@@ -28,9 +28,9 @@ than once) and how many of the final trajectory's global batches equal the clean
 It also times ``import streamcache`` and the memory tier (snapshot cost against the step
 time; a 100 MB restore).
 
-Run (the full measurement; share the machine through the team lock):
+Run (the full measurement, on a quiet machine):
 
-    flock /work/team/bench.lock python benchmarks/bench_chaos.py --seconds 180 --mtbf 30
+    python benchmarks/bench_chaos.py --seconds 180 --mtbf 30
     python benchmarks/bench_chaos.py --quick        # 40 s rows, a fault every ~12 s
 
 Results: JSON in benchmarks/out/chaos.json; the table of the last full run is in README.md

@@ -1,9 +1,9 @@
 """Checkpoint cost, quiet and under a competing CPU load: blocked time, call to durable, and
 the training loop's cost of one save, for the Checkpointer against DCP in the same run.
 
-Run (from the repository root, under the team's bench lock):
+Run (from the repository root, on a quiet machine):
 
-    flock /work/team/bench.lock python benchmarks/bench_checkpoint.py             # ~1 GB a rank
+    python benchmarks/bench_checkpoint.py                                        # ~1 GB a rank
     python benchmarks/bench_checkpoint.py --size 256MiB --repeats 1               # a smoke run
 
 Each of 2 gloo ranks holds an FSDP2-sharded model and its AdamW state (``--size`` of

@@ -1,6 +1,6 @@
 """A mixture of many sources: time to the first batch and peak memory, by number of sources.
 
-Run:  flock /work/team/bench.lock python benchmarks/bench_mixture.py
+Run:  python benchmarks/bench_mixture.py
           [--sources 10,500,3000] [--repeats 3] [--before SRC]
 
 Data (written once under benchmarks/out/mixture): N sources, each a dataset of 64 samples of

@@ -1,6 +1,6 @@
 """Opening a dataset of 1k, 100k and 1M shards: construction, first batch and memory.
 
-Run:  flock /work/team/bench.lock python benchmarks/bench_open.py [--repeats 3]
+Run:  python benchmarks/bench_open.py [--repeats 3]
           [--shards 1000,100000,1000000] [--ranks 1,8] [--data DIR] [--baseline SRC]
 
 What a rank process pays to open a dataset, as a user sees it: a fresh process imports

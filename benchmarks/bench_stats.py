@@ -1,7 +1,7 @@
 """What StreamLoader.stats() costs on the warm 1 KB path: the loader with its counters
 against the same loader with them switched off, interleaved, in one process.
 
-Run:  flock /work/team/bench.lock python benchmarks/bench_stats.py [--repeats 7] [--steps 400]
+Run:  python benchmarks/bench_stats.py [--repeats 7] [--steps 400]
 
 The data is bench_loader.py's "tokens" case (int32[256] rows, ~1 KB, zstd shards at the
 defaults), warm in a node cache; batch 256, no transform, num_workers=0. "off" replaces the
