@@ -17,32 +17,23 @@ or batch size continues the epoch exactly.
 
 from __future__ import annotations
 
-import collections
 import multiprocessing.context
 import numbers
-import os
-import tempfile
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Iterator
-from concurrent.futures import CancelledError
 from typing import Any, Literal, get_args
 
 import torch
-from torch.utils.data import DataLoader
 
 from ..errors import ConfigError
-from ..format.buffers import BufferPool
-from ..format.reader import gather_into
-from ..plan import Cursor, CursorMismatchError, RankBatch
+from ..plan import Cursor, CursorMismatchError
 from ..plan._util import check_state
-from ..plan.bijection import derive_key
 from ..plan.mixture_cursor import MixtureCursor
 from .dataset import StreamDataset
-from .schedule import Schedule, StepRef
-from .shared_batches import SharedBatchDataset, SlotReader, WorkerBatch
+from .loader_pass import BatchSource, LoaderPass
+from .pinning import pinned_pool  # noqa: F401  (benchmarks/gpu_check.py imports it from here)
 from .stats import LoaderStats, StepCounters, open_reader
 from .stats_logger import StatsLogger, metrics_sink
 
@@ -51,354 +42,6 @@ WorkerMode = Literal["auto", "process", "thread"]
 WORKER_MODES: tuple[WorkerMode, ...] = get_args(WorkerMode)
 KEY_VERSION = "version"
 KEY_CURSOR = "cursor"
-_WORKER_SEED_TAG = 0x574B_5253  # distinguishes worker base seeds from every other derived key
-
-
-def worker_generator(cursor: Cursor | MixtureCursor) -> torch.Generator:
-    """The generator a pass's DataLoader draws its workers' base seed from.
-
-    Seeded from the plan (seed, epoch, samples consumed), so starting worker processes draws
-    nothing from the training loop's torch RNG: the loop's random stream continues exactly
-    after a resume, and a pass's workers are seeded the same in a rerun.
-    """
-    key = derive_key(cursor.seed, cursor.epoch, cursor.samples_consumed, _WORKER_SEED_TAG)
-    return torch.Generator().manual_seed(key % (1 << 63))
-
-
-class _Producer:
-    """One reader thread: the steps ``t % threads == index`` of a pass, in order, read (and
-    made into batches, without a transform) at most ``depth`` ahead of the loop."""
-
-    _END = object()
-
-    def __init__(self, owner: _NativeBatches, index: int, threads: int,
-                 schedule: Schedule) -> None:
-        self._owner = owner
-        self._steps = owner.dataset.planned(index, threads, schedule)
-        self._ready: collections.deque[Any] = collections.deque()  # batches, errors, _END
-        self._changed = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=f"streamcache-loader-{index}",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        owner = self._owner
-        try:
-            for ref, part in self._steps:
-                with self._changed:
-                    self._changed.wait_for(
-                        lambda: owner.stopped or len(self._ready) < owner.depth)
-                    if owner.stopped:  # interrupted: no read may start (it opens a reader)
-                        self._ready.append(_Failed(CancelledError("the loader was interrupted")))
-                        return
-                self._put(owner.work(ref, part))
-            self._put(self._END)
-        except BaseException as error:  # the loop raises it, with its type
-            self._put(_Failed(error))
-
-    def _put(self, item: Any) -> None:
-        with self._changed:
-            self._ready.append(item)
-            self._changed.notify_all()
-
-    def take(self) -> tuple[Any, bool, int]:
-        """The next batch (raising what the read raised; StopIteration after the last),
-        whether it was ready when asked, and how many more are ready behind it."""
-        with self._changed:
-            ready = bool(self._ready)
-            self._changed.wait_for(lambda: bool(self._ready))
-            item = self._ready[0]
-            if item is self._END:  # (left in place: the thread has ended, so do later takes)
-                raise StopIteration
-            if isinstance(item, _Failed):
-                raise item.error
-            self._ready.popleft()
-            self._changed.notify_all()
-            return item, ready, len(self._ready)
-
-    def wake(self) -> None:
-        with self._changed:
-            self._changed.notify_all()
-
-    def join(self) -> None:
-        self._thread.join()
-
-
-class _Failed:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-class _NativeBatches:
-    """Steps of a schedule read by ``threads`` reader threads, each at most ``depth`` steps
-    ahead of the loop, delivered in order (step ``t`` comes from thread ``t % threads``).
-
-    Each thread plans and reads its own steps: one hand-over per step, from the thread that
-    made the batch to the loop (a pool of per-step tasks cost two hand-overs, a future and a
-    task each, and ran the plan on the loop's thread: 1.3-1.9 times the CPU of reading the
-    steps inline, measured on 1 KB samples).
-    """
-
-    def __init__(self, dataset: StreamDataset, schedule: Schedule, depth: int, threads: int,
-                 pin: bool, counters: StepCounters) -> None:
-        self.dataset = dataset
-        threads = max(1, threads)
-        self.depth = max(1, -(-depth // threads))  # ready batches per thread: ~depth in all
-        self.stopped = False
-        self._counters = counters
-        self._pin = pin
-        self._closed = False
-        self._next = 0
-        self._producers = [_Producer(self, index, threads, schedule)
-                           for index in range(threads)]
-
-    def work(self, ref: StepRef, part: RankBatch) -> Any:
-        """One step's arrays (with a transform: finished on the loop's thread) or batch."""
-        started = time.perf_counter()
-        if self._pin:  # gathered straight into page-locked buffers: pinned with no copy
-            with gather_into(pinned_pool()):
-                arrays = self.dataset.read_step(ref, part)
-        else:
-            arrays = self.dataset.read_step(ref, part)
-        if self.dataset.transformed:
-            self._counters.read(time.perf_counter() - started)
-            return _Arrays(ref, arrays)
-        batch = self.dataset.finish_step(ref, arrays)
-        batch = _pinned(batch) if self._pin else batch
-        self._counters.read(time.perf_counter() - started)
-        return batch
-
-    def __next__(self) -> Any:
-        if self._closed:
-            raise StopIteration
-        producer = self._producers[self._next % len(self._producers)]
-        result, ready, behind = producer.take()
-        self._next += 1
-        self._counters.took(ready, behind)
-        if isinstance(result, _Arrays):
-            started = time.perf_counter()
-            batch = self.dataset.finish_step(result.ref, result.arrays)
-            self._counters.transformed(time.perf_counter() - started)
-            return _pinned(batch) if self._pin else batch
-        return result
-
-    def stop(self) -> None:
-        """Start no more reads; reads already running end with their reader (close() waits)."""
-        self.stopped = True
-        for producer in self._producers:
-            producer.wake()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.stop()
-        for producer in self._producers:
-            producer.join()
-
-
-class _Arrays:
-    """A step's arrays, read ahead, to be transformed on the loop's thread."""
-
-    __slots__ = ("arrays", "ref")
-
-    def __init__(self, ref: StepRef, arrays: dict[str, Any]) -> None:
-        self.ref = ref
-        self.arrays = arrays
-
-
-# multiprocessing's socket for passing file descriptors: <tmp>/pymp-XXXXXXXX/listener-XXXXXXXX
-_SOCKET_SUFFIX = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
-_SUN_PATH = 108  # bytes of sockaddr_un.sun_path on Linux (CPython refuses longer paths)
-
-
-def check_socket_folder() -> None:
-    """Refuse worker processes that could not hand their batches over.
-
-    With torch's default sharing strategy (``file_descriptor``) a worker passes its shared
-    memory to the loop over a Unix socket that multiprocessing makes in the temporary
-    folder. When ``TMPDIR`` is too long for a socket path, that fails in the worker's queue
-    thread, which only prints it: the batch never arrives and the loop waits forever.
-    """
-    if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
-        return
-    folder = tempfile.gettempdir()
-    if len(os.fsencode(folder)) + _SOCKET_SUFFIX > _SUN_PATH:
-        raise ConfigError(
-            f"worker processes cannot hand batches to the training loop: the temporary folder "
-            f"{folder} ({len(os.fsencode(folder))} bytes) is too long for the Unix socket "
-            f"torch passes shared memory through (at most {_SUN_PATH - _SOCKET_SUFFIX} bytes); "
-            "set TMPDIR to a shorter folder, or call "
-            "torch.multiprocessing.set_sharing_strategy('file_system'), or use num_workers=0")
-
-
-class _WorkerBatches:
-    """Steps made by worker processes (torch's DataLoader machinery), in step order; their
-    tensors arrive in shared slots set up once per worker (:mod:`.shared_batches`)."""
-
-    def __init__(self, loader: StreamLoader, schedule: Schedule) -> None:
-        check_socket_folder()
-        self._pin = loader.pin_memory
-        self._counters = loader.counters
-        self._slots = SlotReader()
-        torch_loader = DataLoader(
-            SharedBatchDataset(loader.dataset, slots=loader.prefetch + 3), batch_size=None,
-            num_workers=loader.num_workers, prefetch_factor=loader.prefetch,
-            persistent_workers=False, timeout=loader.timeout,
-            multiprocessing_context=loader.multiprocessing_context,
-            generator=worker_generator(schedule.cursor),
-        )
-        self._batches = iter(torch_loader)
-
-    def __next__(self) -> Any:
-        item = next(self._batches)
-        if isinstance(item, WorkerBatch):  # (and the worker's counters so far)
-            self._counters.worker(item.process, item.counters)
-            item = item.batch
-        batch = self._slots.unpack(item)
-        return _pinned(batch) if self._pin else batch
-
-    def close(self) -> None:
-        shutdown = getattr(self._batches, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-        self._slots.forget()
-
-
-_pinned_pool: BufferPool | None = None
-
-
-def pinned_pool() -> BufferPool:
-    """The gather's pool of page-locked (pinned) buffers (needs CUDA), made on first use."""
-    global _pinned_pool
-    if _pinned_pool is None:
-        _pinned_pool = BufferPool(min_bytes=0, allocate=_page_locked)
-    return _pinned_pool
-
-
-def _page_locked(nbytes: int) -> Any:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-
-
-def _pinned(batch: Any) -> Any:
-    """``batch`` with every tensor in page-locked memory (``pin_memory()`` returns a tensor
-    that already is, such as one gathered into :func:`pinned_pool`, as it is)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.pin_memory()
-    if isinstance(batch, dict):
-        return {k: _pinned(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_pinned(v) for v in batch)
-    return batch
-
-
-class _LoaderIterator:
-    """One pass over the loader; moves the dataset's cursor as batches are received.
-
-    An iteration dropped without :meth:`close` (a ``break``, then the iterator collected)
-    only *signals* its reader threads to start no more reads (a finalizer; they end by
-    themselves after the read in hand); nothing joins them there. A finalizer runs on
-    whichever thread the garbage collector interrupts, possibly one those threads wait on
-    (fsspec's I/O thread, another loader's reader): a join there could deadlock the process.
-    Worker processes are shut down by torch's own iterator when it is collected.
-    """
-
-    def __init__(self, loader: StreamLoader) -> None:
-        self._loader = loader
-        self._done = False
-        self._abandon: weakref.finalize | None = None
-        self._open()
-
-    def _open(self) -> None:
-        """Start reading from the dataset's cursor (a pass starts, or the cursor was replaced)."""
-        loader = self._loader
-        dataset = loader.dataset
-        self._schedule = dataset.schedule()
-        self._steps = 0
-        self._moved = False
-        self._source: Any
-        if self._abandon is not None:
-            self._abandon.detach()
-            self._abandon = None
-        if not loader.uses_processes:
-            self._source = _NativeBatches(dataset, self._schedule, loader.prefetch,
-                                          loader.threads, loader.pin_memory, loader.counters)
-            self._abandon = weakref.finalize(self, self._source.stop)
-        else:
-            self._source = _WorkerBatches(loader, self._schedule)
-        loader._source = self._source
-
-    def __iter__(self) -> _LoaderIterator:
-        return self
-
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    def moved(self) -> None:
-        """The dataset's cursor was replaced (``load_state_dict`` during the pass): stop the
-        reads ahead now; the next batch comes from the new cursor."""
-        self._close_source()
-        self._moved = True
-
-    def __next__(self) -> Any:
-        if self._done:
-            raise StopIteration
-        if self._moved:
-            self._open()
-        counters = self._loader.counters
-        started = time.perf_counter()
-        try:
-            batch = next(self._source)
-        except StopIteration:
-            self._finish()
-            raise
-        except BaseException as error:
-            if not isinstance(error, Exception):
-                self._interrupt()
-            self.close()
-            raise
-        counters.received(time.perf_counter() - started)
-        self._steps += 1
-        self._loader.dataset.cursor = self._schedule.cursor_after(self._steps)
-        for logger in self._loader.stats_loggers:
-            logger.step(counters.steps)
-        return batch
-
-    def _interrupt(self) -> None:
-        """Ctrl-C (or another BaseException) in the loop: start no more reads, then close
-        the dataset's reader, whose downloads, stalled ones included, end at once, so that
-        close() does not wait for them."""
-        stop = getattr(self._source, "stop", None)
-        if stop is not None:
-            stop()
-        self._loader.dataset.close()
-
-    def _finish(self) -> None:
-        # The epoch's steps are all consumed (or there were none): the cursor moves to the
-        # start of the next epoch even when the last step was never yielded (an empty tail).
-        if not self._schedule.infinite:
-            self._loader.dataset.cursor = self._schedule.cursor_after(
-                self._schedule.first.num_steps)
-        self.close()
-
-    def close(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        self._close_source()
-
-    def _close_source(self) -> None:
-        if self._abandon is not None:
-            self._abandon.detach()
-            self._abandon = None
-        closer = getattr(self._source, "close", None)
-        if closer is not None:
-            closer()
-        shutdown = getattr(self._source, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-
 
 
 def _check_options(*, num_workers: int, prefetch: int, threads: int, worker_mode: str,
@@ -471,10 +114,10 @@ class StreamLoader:
         self.timeout = timeout
         self.multiprocessing_context = multiprocessing_context
         self.pin_memory = pin_memory and self._can_pin()
-        self._active: weakref.ref[_LoaderIterator] | None = None
+        self._active: weakref.ref[LoaderPass] | None = None
         # the last iteration's readers (or workers), held strongly: the iterator does not
         # refer to them back, so no cycle; close() waits for them
-        self._source: _NativeBatches | _WorkerBatches | None = None
+        self._source: BatchSource | None = None
         self._lock = threading.Lock()
         self.counters = StepCounters(prefetch, num_workers if self.uses_processes else 0)
         self.stats_loggers: list[StatsLogger] = []
@@ -495,13 +138,16 @@ class StreamLoader:
     def __iter__(self) -> Iterator[Any]:
         with self._lock:
             self._close_iteration()
-            iterator = _LoaderIterator(self)
+            iterator = LoaderPass(self, self._hold)
             # held weakly: an iteration the loop dropped is collected at once (its readers
             # told to stop), not kept alive by the loader until a cycle collection
             self._active = weakref.ref(iterator)
             return iterator
 
-    def _current(self) -> _LoaderIterator | None:
+    def _hold(self, source: BatchSource) -> None:
+        self._source = source
+
+    def _current(self) -> LoaderPass | None:
         """The active iteration, while someone still holds it."""
         return self._active() if self._active is not None else None
 

@@ -1,0 +1,160 @@
+"""A pass's steps read by the loader's own reader threads (``num_workers=0``, or worker
+processes not needed): each thread plans and reads its share of the steps a few ahead of the
+training loop, and the loop takes them in step order."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from concurrent.futures import CancelledError
+from typing import Any
+
+from ..format.reader import gather_into
+from ..plan import RankBatch
+from .dataset import StreamDataset
+from .pinning import pinned, pinned_pool
+from .schedule import Schedule, StepRef
+from .stats import StepCounters
+
+
+class _Producer:
+    """One reader thread: the steps ``t % threads == index`` of a pass, in order, read (and
+    made into batches, without a transform) at most ``depth`` ahead of the loop."""
+
+    _END = object()
+
+    def __init__(self, owner: ThreadBatches, index: int, threads: int,
+                 schedule: Schedule) -> None:
+        self._owner = owner
+        self._steps = owner.dataset.planned(index, threads, schedule)
+        self._ready: collections.deque[Any] = collections.deque()  # batches, errors, _END
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"streamcache-loader-{index}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        owner = self._owner
+        try:
+            for ref, part in self._steps:
+                with self._changed:
+                    self._changed.wait_for(
+                        lambda: owner.stopped or len(self._ready) < owner.depth)
+                    if owner.stopped:  # interrupted: no read may start (it opens a reader)
+                        self._ready.append(_Failed(CancelledError("the loader was interrupted")))
+                        return
+                self._put(owner.work(ref, part))
+            self._put(self._END)
+        except BaseException as error:  # the loop raises it, with its type
+            self._put(_Failed(error))
+
+    def _put(self, item: Any) -> None:
+        with self._changed:
+            self._ready.append(item)
+            self._changed.notify_all()
+
+    def take(self) -> tuple[Any, bool, int]:
+        """The next batch (raising what the read raised; StopIteration after the last),
+        whether it was ready when asked, and how many more are ready behind it."""
+        with self._changed:
+            ready = bool(self._ready)
+            self._changed.wait_for(lambda: bool(self._ready))
+            item = self._ready[0]
+            if item is self._END:  # (left in place: the thread has ended, so do later takes)
+                raise StopIteration
+            if isinstance(item, _Failed):
+                raise item.error
+            self._ready.popleft()
+            self._changed.notify_all()
+            return item, ready, len(self._ready)
+
+    def wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def join(self) -> None:
+        self._thread.join()
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class ThreadBatches:
+    """Steps of a schedule read by ``threads`` reader threads, each at most ``depth`` steps
+    ahead of the loop, delivered in order (step ``t`` comes from thread ``t % threads``).
+
+    Each thread plans and reads its own steps: one hand-over per step, from the thread that
+    made the batch to the loop (a pool of per-step tasks cost two hand-overs, a future and a
+    task each, and ran the plan on the loop's thread: 1.3-1.9 times the CPU of reading the
+    steps inline, measured on 1 KB samples).
+    """
+
+    def __init__(self, dataset: StreamDataset, schedule: Schedule, depth: int, threads: int,
+                 pin: bool, counters: StepCounters) -> None:
+        self.dataset = dataset
+        threads = max(1, threads)
+        self.depth = max(1, -(-depth // threads))  # ready batches per thread: ~depth in all
+        self.stopped = False
+        self._counters = counters
+        self._pin = pin
+        self._closed = False
+        self._next = 0
+        self._producers = [_Producer(self, index, threads, schedule)
+                           for index in range(threads)]
+
+    def work(self, ref: StepRef, part: RankBatch) -> Any:
+        """One step's arrays (with a transform: finished on the loop's thread) or batch."""
+        started = time.perf_counter()
+        if self._pin:  # gathered straight into page-locked buffers: pinned with no copy
+            with gather_into(pinned_pool()):
+                arrays = self.dataset.read_step(ref, part)
+        else:
+            arrays = self.dataset.read_step(ref, part)
+        if self.dataset.transformed:
+            self._counters.read(time.perf_counter() - started)
+            return _Arrays(ref, arrays)
+        batch = self.dataset.finish_step(ref, arrays)
+        batch = pinned(batch) if self._pin else batch
+        self._counters.read(time.perf_counter() - started)
+        return batch
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        producer = self._producers[self._next % len(self._producers)]
+        result, ready, behind = producer.take()
+        self._next += 1
+        self._counters.took(ready, behind)
+        if isinstance(result, _Arrays):
+            started = time.perf_counter()
+            batch = self.dataset.finish_step(result.ref, result.arrays)
+            self._counters.transformed(time.perf_counter() - started)
+            return pinned(batch) if self._pin else batch
+        return result
+
+    def stop(self) -> None:
+        """Start no more reads; reads already running end with their reader (close() waits)."""
+        self.stopped = True
+        for producer in self._producers:
+            producer.wake()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.stop()
+        for producer in self._producers:
+            producer.join()
+
+
+class _Arrays:
+    """A step's arrays, read ahead, to be transformed on the loop's thread."""
+
+    __slots__ = ("arrays", "ref")
+
+    def __init__(self, ref: StepRef, arrays: dict[str, Any]) -> None:
+        self.ref = ref
+        self.arrays = arrays
