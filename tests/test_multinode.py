@@ -75,23 +75,24 @@ def dataset_bytes(index: Any) -> int:
     return sum(int(info.bytes) for info in index.shards)
 
 
-def reference_steps(index: Any, global_batch: int, cache: Path) -> list[set[int]]:
+def reference_steps(index: Any, global_batch: int, cache: Path,
+                    partitions: int = 0) -> list[set[int]]:
     """The global batches of a 1-rank run, as sets of ids, from the plan's order (no pass is
     started: its prefetcher would fetch while the job is measured)."""
     dataset = StreamDataset(index, global_batch_size=global_batch, rank=0, world_size=1,
-                            nodes=1, cache_dir=str(cache))
+                            nodes=1, cache_dir=str(cache), partitions=partitions)
     steps = len(dataset)
     ids = dataset.order(0).sample_ids(0, steps * global_batch).reshape(steps, global_batch)
     return [set(step.tolist()) for step in ids]
 
 
 def _rank_main(env: dict[str, str], url: Any, cache: str, global_batch: int, steps: int | None,
-               state: dict[str, Any] | None, out: str) -> None:
+               state: dict[str, Any] | None, out: str, partitions: int) -> None:
     try:
         os.environ.update(env)
         source: Any = url if isinstance(url, str) else [Source(u, weight=w) for u, w in url]
         dataset = StreamDataset(source, global_batch_size=global_batch, cache_dir=cache,
-                                fields=["x"])
+                                fields=["x"], partitions=partitions)
         with StreamLoader(dataset) as loader:
             if state is not None:
                 loader.load_state_dict(state)
@@ -114,7 +115,7 @@ def _rank_main(env: dict[str, str], url: Any, cache: str, global_batch: int, ste
 
 def run_node(node: int, nodes: int, per_node: int, url: Any, cache: Path, global_batch: int,
              tmp: Path, steps: int | None = None, state: dict[str, Any] | None = None,
-             ) -> list[dict[str, Any]]:
+             partitions: int = 0) -> list[dict[str, Any]]:
     """Run the ranks of one node (forked processes, torchrun's environment) to the end."""
     context = mp.get_context("fork")
     outs, processes = [], []
@@ -123,7 +124,7 @@ def run_node(node: int, nodes: int, per_node: int, url: Any, cache: Path, global
         out = str(tmp / f"rank-{nodes}-{env['RANK']}.json")
         outs.append(out)
         processes.append(context.Process(target=_rank_main, args=(
-            env, url, str(cache), global_batch, steps, state, out)))
+            env, url, str(cache), global_batch, steps, state, out, partitions)))
     for process in processes:
         process.start()
     for process in processes:
@@ -172,12 +173,13 @@ def installed_units(cache: Path) -> list[Path]:
 
 
 def check_job(served: Any, nodes: int, per_node: int, global_batch: int, tmp: Path,
-              ) -> list[float]:
+              partitions: int = 0) -> list[float]:
     """One epoch on ``nodes`` nodes: the 1-rank run's global batches, every sample once,
     units installed (never the whole shard); each node's bytes / the dataset's."""
     _, index, _ = served
-    reference = reference_steps(index, global_batch, tmp / "reference")
-    results, node_bytes = run_job(served, nodes, per_node, global_batch, tmp)
+    reference = reference_steps(index, global_batch, tmp / "reference", partitions)
+    results, node_bytes = run_job(served, nodes, per_node, global_batch, tmp,
+                                  partitions=partitions)
     steps = global_steps(results)
     assert steps == reference and len(steps) == SAMPLES // global_batch
     for node in range(nodes):
@@ -186,7 +188,8 @@ def check_job(served: Any, nodes: int, per_node: int, global_batch: int, tmp: Pa
         assert units and all(path.stat().st_size < dataset_bytes(index) for path in units)
     total = dataset_bytes(index)
     shares = [b / total for b in node_bytes]
-    print(f"\n{nodes} nodes x {per_node} ranks, batch {global_batch}, defaults: bytes per "
+    print(f"\n{nodes} nodes x {per_node} ranks, batch {global_batch}, partitions "
+          f"{partitions or 'none (the default)'}: bytes per "
           f"node / dataset {[round(s, 3) for s in shares]}, job {sum(shares):.3f}")
     assert max(shares) <= 1.0  # never more than without locality (every node: the dataset)
     return shares
@@ -206,6 +209,32 @@ def test_eight_nodes_at_the_defaults_fetch_about_1_3_eighths_each(served, tmp_pa
     # (the bytes depend on the piece-to-node assignment, keyed by the dataset's fingerprint,
     # which the writer's random shard names draw anew in each run: the message names it)
     assert sum(shares) <= 1.3 and max(shares) * 8 <= 1.45, (served[1].fingerprint, shares)
+
+
+@pytest.mark.parametrize("nodes, global_batch", [(8, 64), (8, 1024)])
+def test_eight_nodes_with_canonical_partitions_fetch_about_an_eighth_each(
+        served, tmp_path, nodes: int, global_batch: int) -> None:
+    """partitions=64: every node reads only its own runs of samples, so even at 8 samples a
+    node a step (where the default split fetches 2-4x a node's share) each node fetches its
+    eighth plus the pieces at the ends of its run, whatever the dataset's key."""
+    shares = check_job(served, nodes, 1, global_batch, tmp_path, partitions=64)
+    assert sum(shares) <= 1.1 and max(shares) * nodes <= 1.15, (served[1].fingerprint, shares)
+
+
+def test_a_four_node_state_with_partitions_resumes_on_two_nodes_exactly(served,
+                                                                        tmp_path) -> None:
+    _, index, _ = served
+    global_batch, first_steps, later_steps = 64, 7, 9
+    reference = reference_steps(index, global_batch, tmp_path / "reference", 8)
+    before, _ = run_job(served, 4, 1, global_batch, tmp_path, steps=first_steps, partitions=8)
+    states = {json.dumps(rank["state"], sort_keys=True) for node in before for rank in node}
+    assert len(states) == 1  # the same state on every rank
+    after, _ = run_job(served, 2, 2, global_batch, tmp_path, steps=later_steps,
+                       state=json.loads(states.pop()), partitions=8)
+    steps = global_steps(before) + global_steps(after)
+    assert steps == reference[:first_steps + later_steps]
+    read = [i for step in steps for i in step]
+    assert len(read) == len(set(read)) == len(steps) * global_batch
 
 
 def test_a_four_node_state_resumes_on_three_nodes_exactly(served, tmp_path) -> None:

@@ -76,8 +76,10 @@ class StreamOptions:
                               ("world_size", 1), ("nodes", 1)):
             _check_int(name, getattr(self, name), minimum)
         _check_int("seed", self.seed, 0)
+        if self.partitions is None:
+            raise ConfigError("partitions must be an integer >= 0 (0: none), got None")
         _check_int("partitions", self.partitions, 0)
-        if self.partitions is None or self.partitions > MAX_PARTITIONS:
+        if self.partitions > MAX_PARTITIONS:
             raise ConfigError(f"partitions must be at most {MAX_PARTITIONS}, got "
                               f"{self.partitions}")
         if self.partitions and self.global_batch_size is not None and \

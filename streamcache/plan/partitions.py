@@ -110,6 +110,8 @@ class Partitions:
         """A (2, n) int64 array: the sample id and the shard at each position."""
         positions = np.asarray(positions, dtype=np.int64)
         out = np.empty((2, positions.size), dtype=np.int64)
+        if positions.size == 0:
+            return out
         interleaved = self._quotient * self.count
         part = np.where(positions < interleaved, positions % self.count,
                         positions - interleaved)
