@@ -29,9 +29,10 @@ from streamcache import (
     write_dataset,
 )
 from streamcache.cache import prefetch, ranges
+from streamcache.cache.byte_ranges import coalesce
 from streamcache.cache.node import NodeCache
 from streamcache.cache.prefetch import Prefetcher, PrefetchOptions
-from streamcache.cache.ranges import RangeReader, coalesce
+from streamcache.cache.ranges import RangeReader
 from streamcache.errors import ChecksumMismatchError, IndexFormatError, ShardCorruptError
 from streamcache.format.chunks import (
     FOOTER_KEY,

@@ -20,6 +20,8 @@ its checksum, is fetched again like a body that fails its checksum, then raised 
 is said in docs/cache.md ("Range reads"): for Parquet and for indexes without a chunk layout
 there is no checksum short of the whole object, so a range read relies on the size in the
 index and on the file's own structure (and Parquet page CRCs, where the writer wrote them).
+Footers and the checks of a chunk are cache/shard_footers.py's; coalescing byte ranges and
+the file of fetched pieces that pyarrow reads, cache/byte_ranges.py's.
 
 Thread safety: every method may be called from any number of threads.
 """
@@ -27,45 +29,35 @@ Thread safety: every method may be called from any number of threads.
 from __future__ import annotations
 
 import collections
-import io
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as ipc
-import pyarrow.parquet as pq
 
 from .. import forksafe
-from ..errors import ChecksumMismatchError, RowOutOfRangeError, SchemaError, ShardCorruptError
-from ..format.checksum import verify_bytes
-from ..format.chunks import (
-    Block,
-    chunk_digest,
-    read_footer_metadata,
-    record_batch_blocks,
-)
-from ..format.columns import column_buffers, to_canonical
+from ..errors import RowOutOfRangeError
+from ..format.chunks import Block
+from ..format.columns import column_buffers
 from ..format.index import DatasetIndex
 from ..format.materialize import decode_shard
 from ..format.reader import ShardReader
 from ..format.schema import Schema
 from ..remote.fetch import Fetcher
 from ..remote.retry import FetchError, ranges_ignored
+from .byte_ranges import COALESCE_GAP, coalesce
+from .shard_footers import (
+    Footer,
+    arrow_footer,
+    decode_unit,
+    empty_batch,
+    open_pieces,
+    parquet_footer,
+)
 
-#: Two ranges closer than this are fetched as one. A request costs about what a few hundred KiB
-#: to a few MiB of transfer do (an object store's time to first byte, ~20-50 ms, at one
-#: connection's rate; the CPU of a request on both ends here): 256 KiB saves requests
-#: without making a cold start's bytes much larger than its chunks' (merged spans count
-#: against the cold budgets).
-COALESCE_GAP = 256 << 10
-#: A coalesced range never grows beyond this (each range must arrive within ``timeout_s``).
-MAX_RANGE = 8 << 20
-#: The first read of a Parquet footer (the tail of the file): one request for most footers.
-PARQUET_TAIL = 64 << 10
 #: The most a cold start reads of a shard by range, as a fraction of its stored bytes, before it
 #: waits for the shard's install instead (:meth:`RangeReader.cold_budget_left`): range reads
 #: that the install makes redundant cost at most 1/16 more transfer than the whole-shard path,
@@ -127,16 +119,6 @@ class MemoryShard(ShardReader):
         self._buffers.clear()
 
 
-@dataclass
-class _Footer:
-    """What a range read of one shard needs from its footer."""
-
-    pieces: list[tuple[int, bytes]]  # the tail: (offset, bytes)
-    starts: np.ndarray  # first row of each chunk / row group, and the total at the end
-    blocks: list[Block]  # the byte range of each chunk / row group
-    digests: list[str] | None = None  # chunk digests (chunked Arrow shards)
-    whole: bool = False  # not addressable: read the whole object
-    nbytes: int = field(default=0)
 
 
 class RangeReader:
@@ -163,7 +145,7 @@ class RangeReader:
         self.coalesce_gap = COALESCE_GAP
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._footers: collections.OrderedDict[int, _Footer] = collections.OrderedDict()
+        self._footers: collections.OrderedDict[int, Footer] = collections.OrderedDict()
         self._whole: collections.OrderedDict[int, MemoryShard] = collections.OrderedDict()
         self._whole_bytes = 0
         self._stats = RangeStats()
@@ -273,7 +255,7 @@ class RangeReader:
         local = local_starts[position] + rows - footer.starts[units]
         table = pa.Table.from_batches(batches, schema=self.schema.arrow_schema())
         batch = table.combine_chunks().to_batches()[0] if table.num_rows else \
-            _empty_batch(self.schema)
+            empty_batch(self.schema)
         self._count(shards=1, rows=int(rows.size), chunks=len(needed))
         return MemoryShard(batch, self.schema, where=self.index.shard_url(shard)), local
 
@@ -301,83 +283,29 @@ class RangeReader:
 
     # ------------------------------------------------------------------ footers
 
-    def _footer(self, shard: int) -> _Footer:
+    def _footer(self, shard: int) -> Footer:
         with self._lock:
             footer = self._footers.get(shard)
             if footer is not None:
                 self._footers.move_to_end(shard)
                 return footer
         info = self.index.shards[shard]
-        footer = self._arrow_footer(shard) if info.chunked else self._parquet_footer(shard)
+        url = self.index.shard_url(shard)
+
+        def fetch(ranges: list[tuple[int, int]], verify: Any = None) -> list[bytes]:
+            return self._fetch(shard, url, ranges, verify)
+
+        footer = arrow_footer(info, url, self.index.schema, fetch) if info.chunked else \
+            parquet_footer(info, url, fetch)
         with self._lock:
             self._footers[shard] = footer
             while len(self._footers) > FOOTERS_KEPT:
                 self._footers.popitem(last=False)
         return footer
 
-    def _arrow_footer(self, shard: int) -> _Footer:
-        """The verified footer of a chunked Arrow shard: one request for exactly its tail."""
-        info = self.index.shards[shard]
-        url = self.index.shard_url(shard)
-        assert info.chunk_rows is not None and info.tail_bytes is not None
-        start = info.bytes - info.tail_bytes
-
-        def verify(blocks: list[bytes]) -> None:
-            verify_bytes(blocks[0], info.tail_checksum, what=f"{url} (its footer)")
-
-        tail = self._fetch(shard, url, [(start, info.bytes)], verify)[0]
-        chunks = -(-info.rows // info.chunk_rows)
-        try:
-            blocks = record_batch_blocks(tail, info.bytes)
-            if len(blocks) != chunks:
-                raise ValueError(f"its footer lists {len(blocks)} record batches, the index "
-                                 f"says {chunks} chunks of {info.chunk_rows} rows")
-            reader = ipc.open_file(_sparse_file(info.bytes, [(start, tail)]))
-            _check_schema(reader.schema, self.index.schema, url)
-            digests = read_footer_metadata(reader.metadata, chunks=chunks,
-                                           chunk_rows=info.chunk_rows, where=url)
-        except (ValueError, pa.ArrowInvalid, OSError) as exc:
-            raise ShardCorruptError(f"{url} is not the chunked shard its index describes "
-                                    f"({exc}): rebuild the index or rewrite the dataset") from exc
-        starts = np.minimum(np.arange(chunks + 1, dtype=np.int64) * info.chunk_rows, info.rows)
-        return _Footer([(start, tail)], starts, blocks, digests, nbytes=len(tail))
-
-    def _parquet_footer(self, shard: int) -> _Footer:
-        """A Parquet file's footer and the byte range of each row group."""
-        info = self.index.shards[shard]
-        url = self.index.shard_url(shard)
-        first = min(info.bytes, PARQUET_TAIL)
-        tail = self._fetch(shard, url, [(info.bytes - first, info.bytes)])[0]
-        pieces = [(info.bytes - first, tail)]
-        try:
-            if len(tail) < 8 or tail[-4:] != b"PAR1":
-                raise ValueError("the object does not end like a Parquet file")
-            length = int.from_bytes(tail[-8:-4], "little") + 8
-            if length > info.bytes - 4:
-                raise ValueError(f"the footer length {length} does not fit the object")
-            if length > len(tail):  # one piece: pyarrow reads the footer in one go
-                more = info.bytes - length
-                head = self._fetch(shard, url, [(more, info.bytes - first)])[0]
-                pieces = [(more, head + tail)]
-            metadata = pq.ParquetFile(_sparse_file(info.bytes, pieces)).metadata
-        except (ValueError, pa.ArrowInvalid, OSError) as exc:
-            raise ShardCorruptError(f"{url} is not a readable Parquet file ({exc}); it is "
-                                    "truncated, corrupt or was rewritten: rebuild the index"
-                                    ) from exc
-        groups = [metadata.row_group(i) for i in range(metadata.num_row_groups)]
-        counts = np.array([g.num_rows for g in groups], np.int64)
-        if int(counts.sum()) != info.rows:
-            raise ShardCorruptError(f"{url} holds {int(counts.sum())} rows but the index says "
-                                    f"{info.rows}; it was rewritten after indexing: rebuild "
-                                    "the index")
-        starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-        blocks = [_row_group_block(g, info.bytes) for g in groups]
-        nbytes = sum(len(p) for _, p in pieces)
-        return _Footer(pieces, starts, blocks, whole=len(groups) <= 1, nbytes=nbytes)
-
     # ------------------------------------------------------------------ chunks
 
-    def _read_units(self, shard: int, footer: _Footer, units: list[int], spans: list[Block],
+    def _read_units(self, shard: int, footer: Footer, units: list[int], spans: list[Block],
                     ) -> list[pa.RecordBatch]:
         """Fetch ``spans`` of ``shard`` and decode its chunks (or row groups) ``units``,
         verified."""
@@ -387,46 +315,12 @@ class RangeReader:
 
         def verify(blocks: list[bytes]) -> None:
             pieces = footer.pieces + [(s.offset, b) for s, b in zip(spans, blocks, strict=True)]
-            source = _sparse_file(info.bytes, pieces)
-            try:
-                file: Any = ipc.open_file(source) if footer.digests is not None else \
-                    pq.ParquetFile(source, page_checksum_verification=True)
-            except (pa.ArrowInvalid, OSError) as exc:  # (the footer was read before)
-                raise ShardCorruptError(f"{url}: its footer cannot be read again ({exc})"
-                                        ) from exc
-            decoded[:] = [self._decode(file, footer, u, url) for u in units]
+            file = open_pieces(footer, info.bytes, pieces, url)
+            decoded[:] = [decode_unit(file, footer, u, url, self.index.schema, self.schema)
+                          for u in units]
 
         self._fetch(shard, url, [(s.offset, s.offset + s.length) for s in spans], verify)
         return decoded
-
-    def _decode(self, file: Any, footer: _Footer, unit: int, url: str) -> pa.RecordBatch:
-        """Chunk ``unit`` from an open Arrow IPC file or ParquetFile, checked."""
-        expected = int(footer.starts[unit + 1] - footer.starts[unit])
-        try:
-            if footer.digests is not None:
-                batch = file.get_batch(unit)
-            else:
-                table = file.read_row_group(unit, columns=self.schema.names)
-                batch = table.combine_chunks().to_batches()[0] if table.num_rows else None
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise ChecksumMismatchError(f"{url}: chunk {unit} cannot be decoded ({exc}); the "
-                                        "bytes are corrupt or the object was rewritten") from exc
-        rows = 0 if batch is None else batch.num_rows
-        if rows != expected:
-            raise ShardCorruptError(f"{url}: chunk {unit} holds {rows} rows, its footer "
-                                    f"says {expected}: rebuild the index")
-        if batch is None:
-            return _empty_batch(self.schema)
-        columns = [to_canonical(f, batch.column(f.name), where=url) for f in self.index.schema
-                   if footer.digests is not None or f.name in self.schema.names]
-        if footer.digests is not None:
-            full = pa.RecordBatch.from_arrays(columns, schema=self.index.schema.arrow_schema())
-            if chunk_digest(full, self.index.schema) != footer.digests[unit]:
-                raise ChecksumMismatchError(
-                    f"{url}: chunk {unit} does not match its digest in the footer; the bytes "
-                    "are corrupt or the object was rewritten after indexing")
-            columns = [full.column(f.name) for f in self.schema]
-        return pa.RecordBatch.from_arrays(columns, schema=self.schema.arrow_schema())
 
     # ------------------------------------------------------------------ whole objects
 
@@ -493,88 +387,5 @@ def _read(result: tuple[ShardReader, np.ndarray] | None) -> tuple[ShardReader, n
     return result
 
 
-def coalesce(blocks: Sequence[Block], gap: int = COALESCE_GAP,
-             limit: int = MAX_RANGE) -> list[Block]:
-    """Byte ranges covering ``blocks`` (in file order): neighbours less than ``gap`` bytes
-    apart merge into one range, while it stays within ``limit`` bytes."""
-    spans: list[Block] = []
-    for block in sorted(blocks, key=lambda b: b.offset):
-        if spans:
-            last = spans[-1]
-            end = max(last.offset + last.length, block.offset + block.length)
-            if block.offset - (last.offset + last.length) <= gap and end - last.offset <= limit:
-                spans[-1] = Block(last.offset, end - last.offset)
-                continue
-        spans.append(block)
-    return spans
 
-
-def _row_group_block(group: Any, file_size: int) -> Block:
-    """The bytes of one Parquet row group: from its first column chunk's first page to its
-    last column chunk's end."""
-    starts, ends = [], []
-    for j in range(group.num_columns):
-        column = group.column(j)
-        first = column.data_page_offset
-        if column.dictionary_page_offset is not None and column.dictionary_page_offset > 0:
-            first = min(first, column.dictionary_page_offset)
-        starts.append(first)
-        ends.append(first + column.total_compressed_size)
-    start, end = min(starts), max(ends)
-    if not 4 <= start < end <= file_size:
-        raise ShardCorruptError(f"a row group spans bytes [{start}, {end}) of a "
-                                f"{file_size}-byte file")
-    return Block(start, end - start)
-
-
-def _check_schema(actual: pa.Schema, expected: Schema, url: str) -> None:
-    for f in expected:
-        index = actual.get_field_index(f.name)
-        if index < 0 or not actual.field(index).type.equals(f.arrow_type()):
-            raise SchemaError(f"{url}: column {f.name!r} is missing or not of type "
-                              f"{f.arrow_type()}; the shard is not the one indexed")
-
-
-def _empty_batch(schema: Schema) -> pa.RecordBatch:
-    return pa.RecordBatch.from_arrays([pa.array([], type=f.arrow_type()) for f in schema],
-                                      schema=schema.arrow_schema())
-
-
-def _sparse_file(size: int, pieces: list[tuple[int, bytes]]) -> pa.PythonFile:
-    """A read-only file of ``size`` bytes of which only some ranges were fetched; reading
-    elsewhere is an error (pyarrow reads only what the footer points at)."""
-    return pa.PythonFile(_Pieces(size, pieces), mode="r")
-
-
-class _Pieces(io.RawIOBase):
-    def __init__(self, size: int, pieces: list[tuple[int, bytes]]) -> None:
-        self._size = size
-        self._pieces = sorted(pieces, key=lambda p: p[0])
-        self._position = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = (0, self._position, self._size)[whence]
-        self._position = base + offset
-        return self._position
-
-    def tell(self) -> int:
-        return self._position
-
-    def readinto(self, buffer: Any) -> int:
-        wanted = max(0, min(len(buffer), self._size - self._position))
-        for start, piece in self._pieces:
-            if start <= self._position and self._position + wanted <= start + len(piece):
-                at = self._position - start
-                buffer[:wanted] = piece[at:at + wanted]
-                self._position += wanted
-                return wanted
-        raise OSError(f"bytes [{self._position}, {self._position + wanted}) were not fetched")
-
-
-__all__ = ["COALESCE_GAP", "MemoryShard", "RangeReader", "RangeStats", "coalesce"]
+__all__ = ["MemoryShard", "RangeReader", "RangeStats"]
