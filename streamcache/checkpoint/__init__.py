@@ -8,7 +8,7 @@ Design and measured defaults: docs/checkpoint.md.
 
 from __future__ import annotations
 
-from .checkpointer import AsyncMode, Checkpointer, IfBusy, SaveStats
+from .checkpointer import Checkpointer
 from .cli import add_arguments, run
 from .errors import (
     CheckpointCorruptError,
@@ -18,6 +18,7 @@ from .errors import (
     CheckpointWriteError,
 )
 from .layout import CheckpointInfo
+from .modes import AsyncMode, IfBusy, SaveStats
 from .state import GlobalState, ModelState, is_global_state
 
 __all__ = [

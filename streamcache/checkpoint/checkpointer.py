@@ -29,28 +29,26 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-from torch.distributed.checkpoint.stateful import Stateful
 
-from ..format.checksum import checksum_bytes
-from . import layout, rng
+from . import layout
+from .collect import collect
 from .commit import Committer, SaveJob
 from .errors import CheckpointError
 from .layout import CheckpointInfo
 from .lease import Lease
 from .memory import MemoryOptions, MemoryTier
-from .memory_format import RootView
-from .memory_restore import restore_agreed, snapshot_entries
+from .modes import AsyncMode, IfBusy, SaveStats
 from .pace import Pace
 from .ranks import Ranks
 from .restore import Restorer
+from .root_claim import RootClaim
+from .snapshots import Snapshots
 from .staging import Staging
-from .state import is_global_state, resolve
+from .state import resolve
 from .tiers import Location
 
 log = logging.getLogger("streamcache.checkpoint")
@@ -59,40 +57,6 @@ log = logging.getLogger("streamcache.checkpoint")
 # in one process means (ignored only where no process group exists)
 _DCP_ONE_PROCESS_WARNING = ("torch.distributed is disabled, unavailable or uninitialized, "
                             "assuming the intent")
-
-
-class AsyncMode(str, Enum):
-    """How a save's write phase runs.
-
-    ``SYNC``: ``save`` returns when the checkpoint is committed (durable).
-    ``THREAD``: stage to reused host buffers, write in a background thread of this process.
-    ``PROCESS``: stage to reused shared-memory buffers, write in DCP's checkpoint process.
-    """
-
-    SYNC = "sync"
-    THREAD = "thread"
-    PROCESS = "process"
-
-
-class IfBusy(str, Enum):
-    """What ``save`` does while the previous save is still being written.
-
-    ``WAIT``: block until it is committed, then save. ``SKIP``: skip this save (all ranks
-    agree) and return False. A write in flight is never cancelled: DCP's collectives cannot be
-    abandoned half way, and its staging buffers are reused by the next save.
-    """
-
-    WAIT = "wait"
-    SKIP = "skip"
-
-
-@dataclass(frozen=True)
-class SaveStats:
-    """Timings of one save, in seconds, on this rank."""
-
-    step: int
-    blocked_s: float
-    durable_s: float | None = None
 
 
 class Checkpointer:
@@ -213,8 +177,6 @@ class Checkpointer:
         if job_id is None and os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
             job_id = os.environ["TORCHELASTIC_RUN_ID"]
         self._lease = Lease(self.root, lease_ttl, job_id) if self.rank == 0 else None
-        self._leased = False
-        self._root_id = ""  # the root's id (layout.ensure_root_id), known once leased
         self._pace = Pace(writer_cpu_share)
         self._committer = Committer(
             self._ranks, self.root, write_base, keep_last, write_threads, self._staging,
@@ -224,8 +186,7 @@ class Checkpointer:
         self._restorer = Restorer(self._ranks, self.root, write_base, seed)
         if not self._ranks.distributed:  # DCP warns on every call that it assumes one process
             warnings.filterwarnings("ignore", message=_DCP_ONE_PROCESS_WARNING)
-        live = layout.live_timeline(layout.read_timelines(self.root)) if self.rank == 0 else ""
-        self._timeline: str = self._ranks.broadcast(live, self._ranks.control)
+        self._claim = RootClaim(self._ranks, self.root, self._lease)
         self._thread: threading.Thread | None = None
         self._job: SaveJob | None = None
         self._closed = False
@@ -234,14 +195,12 @@ class Checkpointer:
             self.root.makedirs()
         write_base.makedirs()
         self._memory: MemoryTier | None = None
-        # (the last save started, the last known committed): what snapshots continue
-        self._saves: tuple[str | None, str | None] = (None, None)
-        self._saves_known = False
-        self._memory_pruned = False
+        self._snapshots: Snapshots | None = None
         if memory:
             options = memory if isinstance(memory, MemoryOptions) else MemoryOptions()
             self._memory = MemoryTier(options, self.root.url, self.rank, self.world_size,
                                       job_id)
+            self._snapshots = Snapshots(self._memory, self._ranks, self.root)
 
     # ------------------------------------------------------------------ public API
 
@@ -265,7 +224,7 @@ class Checkpointer:
                 the root over while this one stalled: every later save fails too).
         """
         self._check_open()
-        self._ensure_lease()
+        self._claim.ensure()
         started = time.perf_counter()
         if self._job is not None and self.if_busy is IfBusy.SKIP:
             busy = self._thread is not None and self._thread.is_alive()
@@ -275,12 +234,12 @@ class Checkpointer:
         name = layout.dir_name(step, self._ranks.run_id, self._sequence)
         self._sequence += 1
         entries = resolve(state)
-        state_dict, global_bytes = self._collect(entries)
-        self._saves = (name, self._saves[1])
-        if self._memory is not None:
-            self._snapshot_entries(step, entries)
+        state_dict, global_bytes = collect(entries, self._ranks, self._lease)
+        if self._snapshots is not None:
+            self._snapshots.started(name)
+            self._snapshot(step, entries)
         job = SaveJob(step, name, self._committer.write_base.child(name), None, global_bytes,
-                      started, timeline=self._timeline)
+                      started, timeline=self._claim.timeline)
         self._pace.watch()  # the writer yields to this thread while it is busy
         if self.async_mode is AsyncMode.SYNC:
             job.state = state_dict
@@ -336,10 +295,10 @@ class Checkpointer:
                 another live job holds the lease on ``root``.
         """
         self._check_open()
-        if self._memory is None:
+        if self._snapshots is None:
             return False
-        self._ensure_lease()
-        return self._snapshot_entries(step, resolve(state))
+        self._claim.ensure()
+        return self._snapshot(step, resolve(state))
 
     def wait_staged(self) -> None:
         """Block until the save in flight no longer reads the live model/optimizer tensors.
@@ -383,27 +342,18 @@ class Checkpointer:
         """
         self._check_open()
         self.wait()
-        if self._memory is not None and step is None:
-            view = None
-            if self.rank == 0:
-                newest = layout.latest(self.root)
-                view = RootView((newest.name, newest.step) if newest else None,
-                                layout.read_root_id(self.root))
-            restored, agreed = restore_agreed(self._memory, self._ranks, view, state)
-            if restored is not None:  # later snapshots continue the root's newest, every rank
-                self._saves, self._saves_known = (None, agreed.latest_name), True
+        if self._snapshots is not None and step is None:
+            restored = self._snapshots.restore(state)
+            if restored is not None:
                 return restored
-            self._memory.clear()  # they do not continue what the disk tiers hold
         loaded = self._restorer.load(state, step)
         if loaded is None:
             return None
         info, rollback = loaded
-        if self._memory is not None:
-            self._saves, self._saves_known = (None, info.name), True
-            if rollback:
-                self._memory.clear()
+        if self._snapshots is not None:
+            self._snapshots.loaded(info.name, rollback=rollback)
         if rollback:
-            self._start_timeline(info)
+            self._claim.start_timeline(info)
         return info.step
 
     def latest(self) -> CheckpointInfo | None:
@@ -452,103 +402,10 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ internals
 
-    def _collect(self, entries: Mapping[str, Any]) -> tuple[dict[str, Any], bytes]:
-        """This rank's DCP state dict and the bytes of ``global.json`` (``entries``: resolved)."""
-        for key in entries:
-            if key.startswith("_streamcache"):
-                raise CheckpointError(f"state key {key!r}: keys starting with _streamcache "
-                                      "are reserved; rename it")
-        state_dict: dict[str, Any] = {}
-        global_states: dict[str, Any] = {}
-        for key, value in entries.items():
-            if is_global_state(value):
-                global_states[key] = value.state_dict()
-            elif isinstance(value, Stateful):
-                state_dict[key] = value.state_dict()
-            else:
-                state_dict[key] = value
-        try:
-            states_bytes = layout.json_bytes(global_states)
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(
-                f"a global state is not JSON-able ({exc}); global states "
-                "(global_state=True or GlobalState) must be small JSON-able dicts"
-            ) from exc
-        # one small all-gather: the ranks' global states must agree, and each rank's keys
-        # are recorded so that a load can tell a partial state from a complete one
-        lease_problem = self._lease.confirm() if self._lease is not None else None
-        gathered = self._ranks.all_gather(
-            (checksum_bytes(states_bytes), sorted(state_dict), lease_problem),
-            self._ranks.control)
-        if gathered[0][2] is not None:
-            raise CheckpointError(f"{gathered[0][2]}; this save was not started")
-        digests = [digest for digest, _, _ in gathered]
-        if len(set(digests)) != 1:
-            differing = [r for r, d in enumerate(digests) if d != digests[0]]
-            raise CheckpointError(
-                f"global states differ between ranks (ranks {differing} differ from "
-                "rank 0); a global state must be identical on every rank: wrap only "
-                "rank-independent state in GlobalState"
-            )
-        state_dict[rng.rng_key(self.rank)] = rng.encode(rng.capture())
-        global_bytes = layout.json_bytes({"version": 1, "states": global_states,
-                                          layout.K_RANK_KEYS: [keys for _, keys, _ in gathered]})
-        return state_dict, global_bytes
-
-    def _ensure_lease(self) -> None:
-        """Take the lease on ``root`` before this job's first write (collective)."""
-        if self._leased:
-            return
-        problem, live, root_id = None, self._timeline, ""
-        if self._lease is not None:
-            try:
-                self._lease.acquire()
-                # the live timeline as of now: a job that held the lease before may have
-                # rolled back since this one was constructed
-                live = layout.live_timeline(layout.read_timelines(self.root))
-                root_id = layout.ensure_root_id(self.root)
-            except CheckpointError as exc:
-                problem = str(exc)
-            except OSError as exc:
-                problem = (f"cannot write {self.root.join(layout.ROOT_ID_NAME)} ({exc}); "
-                           "remove what is in its place")
-        problem, live, root_id = self._ranks.broadcast((problem, live, root_id),
-                                                       self._ranks.control)
-        if problem is not None:
-            raise CheckpointError(problem)
-        self._leased, self._timeline, self._root_id = True, live, root_id
-
-    def _start_timeline(self, info: CheckpointInfo) -> None:
-        """Record a rollback to ``info``: later saves form a new timeline forking there."""
-        self._ensure_lease()
-        new_id = ""
-        lost = self._lease.confirm() if self._lease is not None else None
-        lost = self._ranks.broadcast(lost, self._ranks.control)
-        if lost is not None:
-            raise CheckpointError(f"{lost}; the rollback was not recorded")
-        if self.rank == 0:
-            timelines = layout.read_timelines(self.root)
-            new_id = f"{self._ranks.run_id}-{len(timelines) + 1}"
-            timelines.append(layout.Timeline(new_id, info.timeline, info.step, info.name))
-            layout.write_timelines(self.root, timelines)
-            log.warning("rolled back to step %d: later saves form timeline %s; the checkpoints "
-                        "after it on the previous timeline are abandoned (kept, not loaded)",
-                        info.step, new_id)
-        self._timeline = self._ranks.broadcast(new_id, self._ranks.control)
-
-    def _snapshot_entries(self, step: int, entries: Mapping[str, Any]) -> bool:
-        assert self._memory is not None
-        if not self._saves_known:  # no load yet: the root's newest is what we continue
-            newest = layout.latest(self.root) if self.rank == 0 else None
-            known = self._ranks.broadcast(newest.name if newest else None, self._ranks.control)
-            self._saves, self._saves_known = (self._saves[0], known), True
-        if not self._memory_pruned:  # this job holds the lease: earlier jobs are gone
-            self._memory.remove_other_jobs()
-            self._memory_pruned = True
-        started, committed = self._saves
-        return self._memory.write(step, snapshot_entries(entries), rng.capture(),
-                                  timeline=self._timeline, started=started, committed=committed,
-                                  root_id=self._root_id)
+    def _snapshot(self, step: int, entries: Mapping[str, Any]) -> bool:
+        assert self._snapshots is not None
+        return self._snapshots.write(step, entries, timeline=self._claim.timeline,
+                                     root_id=self._claim.root_id)
 
     def _run_in_thread(self, job: SaveJob) -> None:
         if self.writer_nice and hasattr(os, "setpriority"):
@@ -561,7 +418,8 @@ class Checkpointer:
     def _finish(self, job: SaveJob) -> None:
         if job.error is not None:
             raise job.error
-        self._saves = (self._saves[0], job.name)
+        if self._snapshots is not None:
+            self._snapshots.committed(job.name)
         if job.durable_s is not None:
             self.last_save = SaveStats(job.step, job.blocked_s or job.durable_s, job.durable_s)
 
