@@ -22,9 +22,10 @@ from hypothesis import strategies as st
 from loader_helpers import make_dataset
 
 from streamcache import ConfigError, CursorMismatchError, Source, StreamDataset, StreamLoader
-from streamcache.plan import ShuffleOptions
-from streamcache.plan.mixture import MAX_PERIOD, PlanError, Quota, _float_ratios, shares_of
+from streamcache.plan import PlanError, ShuffleOptions
 from streamcache.plan.mixture_cursor import MixtureCursor, SourceKey
+from streamcache.plan.quota import Quota
+from streamcache.plan.shares import MAX_PERIOD, _float_ratios, shares_of
 
 SHUFFLE = ShuffleOptions(window=8)
 

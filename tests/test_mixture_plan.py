@@ -14,16 +14,15 @@ from hypothesis import strategies as st
 
 from streamcache.plan import CursorMismatchError, PlanError, ShuffleOptions, TailPolicy
 from streamcache.plan.mixture import (
-    MAX_PERIOD,
     MixtureOrder,
-    Quota,
     SourceOrders,
     SourceShape,
     groups,
-    shares_of,
     source_seed,
 )
 from streamcache.plan.mixture_cursor import MixtureCursor, SourceKey
+from streamcache.plan.quota import Quota
+from streamcache.plan.shares import MAX_PERIOD, shares_of
 
 SHUFFLE = ShuffleOptions(window=16)
 

@@ -30,10 +30,10 @@ from ..plan.mixture import (
     MixtureOrder,
     SourceOrders,
     SourceShape,
-    shares_of,
     source_seed,
 )
 from ..plan.mixture_cursor import MixtureCursor, SourceKey
+from ..plan.shares import shares_of
 from ..plan.units import UnitLayout, concatenate
 from .batching import ID_KEY
 from .feed import FeedBase, default_cache_dir

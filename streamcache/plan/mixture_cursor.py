@@ -25,8 +25,10 @@ from .cursor import (
     check_versioned_state,
     identity_problems,
 )
-from .mixture import MAX_PERIOD, EpochPlan, Phase, quota
+from .mixture import EpochPlan, Phase
 from .order import ShuffleOptions
+from .quota import quota
+from .shares import MAX_PERIOD
 from .steps import EpochSegment, TailPolicy, tail_policy
 
 #: Version 2 adds each source's ``data`` (its DataIdentity, or null where its index has
