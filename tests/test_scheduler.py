@@ -8,7 +8,7 @@ import time
 import pytest
 
 from streamcache import _native
-from streamcache._native import (
+from streamcache._native_scheduler import (
     SHARD_FAILED,
     SHARD_IN_FLIGHT,
     SHARD_QUEUED,

@@ -2,8 +2,9 @@
 
 Policy (here, in Python): from the plan's upcoming shards in first-use order, take the
 prefix that fits the lookahead limits (shards and bytes) and submit it to the native
-:class:`~streamcache._native.Scheduler` with the first-use position as priority; cancel what
-fell out of that prefix; tell the cache where each shard is read next, for eviction.
+:class:`~streamcache._native_scheduler.Scheduler` with the first-use position as priority;
+cancel what fell out of that prefix; tell the cache where each shard is read next, for
+eviction.
 
 Mechanism (in C++): the priority queue, the in-flight byte budget, the shard states, the
 blocking ``next_task`` of the download threads and the blocking ``wait`` of readers, with
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from .. import forksafe
-from .._native import (
+from .._native_scheduler import (
     SHARD_FAILED,
     SHARD_READY,
     TASK_STOPPED,
