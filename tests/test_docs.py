@@ -50,6 +50,13 @@ def test_no_file_names_a_path_of_a_developers_machine() -> None:
                        "the repository):\n" + "\n".join(found))
 
 
+def test_the_path_check_knows_a_developers_paths() -> None:
+    for line in (f"flock {_WORK}team/bench.lock python x.py", f"{_HOME}alice/data", f"{_USERS}bob"):
+        assert DEVELOPER_PATH.search(line), line
+    for line in ("mkdtemp(dir='/tmp/x')", "/dev/shm/streamcache-mem", "~/.cache/streamcache"):
+        assert not DEVELOPER_PATH.search(line), line
+
+
 # --- option tables against the signatures ---------------------------------------------------
 
 OPTION_TABLES = [  # (class, the page whose table lists its keywords)
