@@ -206,3 +206,28 @@ def test_unverified_range_reads_are_a_documented_choice(
                 [table["payload"][int(i)].as_py() for i in ids]
             assert (reader.range_stats.shards > 0) == allowed
     assert os.path.exists(root / "a.parquet")
+
+
+def test_reads_that_start_at_once_fetch_a_shards_footer_once(dataset: Path) -> None:
+    """Threads that read rows of the same shard at once (a node's first unit installs) wait
+    for one footer request instead of each making one (a store's first-byte latency makes
+    them overlap)."""
+    from streamcache.cache.ranges import RangeReader
+    from streamcache.remote.fetch import Fetcher
+
+    with FaultServer(root=dataset.parent, store=StoreModel(latency_s=0.2)) as server:
+        index = load_index(server.url_for("ds"))
+        info = index.shards[0]
+        assert info.chunk_rows is not None and info.rows // info.chunk_rows >= 8
+        path = "/ds/" + info.path
+        before = server.requests.count(path)
+        reader = RangeReader(index, Fetcher(FAST), threads=8)
+        try:
+            rows = [np.array([chunk * info.chunk_rows]) for chunk in range(8)]
+            found = reader.read_many([(0, r) for r in rows])
+        finally:
+            reader.close()
+        for (shard_reader, local), wanted in zip(found, rows, strict=True):
+            ids = shard_reader.batch.column("id").to_numpy()
+            assert ids[local].tolist() == wanted.tolist()
+        assert server.requests.count(path) - before == 1 + 8  # one footer, one range a chunk

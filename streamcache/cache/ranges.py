@@ -146,6 +146,7 @@ class RangeReader:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._footers: collections.OrderedDict[int, Footer] = collections.OrderedDict()
+        self._footer_gates: dict[int, threading.Lock] = {}  # one fetch of a footer at a time
         self._whole: collections.OrderedDict[int, MemoryShard] = collections.OrderedDict()
         self._whole_bytes = 0
         self._stats = RangeStats()
@@ -159,6 +160,7 @@ class RangeReader:
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
+        self._footer_gates = {}  # (a gate held by a parent's thread would never open here)
         self._pool = None  # (the parent's threads are not in this process)
 
     @property
@@ -289,6 +291,20 @@ class RangeReader:
             if footer is not None:
                 self._footers.move_to_end(shard)
                 return footer
+            gate = self._footer_gates.setdefault(shard, threading.Lock())
+        # A gate per shard is held across the fetch, on purpose: the threads that install a
+        # shard's first units at once wait for one footer instead of each fetching it.
+        with gate:
+            with self._lock:
+                footer = self._footers.get(shard)
+            if footer is None:
+                footer = self._fetch_footer(shard)
+        with self._lock:
+            if self._footer_gates.get(shard) is gate:
+                del self._footer_gates[shard]
+        return footer
+
+    def _fetch_footer(self, shard: int) -> Footer:
         info = self.index.shards[shard]
         url = self.index.shard_url(shard)
 
