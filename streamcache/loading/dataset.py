@@ -9,10 +9,7 @@ global sample ids in ``__id__``. Progress is a :class:`~streamcache.plan.Cursor`
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
-import json
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,34 +25,23 @@ from ..integrations.accelerate import refuse_accelerate_wrapping
 from ..plan import (
     EpochOrder,
     EpochSegment,
-    PlanError,
     RankBatch,
     ShuffleOptions,
     TailPolicy,
 )
-from ..plan import sample_seeds as plan_sample_seeds
 from ..plan.cursor import ResumeCheck
 from ..plan.order import DEFAULT_WINDOW
 from ..remote.options import FetchOptions
-from .batching import (
-    ID_KEY,
-    PADDING_KEY,
-    SEED_KEY,
-    apply_batch_transform,
-    apply_sample_transform,
-    empty_like,
-    gathering,
-    to_torch,
-)
+from . import step_batch
 from .dataset_reader import DatasetReader
 from .feed import ShardFeed, default_cache_dir
 from .mixture import MixtureFeed
 from .mixture_store import MixtureReader
 from .node_reader import NodeReader
-from .nodes import NodeLocality, fingerprint_of
+from .nodes import NodeLocality
 from .options import LocalData, RaggedMode, StreamOptions, TailMode, WindowUnit
+from .pass_topology import PassTopology
 from .schedule import Schedule, StepRef, later_epoch_samples
-from .seeding import GlobalRngSeeder, preserved_global_rngs, step_seed
 from .source import Source
 from .topology import NodeTopology, resolve_topology
 
@@ -221,11 +207,10 @@ class StreamDataset(IterableDataset):
                 opts, transform=self._feed.transform() or opts.transform)
         self._fields = {f.name: f for f in self.schema}
         self.cursor: Any = self._feed.start_cursor()  # a MixtureCursor for a mixture
-        self._topology: tuple[int, int] | None = None  # as resolved when the last pass started
-        self._locality: NodeLocality | None = None  # as resolved when the last pass started
+        self._passes = PassTopology(opts, self._feed)
         self._validate()
         if opts.cache_limit is not None:
-            self._check_budget(self._known_nodes())
+            self._passes.check_budget(self._passes.known_nodes(self.cursor))
 
     # ------------------------------------------------------------ the topology
 
@@ -233,9 +218,7 @@ class StreamDataset(IterableDataset):
     def topology(self) -> tuple[int, int]:
         """``(rank, world_size)``: as resolved when the last pass started, else resolved now
         (see :func:`~streamcache.loading.topology.resolve_topology`)."""
-        if self._topology is not None:
-            return self._topology
-        return resolve_topology(self.options.rank, self.options.world_size)
+        return self._passes.topology
 
     @property
     def rank(self) -> int:
@@ -250,19 +233,12 @@ class StreamDataset(IterableDataset):
         """This rank's node: which slots of a batch it reads and which shards its node
         caches; as resolved when the last pass started, else now (without asking the
         process group)."""
-        if self._locality is not None:
-            return self._locality
-        return NodeLocality.resolve(self.cursor, *self.topology, self.options.nodes,
-                                     collective=False, layout=self._unit_layout(),
-                                     global_batch=self.global_batch)
+        return self._passes.locality(self.cursor)
 
     @property
     def global_batch(self) -> int:
         """Samples per step over all ranks (with ``batch_size``, this needs the topology)."""
-        opts = self.options
-        if opts.global_batch_size is not None:
-            return opts.global_batch_size
-        return int(opts.batch_size or 0) * self.world_size
+        return self._passes.global_batch()
 
     def _validate(self) -> None:
         """Refuse impossible options when the dataset is made, as far as they are known
@@ -282,48 +258,7 @@ class StreamDataset(IterableDataset):
     def schedule(self) -> Schedule:
         """This rank's steps from the cursor on. A pass starts here: the topology is resolved
         now, and kept for the pass (worker processes receive it with the dataset)."""
-        self._topology = resolve_topology(self.options.rank, self.options.world_size)
-        self._locality = NodeLocality.resolve(self.cursor, *self._topology, self.options.nodes,
-                                              layout=self._unit_layout(), job=self._job(),
-                                              global_batch=self.global_batch)
-        self._check_budget(self._locality.num_nodes)
-        self._feed.use_locality(self._locality)
-        return self._schedule(*self._topology, self.global_batch)
-
-    def _known_nodes(self) -> int | None:
-        """The node count where it is known before a pass (None: at the pass)."""
-        if self.options.nodes is not None:
-            return self.options.nodes
-        try:
-            return self.locality.num_nodes
-        except PlanError:  # (e.g. a launcher's variables before the process group exists)
-            return None
-
-    def _check_budget(self, nodes: int | None) -> None:
-        """``cache_limit`` against what the node's cache must hold (the whole working set,
-        or with several nodes the node's share); nothing while the node count is unknown."""
-        limit = self.options.cache_limit
-        if limit is None or nodes is None:
-            return
-        if isinstance(self._feed, ShardFeed):
-            self._feed.check_budget(limit, nodes)
-        else:
-            self._feed.check_budget(limit)
-
-    def _job(self) -> list[tuple[str, Any]]:
-        """What every rank must see alike when a pass starts (checked where a process group
-        exists: see loading/agreement.py)."""
-        cursor = self.cursor
-        state = hashlib.blake2b(json.dumps(cursor.to_dict(), sort_keys=True).encode(),
-                                digest_size=6).hexdigest()
-        where = f"epoch {cursor.epoch}, {getattr(cursor, 'samples_consumed', '?')} samples in"
-        return [("the global batch", self.global_batch),
-                ("the data", fingerprint_of(cursor)),
-                ("the loader state", f"{where} (state {state})")]
-
-    def _unit_layout(self) -> Callable[[int], Any] | None:
-        """How the shards are cut into units for a node count."""
-        return getattr(self._feed, "unit_layout", None)
+        return self._schedule(*self._passes.start(self.cursor), self.global_batch)
 
     def _schedule(self, rank: int, world_size: int, global_batch: int) -> Schedule:
         return Schedule(self.cursor, global_batch, rank, world_size, self.tail,
@@ -379,7 +314,7 @@ class StreamDataset(IterableDataset):
 
     @property
     def transformed(self) -> bool:
-        return self.options.transform is not None or self.options.batch_transform is not None
+        return step_batch.transformed(self.options)
 
     def planned(self, worker: int = 0, num_workers: int = 1, schedule: Schedule | None = None,
                 ) -> Iterator[tuple[StepRef, RankBatch]]:
@@ -405,16 +340,8 @@ class StreamDataset(IterableDataset):
 
     def read_step(self, ref: StepRef, part: RankBatch) -> dict[str, Any]:
         """This rank's raw arrays of one step (no transform). Safe from any thread."""
-        opts = self.options
-        with gathering(opts.ragged, transform=opts.transform is not None,
-                       batch_transform=opts.batch_transform is not None):
-            arrays: dict[str, Any] = dict(self.reader.read_located(part.shards, part.rows))
-        arrays.update(self._feed.batch_keys(part.sample_ids))
-        if self.tail is TailPolicy.PAD:
-            arrays[PADDING_KEY] = part.is_padding
-        if self.transformed or opts.with_seeds:
-            arrays[SEED_KEY] = plan_sample_seeds(opts.seed, ref.epoch, part.sample_ids)
-        return arrays
+        return step_batch.read_arrays(self.options, self.tail, self._feed, self.reader, ref,
+                                      part)
 
     def finish_step(self, ref: StepRef, arrays: dict[str, Any]) -> Any:
         """Transform (if any) and convert one step's arrays to the batch the loop receives.
@@ -423,28 +350,8 @@ class StreamDataset(IterableDataset):
         batch for ``batch_transform``; see :mod:`streamcache.loading.batching`) and restored
         after, so this must run on one thread at a time (the loader runs it on the consumer thread).
         """
-        opts = self.options
-        if not self.transformed:
-            return self._tensors(arrays)
-        # In a worker process nothing else draws from its generators: nothing to put back.
-        with preserved_global_rngs() if get_worker_info() is None else contextlib.nullcontext():
-            seeder = GlobalRngSeeder()
-            seeder(step_seed(opts.seed, ref.epoch, ref.segment.step_span(ref.step)[0]))
-            if opts.transform is not None:
-                if len(arrays[ID_KEY]) == 0:  # an empty part of a "split" tail
-                    return empty_like(self._transform_samples(self._first_of_step(ref),
-                                                              seeder))
-                return self._transform_samples(arrays, seeder)
-            assert opts.batch_transform is not None
-            return self._tensors(apply_batch_transform(arrays, opts.batch_transform))
-
-    def _transform_samples(self, arrays: dict[str, Any], seeder: GlobalRngSeeder) -> Any:
-        opts = self.options
-        samples_arrays = dict(arrays)
-        samples_arrays[SEED_KEY] = np.asarray(arrays[SEED_KEY], dtype=np.uint64).tolist()
-        assert opts.transform is not None
-        return apply_sample_transform(samples_arrays, self._fields, opts.transform,
-                                      opts.collate_fn, seeder)
+        return step_batch.finish(self.options, self._fields, ref, arrays,
+                                 lambda: self._first_of_step(ref))
 
     def _first_of_step(self, ref: StepRef) -> dict[str, Any]:
         """The raw arrays of the step's first sample: the template of an empty batch (a
@@ -467,13 +374,6 @@ class StreamDataset(IterableDataset):
         self.work_seconds[0] += read - started
         self.work_seconds[1] += time.perf_counter() - read
         return batch
-
-    def _tensors(self, arrays: Mapping[str, Any]) -> dict[str, Any]:
-        out = dict(arrays)
-        if SEED_KEY in out and isinstance(out[SEED_KEY], np.ndarray):
-            out[SEED_KEY] = out[SEED_KEY].view(np.int64)  # torch has no full uint64 support
-        return to_torch(out, self._fields, ragged=self.options.ragged,
-                        pad_value=self.options.pad_value)
 
     def __iter__(self) -> Iterator[Any]:
         refuse_accelerate_wrapping()  # a DataLoader Accelerate prepared would split it again

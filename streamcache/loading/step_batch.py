@@ -1,0 +1,97 @@
+"""One step's batch, as a StreamDataset makes it: the rows of this rank's part read, then
+transformed (with the process-wide RNGs seeded per sample or per batch) and made into
+tensors (see :mod:`streamcache.loading.batching`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from torch.utils.data import get_worker_info
+
+from ..format.schema import Field
+from ..plan import RankBatch, TailPolicy
+from ..plan import sample_seeds as plan_sample_seeds
+from .batching import (
+    ID_KEY,
+    PADDING_KEY,
+    SEED_KEY,
+    apply_batch_transform,
+    apply_sample_transform,
+    empty_like,
+    gathering,
+    to_torch,
+)
+from .dataset_reader import DatasetReader
+from .feed import ShardFeed
+from .mixture import MixtureFeed
+from .mixture_store import MixtureReader
+from .node_reader import NodeReader
+from .options import StreamOptions
+from .schedule import StepRef
+from .seeding import GlobalRngSeeder, preserved_global_rngs, step_seed
+
+Reader = DatasetReader | NodeReader | MixtureReader
+
+
+def transformed(options: StreamOptions) -> bool:
+    """Whether a batch goes through a transform (per sample or per batch)."""
+    return options.transform is not None or options.batch_transform is not None
+
+
+def read_arrays(options: StreamOptions, tail: TailPolicy, feed: ShardFeed | MixtureFeed,
+                reader: Reader, ref: StepRef, part: RankBatch) -> dict[str, Any]:
+    """This rank's raw arrays of one step (no transform). Safe from any thread."""
+    with gathering(options.ragged, transform=options.transform is not None,
+                   batch_transform=options.batch_transform is not None):
+        arrays: dict[str, Any] = dict(reader.read_located(part.shards, part.rows))
+    arrays.update(feed.batch_keys(part.sample_ids))
+    if tail is TailPolicy.PAD:
+        arrays[PADDING_KEY] = part.is_padding
+    if transformed(options) or options.with_seeds:
+        arrays[SEED_KEY] = plan_sample_seeds(options.seed, ref.epoch, part.sample_ids)
+    return arrays
+
+
+def finish(options: StreamOptions, fields: Mapping[str, Field], ref: StepRef,
+           arrays: dict[str, Any], first_of_step: Callable[[], dict[str, Any]]) -> Any:
+    """Transform (if any) and convert one step's arrays to the batch the loop receives.
+
+    ``first_of_step()`` reads the raw arrays of the step's first sample: the template of an
+    empty part (a transform's output has a structure only a sample can show). A transform
+    runs with the process-wide RNGs seeded and restored after, so this must run on one
+    thread at a time.
+    """
+    if not transformed(options):
+        return tensors(options, fields, arrays)
+    # In a worker process nothing else draws from its generators: nothing to put back.
+    with preserved_global_rngs() if get_worker_info() is None else contextlib.nullcontext():
+        seeder = GlobalRngSeeder()
+        seeder(step_seed(options.seed, ref.epoch, ref.segment.step_span(ref.step)[0]))
+        if options.transform is not None:
+            if len(arrays[ID_KEY]) == 0:  # an empty part of a "split" tail
+                return empty_like(_transform_samples(options, fields, first_of_step(),
+                                                     seeder))
+            return _transform_samples(options, fields, arrays, seeder)
+        assert options.batch_transform is not None
+        return tensors(options, fields, apply_batch_transform(arrays, options.batch_transform))
+
+
+def _transform_samples(options: StreamOptions, fields: Mapping[str, Field],
+                       arrays: dict[str, Any], seeder: GlobalRngSeeder) -> Any:
+    samples_arrays = dict(arrays)
+    samples_arrays[SEED_KEY] = np.asarray(arrays[SEED_KEY], dtype=np.uint64).tolist()
+    assert options.transform is not None
+    return apply_sample_transform(samples_arrays, fields, options.transform,
+                                  options.collate_fn, seeder)
+
+
+def tensors(options: StreamOptions, fields: Mapping[str, Field],
+            arrays: Mapping[str, Any]) -> dict[str, Any]:
+    """A step's arrays as the tensors of a batch."""
+    out = dict(arrays)
+    if SEED_KEY in out and isinstance(out[SEED_KEY], np.ndarray):
+        out[SEED_KEY] = out[SEED_KEY].view(np.int64)  # torch has no full uint64 support
+    return to_torch(out, fields, ragged=options.ragged, pad_value=options.pad_value)
