@@ -1,7 +1,15 @@
-"""Remote bytes of a multi-node job at the library's defaults, per node, by sample size.
+"""Remote bytes of a multi-node job, per node, by sample size, batch and node count.
 
-Run:  python benchmarks/bench_multinode.py [--sizes 100B,350B,1KB,100KB] [--batches 64,256,1024]
-          [--nodes 2,8] [--scale 1.0]
+Run:  python benchmarks/bench_multinode.py [--sizes 100B,1KB,8KB,100KB]
+          [--batches 64,256,1024,4096] [--nodes 2,8] [--model-nodes 8,16,64]
+          [--partitions 0,64] [--scale 1.0]
+
+Two kinds of rows. ``measured``: real node processes against a counting HTTP server (below).
+``model``: the same bytes computed from the plan by benchmarks/multinode_model.py, for node
+counts one machine cannot run as processes (16, 64); tests/test_multinode.py checks the model
+against real processes at 2, 4 and 8 nodes. ``--partitions 0`` is the default split (the
+order independent of the node count); ``64`` is ``StreamDataset(partitions=64)``, canonical
+partitions (docs/multinode.md).
 
 Setup (docs/multinode.md, "Bytes per node"): each dataset is written by ShardWriter at its
 defaults (zstd, 64 KiB chunks, 64 MiB shards): token samples of about 100 B, 350 B and 1 KB
@@ -56,6 +64,7 @@ import pyarrow as pa
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
+import multinode_model  # noqa: E402
 from dist import torchrun_environment  # noqa: E402
 from servers import FaultServer  # noqa: E402
 
@@ -78,10 +87,11 @@ SIZES = {
     "100B": Size("100B", 100, 1 << 20),
     "350B": Size("350B", 350, 1 << 19),
     "1KB": Size("1KB", 1000, 1 << 18),
+    "8KB": Size("8KB", 8000, 1 << 15),
     "100KB": Size("100KB", 100_000, 16384),
 }
 #: (nodes, ranks per node) of each node count
-LAYOUTS = {2: 2, 8: 1}
+LAYOUTS = {2: 2, 4: 1, 8: 1}
 WRITE_BATCH = 8192
 
 
@@ -118,11 +128,11 @@ def dataset(size: Size, scale: float) -> str:
 
 
 def _rank_main(env: dict[str, str], url: str, cache: str, global_batch: int,
-               nodes: int | None, out: str) -> None:
+               nodes: int | None, partitions: int, out: str) -> None:
     try:
         os.environ.update(env)
         data = StreamDataset(url, global_batch_size=global_batch, cache_dir=cache, nodes=nodes,
-                             fields=["x"])
+                             fields=["x"], partitions=partitions)
         steps: list[np.ndarray] = []
         with StreamLoader(data) as loader:
             for batch in loader:
@@ -137,7 +147,7 @@ def _rank_main(env: dict[str, str], url: str, cache: str, global_batch: int,
 
 
 def run_node(node: int, nodes: int, per_node: int, url: str, cache: str, global_batch: int,
-             scratch: str, nodes_arg: int | None) -> list[np.ndarray]:
+             scratch: str, nodes_arg: int | None, partitions: int) -> list[np.ndarray]:
     """The ranks of one node, forked with torchrun's environment; their ids per step."""
     context = mp.get_context("fork")
     outs, processes = [], []
@@ -146,7 +156,7 @@ def run_node(node: int, nodes: int, per_node: int, url: str, cache: str, global_
         out = os.path.join(scratch, f"rank-{env['RANK']}.npy")
         outs.append(out)
         processes.append(context.Process(target=_rank_main, args=(
-            env, url, cache, global_batch, nodes_arg, out)))
+            env, url, cache, global_batch, nodes_arg, partitions, out)))
     for process in processes:
         process.start()
     for process in processes:
@@ -170,11 +180,11 @@ def shard_bytes(server: FaultServer) -> int:
                if path.endswith(".arrow"))
 
 
-def reference(url: str, global_batch: int, scratch: str) -> np.ndarray:
+def reference(url: str, global_batch: int, scratch: str, partitions: int) -> np.ndarray:
     """The global batches of a 1-rank run (sorted ids per step), from the plan's order (a
     pass is not started: its prefetcher would fetch shards while the job is measured)."""
     data = StreamDataset(url, global_batch_size=global_batch, rank=0, world_size=1, nodes=1,
-                         cache_dir=scratch)
+                         cache_dir=scratch, partitions=partitions)
     steps = len(data)
     ids = data.order(0).sample_ids(0, steps * global_batch).reshape(steps, global_batch)
     data.close()
@@ -182,7 +192,7 @@ def reference(url: str, global_batch: int, scratch: str) -> np.ndarray:
 
 
 def run_job(server: FaultServer, url: str, nodes: int, global_batch: int, scratch: str,
-            locality: bool) -> dict[str, Any]:
+            locality: bool, partitions: int) -> dict[str, Any]:
     """One epoch of the job (every node, or node 0 alone without locality)."""
     per_node = LAYOUTS[nodes]
     started = time.perf_counter()
@@ -191,7 +201,7 @@ def run_job(server: FaultServer, url: str, nodes: int, global_batch: int, scratc
         cache = tempfile.mkdtemp(dir=scratch, prefix=f"node{node}-")
         before = shard_bytes(server)
         parts += run_node(node, nodes, per_node, url, cache, global_batch, scratch,
-                          None if locality else 1)
+                          None if locality else 1, partitions)
         node_bytes.append(shard_bytes(server) - before)
         shutil.rmtree(cache, ignore_errors=True)
     return {"node_bytes": node_bytes, "seconds": time.perf_counter() - started,
@@ -205,67 +215,96 @@ def check_exact(parts: list[np.ndarray], expected: np.ndarray) -> None:
 
 
 def measure(size: Size, scale: float, batches_: list[int], node_counts: list[int],
+            model_nodes: list[int], partition_counts: list[int],
             scratch: str) -> list[dict[str, Any]]:
     folder = dataset(size, scale)
     index = load_index(folder)
     total = int(index.total_bytes)
+    base = {"size": size.name, "samples": int(index.num_samples), "shards": len(index.shards),
+            "dataset_bytes": total}
     rows = []
     with FaultServer(root=folder) as server:
         url = server.url_for("index.json")
         for global_batch in batches_:
-            expected = reference(url, global_batch, scratch)
-            for nodes in node_counts:
-                for locality in (True, False):
-                    job = run_job(server, url, nodes, global_batch, scratch, locality)
-                    if locality:
-                        check_exact(job.pop("parts"), expected)
-                    else:
-                        job.pop("parts")
-                    per_node = np.array(job["node_bytes"], float) / (total / nodes)
-                    # (without locality every node fetches what node 0 does)
-                    job_x = per_node.sum() / nodes if locality else float(per_node[0])
-                    row = {"size": size.name, "samples": len(index.shard_rows) and
-                           int(index.num_samples), "shards": len(index.shards),
-                           "dataset_bytes": total, "batch": global_batch, "nodes": nodes,
-                           "case": "locality" if locality else "no locality",
-                           "per_node_max": float(per_node.max()),
-                           "per_node_mean": float(per_node.mean()),
-                           "job": job_x,
-                           "per_node": per_node.round(3).tolist(), "seconds": job["seconds"]}
+            for partitions in partition_counts:
+                if partitions and global_batch % partitions:
+                    continue
+                expected = reference(url, global_batch, scratch, partitions)
+                for nodes in node_counts:
+                    cases = (True, False) if not partitions else (True,)
+                    for locality in cases:
+                        job = run_job(server, url, nodes, global_batch, scratch, locality,
+                                      partitions)
+                        if locality:
+                            check_exact(job.pop("parts"), expected)
+                        else:
+                            job.pop("parts")
+                        row = _row(base, global_batch, nodes, partitions, "measured" if
+                                   locality else "no locality", job["node_bytes"], locality,
+                                   job["seconds"])
+                        rows.append(row)
+                        print_row(row)
+                for nodes in model_nodes:
+                    started = time.perf_counter()
+                    per_node = multinode_model.node_bytes(folder, global_batch, nodes,
+                                                          LAYOUTS.get(nodes, 1), partitions)
+                    row = _row(base, global_batch, nodes, partitions, "model", per_node, True,
+                               time.perf_counter() - started)
                     rows.append(row)
                     print_row(row)
     return rows
 
 
+def _row(base: dict[str, Any], global_batch: int, nodes: int, partitions: int, case: str,
+         node_bytes: list[int], locality: bool, seconds: float) -> dict[str, Any]:
+    total = base["dataset_bytes"]
+    per_node = np.array(node_bytes, float) / (total / nodes)
+    # (without locality every node fetches what node 0 does)
+    job_x = per_node.sum() / nodes if locality else float(per_node[0])
+    return {**base, "batch": global_batch, "nodes": nodes, "partitions": partitions,
+            "case": case, "per_node_max": float(per_node.max()),
+            "per_node_mean": float(per_node.mean()), "job": job_x,
+            "per_node_max_of_dataset": float(per_node.max()) / nodes,
+            "per_node": per_node.round(3).tolist(), "seconds": seconds}
+
+
 def print_header() -> None:
-    print(f"{'size':>6} {'batch':>5} {'nodes':>5} {'case':<12} {'node max':>9} "
+    print(f"{'size':>6} {'batch':>5} {'nodes':>5} {'parts':>5} {'case':<12} {'node max':>9} "
           f"{'node mean':>9} {'job':>7} {'time s':>7}   (per node: x D/N, job: x D)")
 
 
 def print_row(row: dict[str, Any]) -> None:
-    print(f"{row['size']:>6} {row['batch']:>5} {row['nodes']:>5} {row['case']:<12} "
+    print(f"{row['size']:>6} {row['batch']:>5} {row['nodes']:>5} "
+          f"{row['partitions'] or '-':>5} {row['case']:<12} "
           f"{row['per_node_max']:>9.3f} {row['per_node_mean']:>9.3f} {row['job']:>7.3f} "
           f"{row['seconds']:>7.1f}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="100B,350B,1KB,100KB")
-    parser.add_argument("--batches", default="64,256,1024")
-    parser.add_argument("--nodes", default="2,8")
+    parser.add_argument("--sizes", default="100B,1KB,8KB,100KB")
+    parser.add_argument("--batches", default="64,256,1024,4096")
+    parser.add_argument("--nodes", default="2,8", help="node counts run as processes")
+    parser.add_argument("--model-nodes", default="8,16,64",
+                        help="node counts computed by the model ('' for none)")
+    parser.add_argument("--partitions", default="0,64",
+                        help="0: the default split; P: StreamDataset(partitions=P)")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="fraction of each dataset's samples (1.0: the sizes above)")
     args = parser.parse_args(argv)
     sizes = [SIZES[name] for name in args.sizes.split(",")]
     batches_ = [int(b) for b in args.batches.split(",")]
-    node_counts = [int(n) for n in args.nodes.split(",")]
+    node_counts = [int(n) for n in args.nodes.split(",") if n]
+    model_nodes = [int(n) for n in args.model_nodes.split(",") if n]
+    partition_counts = [int(n) for n in args.partitions.split(",") if n]
     os.makedirs(DATA, exist_ok=True)
     print_header()
     rows: list[dict[str, Any]] = []
     scratch = tempfile.mkdtemp(prefix="bench-multinode-")
     try:
         for size in sizes:
-            rows += measure(size, args.scale, batches_, node_counts, scratch)
+            rows += measure(size, args.scale, batches_, node_counts, model_nodes,
+                            partition_counts, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     with open(os.path.join(OUT, "multinode.json"), "w") as f:

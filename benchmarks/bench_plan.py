@@ -88,6 +88,8 @@ from streamcache.plan import (
     TailPolicy,
 )
 from streamcache.plan.locality import LocalityAssignment, locality_key
+from streamcache.plan.partition_split import PartitionAssignment
+from streamcache.plan.shards import ShardCounts
 from streamcache.plan.units import UnitLayout, piece_rows_for
 
 BIG_SHARDS = 10**6
@@ -172,9 +174,12 @@ def time_steps(options: ShuffleOptions, steps: int) -> dict[str, float]:
 
 
 #: (label, nodes, ranks per node): the multi-node split of a global batch of 1024.
-NODE_CASES = [("contiguous, 8 ranks", 1, 8), ("contiguous, 1 rank", 1, 1),
-              ("2 nodes x 4 ranks", 2, 4), ("8 nodes x 1 rank", 8, 1),
-              ("8 nodes x 8 ranks", 8, 8), ("64 nodes x 1 rank", 64, 1)]
+NODE_CASES = [("contiguous, 8 ranks", 1, 8, 0), ("contiguous, 1 rank", 1, 1, 0),
+              ("2 nodes x 4 ranks", 2, 4, 0), ("8 nodes x 1 rank", 8, 1, 0),
+              ("8 nodes x 8 ranks", 8, 8, 0), ("64 nodes x 1 rank", 64, 1, 0),
+              ("8 nodes x 8, partitions 64", 8, 8, 64),
+              ("64 nodes x 1, partitions 64", 64, 1, 64),
+              ("64 nodes x 8, partitions 64", 64, 8, 64)]
 #: Rows per chunk of the benchmark's shards (1 KB samples in 64 KiB chunks).
 NODE_CHUNK_ROWS = 64
 
@@ -192,16 +197,19 @@ def time_node_split(steps: int, repeats: int) -> dict[str, dict[str, float]]:
     rows = np.full(BIG_SHARDS, BIG_ROWS, dtype=np.int64)
     chunk = np.full(BIG_SHARDS, NODE_CHUNK_ROWS, dtype=np.int64)
     start_position = 123_456_789
-    times: dict[str, list[float]] = {label: [] for label, _, _ in NODE_CASES}
-    reads: list[float] = []
+    times: dict[str, list[float]] = {label: [] for label, _, _, _ in NODE_CASES}
+    reads: dict[int, list[float]] = {0: [], 64: []}
     moved: dict[str, float] = {}
+    counts = ShardCounts.of(rows)
     for _ in range(repeats):
-        for label, nodes, per_node in NODE_CASES:
-            order = EpochOrder(rows, 9, 2, ShuffleOptions())
+        for label, nodes, per_node, partitions in NODE_CASES:
+            order = EpochOrder(counts, 9, 2, ShuffleOptions(partitions=partitions))
             world = nodes * per_node
             segment = EpochSegment(order.num_samples, start_position, STEP, world)
             layout = UnitLayout(rows, chunk, piece_rows_for(1 << 18, nodes, chunk))
             assignment: RankAssignment = CONTIGUOUS if nodes == 1 else \
+                PartitionAssignment(nodes, locality_key("bench"), partitions, counts, layout,
+                                    STEP) if partitions else \
                 LocalityAssignment(nodes, locality_key("bench"), layout, STEP)
             begin = time.process_time()
             segment.rank_batches(order, range(steps), world // 2 - 1 if world > 1 else 0,
@@ -209,14 +217,17 @@ def time_node_split(steps: int, repeats: int) -> dict[str, dict[str, float]]:
             times[label].append((time.process_time() - begin) / steps * 1e6)
             if isinstance(assignment, LocalityAssignment):
                 moved[label] = moved_fraction(order, segment, assignment, steps)
-        order = EpochOrder(rows, 9, 2, ShuffleOptions())
-        begin = time.process_time()
-        order.samples(start_position, start_position + steps * STEP)
-        reads.append((time.process_time() - begin) / steps * 1e6)
-    read = statistics.median(reads)
-    return {label: {"rank_part_us": statistics.median(times[label]), "read_batch_us": read,
-                    "split_us": statistics.median(times[label]) - read,
-                    "moved_fraction": moved.get(label, 0.0)} for label in times}
+        for partitions, found in reads.items():
+            order = EpochOrder(counts, 9, 2, ShuffleOptions(partitions=partitions))
+            begin = time.process_time()
+            order.samples(start_position, start_position + steps * STEP)
+            found.append((time.process_time() - begin) / steps * 1e6)
+    read = {partitions: statistics.median(found) for partitions, found in reads.items()}
+    return {label: {"rank_part_us": statistics.median(times[label]),
+                    "read_batch_us": read[partitions],
+                    "split_us": statistics.median(times[label]) - read[partitions],
+                    "moved_fraction": moved.get(label, 0.0)}
+            for label, _, _, partitions in NODE_CASES}
 
 
 def moved_fraction(order: EpochOrder, segment: EpochSegment, assignment: LocalityAssignment,
@@ -323,9 +334,9 @@ def print_node_split(result: dict[str, dict[str, float]], steps: int, repeats: i
     print(f"\n4. multi-node split of a global batch of {STEP} (one rank's part, us per step "
           f"over {steps} steps, median of {repeats}, interleaved; read = the whole batch's "
           "samples, which the split needs and a 1-rank run reads too; split = the rest)")
-    print(f"   {'case':24} {'us/step':>8} {'read':>6} {'split':>6} {'moved':>7}")
+    print(f"   {'case':28} {'us/step':>8} {'read':>6} {'split':>6} {'moved':>7}")
     for label, row in result.items():
-        print(f"   {label:24} {row['rank_part_us']:8.1f} {row['read_batch_us']:6.1f} "
+        print(f"   {label:28} {row['rank_part_us']:8.1f} {row['read_batch_us']:6.1f} "
               f"{row['split_us']:6.1f} {row['moved_fraction']:7.3f}")
 
 

@@ -216,6 +216,17 @@ class LocalityAssignment:
         return (slots, np.take_along_axis(ids, slots, axis=1),
                 np.take_along_axis(shards, slots, axis=1), np.take_along_axis(rows, slots, axis=1))
 
+    def nodes_many(self, order: ShardPositions, batch_starts: Sequence[int],
+                   part_sizes: Sequence[int],
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The sample id, shard, row and reading node of every slot of several whole batches:
+        four ``(len(batch_starts), sum(part_sizes))`` arrays (what every node reads: a model
+        of the job's bytes, benchmarks/multinode_model.py)."""
+        sizes = tuple(map(int, part_sizes))
+        firsts = np.asarray(batch_starts, dtype=np.int64)
+        ids, shards, rows = _samples_of_batches(order, firsts, sum(sizes))
+        return ids, shards, rows, self._nodes(shards, rows, self._node_targets(sizes))
+
     def node_of_slots(self, order: ShardPositions, batch_start: int,
                       part_sizes: Sequence[int]) -> np.ndarray:
         """The node (int64) that reads each slot of the global batch at ``batch_start``."""

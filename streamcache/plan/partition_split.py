@@ -55,7 +55,10 @@ class PartitionAssignment(LocalityAssignment):
         if partitions > counts.total:
             raise PlanError(f"{partitions} partitions of {counts.total} samples: every "
                             "partition needs a sample")
-        super().__init__(num_nodes, key, layout, None)  # (no piece is held twice)
+        # (no piece is held twice; the layout is set after, so that no per-shard offset table
+        # is made: owners come from the sample ids here)
+        super().__init__(num_nodes, key, None, None)
+        self.layout = layout
         self.partitions = partitions
         self.counts = counts
         self._per_node = partitions // num_nodes

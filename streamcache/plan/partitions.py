@@ -112,21 +112,39 @@ class Partitions:
         out = np.empty((2, positions.size), dtype=np.int64)
         if positions.size == 0:
             return out
-        interleaved = self._quotient * self.count
-        part = np.where(positions < interleaved, positions % self.count,
-                        positions - interleaved)
-        local = np.where(positions < interleaved, positions // self.count, self._quotient)
+        first, count = int(positions[0]), self.count
+        interleaved = self._quotient * count
+        if positions.size >= count and int(positions[-1]) < interleaved and \
+                int(positions[-1]) - first + 1 == positions.size:
+            # a run of positions (what the block cache asks): partition p's are every
+            # count-th, at consecutive positions of its own order
+            for offset in range(count):
+                part = (first + offset) % count
+                local_first = (first + offset) // count
+                size = len(range(offset, positions.size, count))
+                self._fill(out[:, offset::count], part,
+                           np.arange(local_first, local_first + size, dtype=np.int64))
+            return out
+        part = np.where(positions < interleaved, positions % count, positions - interleaved)
+        local = np.where(positions < interleaved, positions // count, self._quotient)
         by_part = np.argsort(part, kind="stable")
         sorted_parts = part[by_part]
         present = np.flatnonzero(np.diff(sorted_parts, prepend=-1))
         ends = np.append(present[1:], by_part.size)
-        for first, end in zip(present.tolist(), ends.tolist(), strict=True):
-            which = by_part[first:end]
-            order, first_id, first_shard = self._order(int(sorted_parts[first]))
-            ids, shards, _ = order.samples_at(local[which])
-            out[0, which] = ids + first_id
-            out[1, which] = shards + first_shard
+        for begin, end in zip(present.tolist(), ends.tolist(), strict=True):
+            which = by_part[begin:end]
+            found = np.empty((2, which.size), dtype=np.int64)
+            self._fill(found, int(sorted_parts[begin]), local[which])
+            out[:, which] = found
         return out
+
+    def _fill(self, out: np.ndarray, part: int, local: np.ndarray) -> None:
+        """``out[0]``, ``out[1]``: the sample ids and shards at positions ``local`` of
+        partition ``part``'s own order."""
+        order, first_id, first_shard = self._order(part)
+        ids, shards, _ = order.samples_at(local)
+        np.add(ids, first_id, out=out[0])
+        np.add(shards, first_shard, out=out[1])
 
     def _order(self, part: int) -> tuple[EpochOrder, int, int]:
         """Partition ``part``'s order, its first sample id and its first shard."""
