@@ -119,16 +119,15 @@ class Partitions:
             # a run of positions (what the block cache asks): partition p's are every
             # count-th, at consecutive positions of its own order
             for offset in range(count):
-                part = (first + offset) % count
                 local_first = (first + offset) // count
                 size = len(range(offset, positions.size, count))
-                self._fill(out[:, offset::count], part,
+                self._fill(out[:, offset::count], (first + offset) % count,
                            np.arange(local_first, local_first + size, dtype=np.int64))
             return out
-        part = np.where(positions < interleaved, positions % count, positions - interleaved)
+        parts = np.where(positions < interleaved, positions % count, positions - interleaved)
         local = np.where(positions < interleaved, positions // count, self._quotient)
-        by_part = np.argsort(part, kind="stable")
-        sorted_parts = part[by_part]
+        by_part = np.argsort(parts, kind="stable")
+        sorted_parts = parts[by_part]
         present = np.flatnonzero(np.diff(sorted_parts, prepend=-1))
         ends = np.append(present[1:], by_part.size)
         for begin, end in zip(present.tolist(), ends.tolist(), strict=True):
