@@ -22,6 +22,9 @@ deletes them (at its first snapshot), or the node reboots. A slot that does not 
 space is not written (a warning; the previous slot stays whole) and training goes on with the
 disk tiers.
 
+The slot files' format is memory_format.py's; opening them safely and the checksummed reads
+and writes of their bytes, memory_files.py's; a restore's checks, memory_restore.py's.
+
 Thread safety: one training thread per MemoryTier.
 """
 
@@ -33,15 +36,23 @@ import hashlib
 import json
 import logging
 import os
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .. import _native
 from .errors import CheckpointError
+from .memory_files import (
+    ReadHandle,
+    digest,
+    file_problem,
+    private_dir,
+    pwrite_all,
+    read_manifest,
+    read_tensors,
+    write_tensor,
+)
 from .memory_format import (
     FORMAT_VERSION,
     HEADER_SIZE,
@@ -65,11 +76,9 @@ from .memory_format import (
     Manifest,
     SlotSummary,
     align,
-    check_manifest,
     decode_tree,
     encode_tree,
     pack_header,
-    pieces,
     tensor_record,
     unpack_header,
 )
@@ -103,10 +112,6 @@ class Prepared:
     trees: dict[str, Any]
 
 
-def _digest(data: Any) -> int:
-    return _native.xxh64(data)
-
-
 def folder_name(root_url: str, job_id: str | None) -> str:
     """``<root digest>-<job digest>``: the restarts of one job (one job id) share a folder,
     another job or another root never does."""
@@ -129,7 +134,7 @@ class MemoryTier:
         self.rank, self.world_size = rank, world_size
         self.folder = os.path.join(options.directory, f"streamcache-mem-{os.geteuid()}",
                                    folder_name(root_url, job_id))
-        self._dir_fd = _private_dir(self.folder)
+        self._dir_fd = private_dir(self.folder)
         self._seqs: list[int | None] = [None] * SLOTS  # the valid slots' sequence numbers
         self._warned = False
         for slot in range(SLOTS):
@@ -178,7 +183,7 @@ class MemoryTier:
         try:
             os.pwrite(fd, bytes(HEADER_SIZE), 0)  # the slot is not whole from here on
             for tensor, record in zip(tensors, records, strict=True):
-                record["digests"] = _write_tensor(fd, tensor, HEADER_SIZE + record["offset"])
+                record["digests"] = write_tensor(fd, tensor, HEADER_SIZE + record["offset"])
             manifest = json.dumps({
                 K_VERSION: FORMAT_VERSION, K_ROOT: self.root_url, K_RANK: self.rank,
                 K_WORLD: self.world_size, K_STEP: step, K_TIMELINE: timeline,
@@ -192,9 +197,9 @@ class MemoryTier:
                                         f"{self.options.max_bytes}")
             if os.fstat(fd).st_size < needed:
                 os.posix_fallocate(fd, 0, needed)  # ENOSPC here, never a fault later
-            _pwrite_all(fd, manifest, m_off)
-            header = Header(seq, step, data_len, m_off, len(manifest), _digest(manifest))
-            _pwrite_all(fd, pack_header(header, _digest), 0)
+            pwrite_all(fd, manifest, m_off)
+            header = Header(seq, step, data_len, m_off, len(manifest), digest(manifest))
+            pwrite_all(fd, pack_header(header, digest), 0)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                 return self._skip(step, f"{self.options.directory} is full ({exc.strerror})")
@@ -223,7 +228,7 @@ class MemoryTier:
             if exc.errno != errno.ELOOP:
                 raise
             fd = -1
-        if fd < 0 or _file_problem(os.fstat(fd)) is not None:
+        if fd < 0 or file_problem(os.fstat(fd)) is not None:
             if fd >= 0:
                 os.close(fd)
             os.unlink(name, dir_fd=self._dir_fd)  # not a file of ours: replace it
@@ -245,7 +250,7 @@ class MemoryTier:
         for slot in range(SLOTS):
             try:
                 with self._open_for_read(slot) as (fd, size):
-                    header, manifest = _read_manifest(fd, size)
+                    header, manifest = read_manifest(fd, size)
             except FileNotFoundError:
                 continue
             except EmptySlot:
@@ -274,14 +279,14 @@ class MemoryTier:
         """
         try:
             with self._open_for_read(slot) as (fd, size):
-                header, manifest = _read_manifest(fd, size)
+                header, manifest = read_manifest(fd, size)
                 if header.seq != summary.seq:
                     raise FormatProblem("it was rewritten since it was scanned")
                 claimed = sum(spec.nbytes for spec in manifest.tensors)
                 if max_tensor_bytes is not None and claimed > max_tensor_bytes:
                     raise FormatProblem(f"its tensors claim {claimed} bytes, more than the "
                                         f"{max_tensor_bytes} of the state to restore")
-                tensors = _read_tensors(fd, manifest)
+                tensors = read_tensors(fd, manifest)
             trees = {k: (kind, decode_tree(tree, tensors))
                      for k, (kind, tree) in manifest.entries.items()}
         except (OSError, FormatProblem, RuntimeError, TypeError, ValueError,
@@ -290,13 +295,13 @@ class MemoryTier:
             return None
         return Prepared(header.step, manifest, trees)
 
-    def _open_for_read(self, slot: int) -> _ReadHandle:
-        return _ReadHandle(self._dir_fd, self.slot_name(slot))
+    def _open_for_read(self, slot: int) -> ReadHandle:
+        return ReadHandle(self._dir_fd, self.slot_name(slot))
 
     def _header_seq(self, slot: int) -> int | None:
         try:
             with self._open_for_read(slot) as (fd, size):
-                return unpack_header(os.pread(fd, HEADER_SIZE, 0), size, _digest).seq
+                return unpack_header(os.pread(fd, HEADER_SIZE, 0), size, digest).seq
         except (OSError, FormatProblem):
             return None
 
@@ -321,7 +326,7 @@ class MemoryTier:
         except OSError:
             return
         try:
-            if _file_problem(os.fstat(fd)) is None:
+            if file_problem(os.fstat(fd)) is None:
                 os.pwrite(fd, bytes(HEADER_SIZE), 0)
         finally:
             os.close(fd)
@@ -357,112 +362,3 @@ class MemoryTier:
         if self._dir_fd >= 0:
             os.close(self._dir_fd)
             self._dir_fd = -1
-
-
-class _ReadHandle:
-    """An fd of one slot, opened without following links and checked to be ours."""
-
-    def __init__(self, dir_fd: int, name: str) -> None:
-        self.fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-
-    def __enter__(self) -> tuple[int, int]:
-        info = os.fstat(self.fd)
-        problem = _file_problem(info)
-        if problem is not None:
-            os.close(self.fd)
-            raise FormatProblem(problem)
-        return self.fd, info.st_size
-
-    def __exit__(self, *exc: object) -> None:
-        os.close(self.fd)
-
-
-def _file_problem(info: os.stat_result) -> str | None:
-    if not stat.S_ISREG(info.st_mode):
-        return "not a regular file"
-    if info.st_uid != os.geteuid():
-        return f"owned by uid {info.st_uid}, not this user"
-    if info.st_mode & 0o077:
-        return f"open to other users (mode {stat.S_IMODE(info.st_mode):o})"
-    if info.st_nlink != 1:
-        return f"{info.st_nlink} links to it"
-    return None
-
-
-def _private_dir(path: str) -> int:
-    """An fd of ``path`` (made 0700 if missing, parents included), checked to be ours alone."""
-    parent = os.path.dirname(path)
-    for folder in (parent, path):
-        try:
-            os.mkdir(folder, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise CheckpointError(f"memory tier: cannot make {folder}: {exc}; pass "
-                                  "MemoryOptions(directory=...) a writable tmpfs") from exc
-        info = os.lstat(folder)
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or \
-                info.st_mode & 0o077:
-            raise CheckpointError(
-                f"memory tier: {folder} is not a private folder of this user (a link, another "
-                f"owner, or mode {stat.S_IMODE(info.st_mode):o}); remove it, or pass "
-                "MemoryOptions(directory=...) another tmpfs")
-    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-
-
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-
-
-def _write_tensor(fd: int, tensor: torch.Tensor, offset: int) -> list[int]:
-    """Write one tensor's bytes at ``offset``; the digest of each piece (hashed, then written
-    while it is in cache)."""
-    flat = tensor.detach()
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    flat = flat.contiguous().reshape(-1).view(torch.uint8)
-    digests = []
-    for start, length in pieces(flat.numel()):
-        piece = flat[start:start + length].numpy()
-        digests.append(_digest(piece))
-        _pwrite_all(fd, piece, offset + start)
-    return digests
-
-
-def _read_manifest(fd: int, size: int) -> tuple[Header, Manifest]:
-    header = unpack_header(os.pread(fd, HEADER_SIZE, 0), size, _digest)
-    raw = os.pread(fd, header.manifest_len, header.manifest_offset)
-    if len(raw) != header.manifest_len or _digest(raw) != header.manifest_digest:
-        raise FormatProblem("manifest checksum mismatch (torn or edited)")
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise FormatProblem(f"manifest is not JSON: {exc}") from None
-    return header, check_manifest(doc, header)
-
-
-def _read_tensors(fd: int, manifest: Manifest) -> list[torch.Tensor]:
-    """Every tensor of the snapshot read into one fresh buffer, each piece verified.
-
-    The buffer holds the tensors packed (not at their file offsets), so what is allocated is
-    what the tensors claim, whatever gaps a hostile manifest leaves between them.
-    """
-    packed, total = [], 0
-    for spec in manifest.tensors:
-        packed.append(total)
-        total = align(total + spec.nbytes)
-    buffer = torch.empty(total, dtype=torch.uint8)
-    raw = buffer.numpy()
-    tensors = []
-    for i, (spec, at) in enumerate(zip(manifest.tensors, packed, strict=True)):
-        for (start, length), expected in zip(pieces(spec.nbytes), spec.digests, strict=True):
-            view = raw[at + start: at + start + length]
-            if os.preadv(fd, [view.data], HEADER_SIZE + spec.offset + start) != length:
-                raise FormatProblem(f"tensor {i} is cut short")
-            if _digest(view) != expected:
-                raise FormatProblem(f"tensor {i} checksum mismatch (torn or edited)")
-        tensors.append(buffer[at: at + spec.nbytes].view(spec.dtype).reshape(spec.shape))
-    return tensors
