@@ -21,7 +21,7 @@ from streamcache import ConfigError, FetchOptions, PrefetchOptions, StreamDatase
 from streamcache.cache.prefetch import DEFAULT_LOOKAHEAD_SHARDS, Prefetcher
 from streamcache.loading.options import TAIL_MODES, WINDOW_UNITS, StreamOptions
 from streamcache.plan import TailPolicy
-from streamcache.plan.order import WINDOW_UNITS as PLAN_WINDOW_UNITS
+from streamcache.plan.shuffle import WINDOW_UNITS as PLAN_WINDOW_UNITS
 
 
 @pytest.fixture(scope="module")

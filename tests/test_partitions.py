@@ -25,13 +25,9 @@ from streamcache import (
 )
 from streamcache.plan import EpochOrder, ShuffleOptions
 from streamcache.plan.partition_split import PartitionAssignment
-from streamcache.plan.partitions import (
-    MAX_PARTITIONS,
-    check_partition_layout,
-    partition_bounds,
-    partition_of_ids,
-)
+from streamcache.plan.partitions import check_partition_layout, partition_bounds, partition_of_ids
 from streamcache.plan.shards import ShardCounts
+from streamcache.plan.shuffle import MAX_PARTITIONS
 from streamcache.plan.units import UnitLayout, piece_rows_for
 
 

@@ -30,7 +30,7 @@ from ..plan import (
     TailPolicy,
 )
 from ..plan.cursor import ResumeCheck
-from ..plan.order import DEFAULT_WINDOW
+from ..plan.shuffle import DEFAULT_WINDOW
 from ..remote.options import FetchOptions
 from . import step_batch
 from .dataset_reader import DatasetReader

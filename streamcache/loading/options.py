@@ -14,8 +14,7 @@ from ..cache.prefetch import PrefetchOptions
 from ..errors import ConfigError
 from ..plan import TailPolicy
 from ..plan.cursor import RESUME_CHECKS, ResumeCheck
-from ..plan.order import DEFAULT_WINDOW
-from ..plan.partitions import MAX_PARTITIONS
+from ..plan.shuffle import DEFAULT_WINDOW, MAX_PARTITIONS
 from ..remote.options import FetchOptions
 from .batching import RAGGED_MODES
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 from ._util import CursorMismatchError, PlanError, PositionOutOfRangeError
 from .bijection import sample_seeds
 from .cursor import CURSOR_VERSION, Cursor
-from .order import DEFAULT_WINDOW, NO_SHUFFLE, EpochOrder, ShuffleOptions
+from .order import EpochOrder
+from .shuffle import DEFAULT_WINDOW, NO_SHUFFLE, ShuffleOptions
 from .steps import (
     CONTIGUOUS,
     ContiguousAssignment,

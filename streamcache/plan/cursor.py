@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from ._util import CursorMismatchError, PlanError, check_int, check_seed, check_state, malformed
-from .order import EpochOrder, ShuffleOptions
+from .order import EpochOrder
+from .shuffle import ShuffleOptions
 from .steps import EpochSegment, TailPolicy, tail_policy
 
 CURSOR_VERSION = 2

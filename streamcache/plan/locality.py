@@ -28,7 +28,6 @@ works for a mixture's order (a combined shard index space). Pure; no I/O.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -37,18 +36,24 @@ import numpy as np
 
 from ._util import PlanError, check_int
 from .bijection import MASK64, counter_hash, derive_key
-from .flows import FLOW_MAX_NODES, flexible_moves
+from .flows import flexible_moves
+from .owners import (
+    TAG_DUAL,
+    dual_fraction,
+    locality_key,
+    piece_owners,
+    shard_offsets,
+    typical_chunk_rows,
+)
+from .release import PRIORITY_BITS, released_samples
 from .units import UnitLayout
 
-TAG_NODES = 5  # domain tag of the per-shard offsets (see bijection's tags)
 TAG_RELEASE = 6  # domain tag of the chunk priorities
-TAG_DUAL = 7  # domain tag of the pieces held by two nodes, and their backups
 _WEYL_SIZE = 1 << 32
 _WEYL_MASK = np.uint64(_WEYL_SIZE - 1)
 _GOLDEN = np.uint64(0x9E3779B9)  # 2**32 / golden ratio: the Weyl sequence's step
 #: Nodes an assignment can spread a batch over (a node index takes 11 bits of a sort key).
 MAX_NODES = (1 << 11) - 1
-_PRIORITY_BITS = 20
 _MAX_SLOT_BITS = 31
 
 
@@ -63,66 +68,6 @@ class ShardPositions(Protocol):
     def samples(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 
     def samples_at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
-
-
-def locality_key(fingerprint: str) -> int:
-    """The 64-bit key of the piece-to-node assignment of a dataset (or mixture) fingerprint:
-    the same on every node and every epoch."""
-    digest = hashlib.blake2b(fingerprint.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
-def shard_offsets(key: int, shards: np.ndarray, num_nodes: int) -> np.ndarray:
-    """The node that owns piece 0 of each shard (int64); piece ``j`` is on
-    ``(offset + j) % num_nodes``."""
-    shards = np.asarray(shards, dtype=np.int64)
-    if num_nodes == 1:
-        return np.zeros(shards.shape, dtype=np.int64)
-    hashed = counter_hash(derive_key(key, TAG_NODES), shards)
-    return (hashed % np.uint64(num_nodes)).astype(np.int64)
-
-
-def piece_owners(key: int, layout: UnitLayout, shards: np.ndarray, rows: np.ndarray,
-                 num_nodes: int) -> np.ndarray:
-    """The node (int64) that owns the piece holding each (shard, row).
-
-    Raises:
-        PlanError: ``num_nodes`` below 1.
-    """
-    check_int("num_nodes", num_nodes, minimum=1)
-    shards = np.asarray(shards, dtype=np.int64)
-    pieces = layout.piece_index(shards, rows)
-    return (shard_offsets(key, shards, num_nodes) + pieces) % num_nodes
-
-
-#: Rows a chunk must hold for pieces to be held twice: below, a sample read from another
-#: node's piece costs about itself (a chunk of a few rows), less than holding pieces twice.
-DUAL_MIN_CHUNK_ROWS = 4
-
-
-def dual_fraction(num_nodes: int, global_batch: int | None, chunk_rows: int = 64) -> float:
-    """The fraction of pieces held by two nodes (their owner and a backup), for chunks of
-    ``chunk_rows`` rows (the layout's typical).
-
-    None with two nodes or fewer: the chunks a node reads of the other's pieces, which it
-    keeps, do that job (the released samples come from the same few chunks). None beyond
-    :data:`~streamcache.plan.flows.FLOW_MAX_NODES` nodes, where the flow that uses them would
-    cost more per step than the split may, nor with chunks of fewer than
-    :data:`DUAL_MIN_CHUNK_ROWS` rows (large samples). Else enough that a step's imbalance,
-    about ``sqrt(B/N)`` samples a node, can mostly move at no cost: ``2.3 / sqrt(B/N)`` (the
-    best of those simulated at 128 and 32 samples a node: docs/multinode.md), at most 0.6.
-    """
-    if (num_nodes <= 2 or num_nodes > FLOW_MAX_NODES or not global_batch
-            or chunk_rows < DUAL_MIN_CHUNK_ROWS):
-        return 0.0
-    return min(0.6, 2.3 / float(np.sqrt(max(1.0, global_batch / num_nodes))))
-
-
-def typical_chunk_rows(layout: UnitLayout | None) -> int:
-    """The median rows per chunk of a layout's cut shards (0: none is cut)."""
-    if layout is None or not layout.cut.any():
-        return 0
-    return int(np.median(layout.chunk_rows[layout.cut]))
 
 
 class LocalityAssignment:
@@ -351,7 +296,7 @@ class LocalityAssignment:
         backups = self._backup(shards[dual], piece[dual], owners)
         priority = counter_hash(self._release_key, self._chunk_keys(shards[dual], rows[dual]))
         moved = dual[flexible_moves(step_of[dual], owners, backups,
-                                    (priority >> np.uint64(64 - _PRIORITY_BITS)).astype(
+                                    (priority >> np.uint64(64 - PRIORITY_BITS)).astype(
                                         np.int64), surplus)]
         count = self.num_nodes
         surplus -= np.bincount(step_of[moved] * count + nodes[moved],
@@ -363,13 +308,14 @@ class LocalityAssignment:
     def _move_paid(self, shards: np.ndarray, rows: np.ndarray, nodes: np.ndarray,
                    surplus: np.ndarray, step_of: np.ndarray, width: int) -> None:
         """Balance what is left: each node with a surplus gives the samples of its lowest
-        chunk priority (:func:`_released`) to their chunk's backup while it is short, else to
-        the lowest node still short (:meth:`_receivers`). ``nodes`` is updated."""
+        chunk priority (:func:`~streamcache.plan.release.released_samples`) to their chunk's
+        backup while it is short, else to the lowest node still short (:meth:`_receivers`).
+        ``nodes`` is updated."""
         count = self.num_nodes
         candidate = np.flatnonzero(surplus.ravel()[step_of * count + nodes] > 0)
         hashed = counter_hash(self._release_key,
                               self._chunk_keys(shards[candidate], rows[candidate]))
-        released, hashed = _released(candidate, nodes[candidate], hashed, width, surplus)
+        released, hashed = released_samples(candidate, nodes[candidate], hashed, width, surplus)
         nodes[released] = self._receivers(nodes[released], hashed, step_of[released],
                                           np.maximum(0, -surplus))
 
@@ -440,52 +386,6 @@ class LocalityAssignment:
         return receiver
 
 
-def _released(candidate: np.ndarray, owners: np.ndarray, hashed: np.ndarray, width: int,
-              surplus: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The samples each node gives away in each step, as flat indices (ascending) with their
-    hashes: of the ``candidate`` samples (flat indices, ascending, on nodes with a surplus,
-    ``owners`` theirs), as many as the node's surplus, lowest chunk priority first, then by
-    slot.
-
-    Only the samples whose priority is below a bound that their group (step, node) almost
-    surely needs are sorted (a few times its surplus); a group that the bound leaves short
-    is ranked whole. The result is the same either way."""
-    count = surplus.shape[1]
-    group = (candidate // width) * count + owners
-    need = surplus.ravel()
-    size = np.bincount(group, minlength=need.size)
-    priority = (hashed >> np.uint64(64 - _PRIORITY_BITS)).astype(np.int64)
-    # (the lowest `need` of a group are below this more often than not; a group left short
-    # is ranked whole below)
-    wanted = need + 2 * np.sqrt(np.maximum(need, 0)).astype(np.int64) + 2
-    bound = np.minimum(1 << _PRIORITY_BITS, (wanted << _PRIORITY_BITS) // np.maximum(size, 1))
-    low = priority < bound[group]
-    short = np.bincount(group[low], minlength=need.size) < need
-    if short.any():  # (rare: this group's lowest priorities came out high; rank it whole)
-        low |= short[group]
-    picked = np.flatnonzero(low)
-    ranked, ranked_group = _sorted_by(group[picked], priority[picked], _PRIORITY_BITS)
-    ranked = picked[ranked]
-    rank_in_group = np.arange(ranked.size) - np.searchsorted(ranked_group, ranked_group)
-    chosen = np.sort(ranked[rank_in_group < need[ranked_group]])
-    return candidate[chosen], hashed[chosen]
-
-
-def _sorted_by(major: np.ndarray, minor: np.ndarray, minor_bits: int,
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """The indices that sort by (major, minor, index), non-negative int64 arrays with
-    ``minor < 2**minor_bits``, and ``major`` in that order: a sort of packed keys (cheaper
-    than an argsort) where they fit 63 bits, else a lexsort."""
-    index_bits = max(1, int(major.size).bit_length())
-    if int(major.max(initial=0)).bit_length() + minor_bits + index_bits <= 63:
-        keys = (major << np.int64(minor_bits + index_bits)) | (minor << np.int64(index_bits))
-        keys |= np.arange(major.size, dtype=np.int64)
-        keys.sort()
-        return keys & np.int64((1 << index_bits) - 1), keys >> np.int64(minor_bits + index_bits)
-    order = np.lexsort((np.arange(major.size), minor, major))
-    return order, major[order]
-
-
 def _samples_of_batches(order: ShardPositions, firsts: np.ndarray, length: int,
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Sample ids, shards and rows, ``(len(firsts), length)``, of the batches starting at
@@ -528,6 +428,7 @@ __all__ = [
     "LocalityAssignment",
     "ShardPositions",
     "batch_shards",
+    "dual_fraction",
     "locality_key",
     "piece_owners",
     "shard_offsets",

@@ -23,9 +23,10 @@ import numpy as np
 
 from ._util import check_positions, check_span
 from .bijection import derive_key
-from .order import EpochOrder, ShuffleOptions, first_uses
+from .order import EpochOrder, first_uses
 from .quota import quota
 from .shards import ShardCounts
+from .shuffle import ShuffleOptions
 
 _TAG_SOURCE = 0x534F_5552  # distinguishes a source's seed from every other derived key
 _ORDERS_PER_SOURCE = 3  # EpochOrders kept per source (a step may straddle two of its epochs)

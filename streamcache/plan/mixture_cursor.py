@@ -26,9 +26,9 @@ from .cursor import (
     identity_problems,
 )
 from .mixture import EpochPlan, Phase
-from .order import ShuffleOptions
 from .quota import quota
 from .shares import MAX_PERIOD
+from .shuffle import ShuffleOptions
 from .steps import EpochSegment, TailPolicy, tail_policy
 
 #: Version 2 adds each source's ``data`` (its DataIdentity, or null where its index has

@@ -21,8 +21,9 @@ import numpy as np
 
 from ._util import PlanError, check_int
 from .locality import LocalityAssignment
-from .partitions import MAX_PARTITIONS, check_partition_layout, partition_of_ids
+from .partitions import check_partition_layout, partition_of_ids
 from .shards import ShardCounts
+from .shuffle import MAX_PARTITIONS
 from .units import UnitLayout
 
 

@@ -36,22 +36,25 @@ default's, over a window ``P`` times smaller. Pure; no I/O.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from ._util import PlanError
 from .bijection import MASK64, derive_key
 from .shards import ShardCounts
+from .shuffle import ShuffleOptions
 
-if TYPE_CHECKING:
-    from .order import EpochOrder, ShuffleOptions
-
-#: At most this many partitions (a node count must divide it: 4,096 = 2**12 covers every
-#: power of two a job runs, and 3 * 2**k up to 3,072).
-MAX_PARTITIONS = 1 << 12
 TAG_PARTITION = 8  # domain tag of the partitions' seeds (see bijection's tags)
+
+
+class _Order(Protocol):
+    """What a partition's own order offers (an ``EpochOrder``)."""
+
+    def samples_at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        ...
 
 
 def partition_bounds(total: int, partitions: int) -> np.ndarray:
@@ -90,7 +93,7 @@ class Partitions:
     """
 
     def __init__(self, counts: ShardCounts, seed: int, epoch: int, shuffle: ShuffleOptions,
-                 make_order: type[EpochOrder]) -> None:
+                 make_order: Callable[[np.ndarray, int, int, ShuffleOptions], _Order]) -> None:
         count = shuffle.partitions
         if count > counts.total:
             raise PlanError(f"{count} partitions of {counts.total} samples: every partition "
@@ -103,7 +106,7 @@ class Partitions:
         window = shuffle.window // count if shuffle.window_unit == "samples" else shuffle.window
         self._options = replace(shuffle, partitions=0, window=max(1, window))
         self._seed, self._epoch, self._make = seed, epoch, make_order
-        self._orders: list[tuple[EpochOrder, int, int] | None] = [None] * count
+        self._orders: list[tuple[_Order, int, int] | None] = [None] * count
         self._lock = threading.Lock()
 
     def resolve(self, positions: np.ndarray) -> np.ndarray:
@@ -145,7 +148,7 @@ class Partitions:
         np.add(ids, first_id, out=out[0])
         np.add(shards, first_shard, out=out[1])
 
-    def _order(self, part: int) -> tuple[EpochOrder, int, int]:
+    def _order(self, part: int) -> tuple[_Order, int, int]:
         """Partition ``part``'s order, its first sample id and its first shard."""
         built = self._orders[part]
         if built is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from streamcache.plan.bijection import TAG_SHARDS, TAG_STAGGER, TAG_WINDOW, derive_key, permute
-from streamcache.plan.order import ShuffleOptions
+from streamcache.plan.shuffle import ShuffleOptions
 from streamcache.plan.windows import RegularWindows, ShuffleLayer, Windows
 
 
