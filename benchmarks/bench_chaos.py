@@ -33,8 +33,9 @@ Run (the full measurement, on a quiet machine):
     python benchmarks/bench_chaos.py --seconds 180 --mtbf 30
     python benchmarks/bench_chaos.py --quick        # 40 s rows, a fault every ~12 s
 
-Results: JSON in benchmarks/out/chaos.json; the table of the last full run is in README.md
-and its reading in docs/recovery.md. Last full run (2026-12-02, load average 27 -> 8-13, other
+Results: JSON in benchmarks/out/chaos.json; the table of the last full run is in
+benchmarks/RESULTS.md ("Recovery under faults") and its reading in docs/recovery.md. Last full
+run (2026-12-02, load average 27 -> 8-13, other
 engineers' work throughout): goodput 33% (dataloader_dcp), 48% (streamcache_torchrun), 62%
 (streamcache_nvrx), 66% (streamcache_nvrx_warm); raised-fault restarts 25-33 s, SIGKILL
 restarts 20.5 s (torchrun) and 11.4 s (warm); 0 samples re-read and every batch equal to the

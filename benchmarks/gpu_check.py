@@ -124,7 +124,7 @@ def loader(url: str, folder: str, *, pin: bool) -> Iterator[Any]:
 
 
 def check_pinned_gather(device: Device, url: str, folder: str) -> Check:
-    from streamcache.loading.loader import pinned_pool
+    from streamcache.loading.pinning import pinned_pool
 
     if not device.cuda:
         return Check("pinned-gather", None, "skipped: page-locked memory needs CUDA")

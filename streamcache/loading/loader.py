@@ -33,7 +33,6 @@ from ..plan._util import check_state
 from ..plan.mixture_cursor import MixtureCursor
 from .dataset import StreamDataset
 from .loader_pass import BatchSource, LoaderPass
-from .pinning import pinned_pool  # noqa: F401  (benchmarks/gpu_check.py imports it from here)
 from .stats import LoaderStats, StepCounters, open_reader
 from .stats_logger import StatsLogger, metrics_sink
 
