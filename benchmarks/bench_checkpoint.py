@@ -18,7 +18,13 @@ workers or another job would). For each save, the maximum over the ranks of:
 - ``loop cost``: extra wall time of a loop of fake training steps (matrix products, one
   thread per rank: the ranks keep both cores busy) that saves once at its start, against the
   same loop without a save run right before it (paired); the loop lasts ``--loop-s`` seconds
-  so that the save becomes durable inside it.
+  so that the save becomes durable inside it. Paired wall times differ by a second or two
+  from run to run here, so beside it:
+- ``loop cpu``: the extra CPU time of the loop's own thread (``time.thread_time``) in the
+  same pair: what the save costs the training thread itself (the blocking copy, hooks,
+  anything it waits on does not count; the writer's competition for the cores shows in the
+  wall time). Compared with a synchronous save's whole duration, which a synchronous save
+  costs the loop.
 
 Beside them, in each condition: ``copy`` (one copy of the state's tensors into reused
 buffers: the floor of a blocking snapshot) and ``disk`` (writing the state's bytes and
@@ -188,21 +194,23 @@ def _one_save(saver: Saver, step: int) -> dict[str, float]:
     return {"blocked": _max_over_ranks(blocked), "durable": _max_over_ranks(durable)}
 
 
-def _loop(saver: Saver | None, steps: int, step: int) -> tuple[float, float]:
+def _loop(saver: Saver | None, steps: int, step: int) -> tuple[float, float, float]:
+    """(wall time of the loop, time until the save is durable, the loop thread's CPU time),
+    each the maximum over the ranks."""
     work = torch.randn(512, 512) / 25
     dist.barrier()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.thread_time()
     for i in range(steps):
         if saver is not None and i == 0:
             saver.start(step)
         _fake_step(work)
         if saver is not None:
             saver.safe()
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.thread_time() - cpu_started
     if saver is not None:
         saver.durable()
     durable = time.perf_counter() - started
-    return _max_over_ranks(elapsed), _max_over_ranks(durable)
+    return _max_over_ranks(elapsed), _max_over_ranks(durable), _max_over_ranks(cpu)
 
 
 def _limits(tensors: list[torch.Tensor], buffers: list[torch.Tensor], path: Path) -> dict[str,
@@ -255,6 +263,8 @@ def _bench(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     model, optimizer = _model(args["size"], world)
     tensors = _local_tensors(model, optimizer)
     buffers = [torch.empty_like(t) for t in tensors]
+    for source, target in zip(tensors, buffers, strict=True):
+        target.copy_(source)  # (the floor is a copy into memory already touched)
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     savers = {m: Saver(m, model, optimizer, base, rank) for m in args["methods"]}
     loop_steps = _calibrate(args["loop_s"])
@@ -275,10 +285,11 @@ def _bench(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
                     step += 1
                     record = _one_save(saver, step)
                     step += 1
-                    without, _ = _loop(None, loop_steps, 0)
-                    with_save, durable_in_loop = _loop(saver, loop_steps, step)
+                    without, _, cpu_without = _loop(None, loop_steps, 0)
+                    with_save, durable_in_loop, cpu_with = _loop(saver, loop_steps, step)
                     record.update(loop_cost=with_save - without, loop_s=without,
-                                  durable_in_loop=durable_in_loop)
+                                  durable_in_loop=durable_in_loop,
+                                  loop_cpu_cost=cpu_with - cpu_without)
                     results[condition][method].append(record)
                     if rank == 0:
                         print(f"  {condition:5} {method:31} " + "  ".join(
@@ -308,19 +319,21 @@ def _table(summary: dict[str, Any]) -> str:
         lines += ["", f"{condition}: copy of the state {lim['copy']:.3f} s, write + fsync "
                       f"{lim['disk']:.3f} s (both ranks at once)",
                   f"{'method':31} {'blocked s':>9} {'/copy':>6} {'durable s':>9} "
-                  f"{'/dcp-sync':>9} {'loop cost s':>11} {'/dcp-sync':>9} {'loop s':>7} "
-                  f"{'durable in loop s':>17}"]
+                  f"{'/dcp-sync':>9} {'loop cost s':>11} {'/dcp-sync':>9} {'loop cpu s':>10} "
+                  f"{'/sync save':>10} {'loop s':>7} {'durable in loop s':>17}"]
         for method, m in med.items():
             durable_ratio = m["durable"] / sync["durable"] if sync else float("nan")
             cost_ratio = m["loop_cost"] / sync["loop_cost"] if sync else float("nan")
+            cpu_ratio = m["loop_cpu_cost"] / sync["durable"] if sync else float("nan")
             lines.append(f"{method:31} {m['blocked']:9.3f} {m['blocked'] / lim['copy']:6.2f} "
                          f"{m['durable']:9.3f} {durable_ratio:8.2f}x {m['loop_cost']:11.3f} "
-                         f"{cost_ratio:8.3f}x {m['loop_s']:7.2f} {m['durable_in_loop']:17.3f}")
+                         f"{cost_ratio:8.3f}x {m['loop_cpu_cost']:10.3f} {cpu_ratio:9.3f}x "
+                         f"{m['loop_s']:7.2f} {m['durable_in_loop']:17.3f}")
     return "\n".join(lines)
 
 
 def _goals(summary: dict[str, Any]) -> str:
-    lines = ["goals of #28 (sc = the Checkpointer's defaults):"]
+    lines = ["goals of #28 and #38 (sc = the Checkpointer's defaults):"]
     for condition in CONDITIONS:
         med, lim = summary["median"][condition], summary["limits"][condition]
         if "sc" not in med or "dcp-sync" not in med:
@@ -328,10 +341,12 @@ def _goals(summary: dict[str, Any]) -> str:
         sc, sync = med["sc"], med["dcp-sync"]
         checks = [
             ("call to durable <= 1.1x dcp-sync", sc["durable"] / sync["durable"], 1.1),
-            ("blocked <= 1.5x one copy", sc["blocked"] / lim["copy"], 1.5),
+            ("blocked <= 1.3x one copy", sc["blocked"] / lim["copy"], 1.3),
             ("loop cost <= 0.1x dcp-sync's save (durable)", sc["loop_cost"] / sync["durable"],
              0.1),
             ("loop cost <= 0.1x dcp-sync's loop cost", sc["loop_cost"] / sync["loop_cost"], 0.1),
+            ("loop thread CPU <= 0.1x dcp-sync's save (durable)",
+             sc["loop_cpu_cost"] / sync["durable"], 0.1),
         ]
         for name, ratio, bound in checks:
             verdict = "met" if ratio <= bound else "NOT met"

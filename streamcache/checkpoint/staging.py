@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from .host_buffers import HostBuffers
 from .state import ModelState, ModuleEntry, OptimizerEntry
 
 _MODEL_ENTRIES = (ModelState, ModuleEntry, OptimizerEntry)
@@ -61,6 +62,9 @@ class Staging:
             use_non_blocking_copy=on_gpu,
         ))
         self._snapshot = DeviceSnapshot() if device_snapshot and on_gpu else None
+        # a CPU state is copied into buffers kept with its staged tensors (host_buffers.py);
+        # pinned and shared memory are DCP's stager's job
+        self._host = HostBuffers() if not on_gpu and not shared_memory else None
         self.copy_threads = rank_cores()
         self._staged = threading.Event()
         self._staged.set()
@@ -93,6 +97,8 @@ class Staging:
             if snapped is not None:
                 return snapped
         with self._copy_threads():
+            if self._host is not None:
+                return self._host.stage(state_dict)
             staged = self._stager.stage(state_dict)
         assert isinstance(staged, dict)  # use_async_staging=False returns the dict itself
         return staged
@@ -127,6 +133,8 @@ class Staging:
                 handle.remove()
         self._hooks.clear()
         self._stager.close()
+        if self._host is not None:
+            self._host.close()
         self._snapshot = None
 
     @contextlib.contextmanager
