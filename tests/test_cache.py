@@ -468,6 +468,8 @@ def _stream_until_killed(index_url: str, cache_dir: str, seed: int) -> None:
         thread.start()
     for thread in threads:
         thread.join()
+    while True:  # (every shard installed before the kill: a later round; wait for it)
+        time.sleep(1)
 
 
 def test_sigkill_during_downloads_and_installs_leaves_nothing_trusted(
