@@ -272,17 +272,22 @@ class LocalityAssignment:
             return np.zeros(shards.shape, dtype=np.int64)
         steps, width = shards.shape
         shards, rows = shards.ravel(), rows.ravel()
-        piece = self._piece_index(shards, rows)
-        nodes = self._offset(shards) + piece
-        nodes %= count
+        nodes = self._sample_nodes(shards, rows)
         step_of = np.arange(shards.size, dtype=np.int64) // width
         surplus = np.bincount(nodes + step_of * count, minlength=steps * count).reshape(
             steps, count) - targets
         if surplus.any() and self.dual > 0:
-            self._move_flexible(shards, rows, piece, nodes, surplus, step_of)
+            self._move_flexible(shards, rows, self._piece_index(shards, rows), nodes, surplus,
+                                step_of)
         if surplus.any():
             self._move_paid(shards, rows, nodes, surplus, step_of, width)
         return nodes.reshape(steps, width)
+
+    def _sample_nodes(self, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Each sample's node before the step is balanced: its piece's owner (flat arrays)."""
+        nodes = self._offset(shards) + self._piece_index(shards, rows)
+        nodes %= self.num_nodes
+        return nodes
 
     def _move_flexible(self, shards: np.ndarray, rows: np.ndarray, piece: np.ndarray,
                        nodes: np.ndarray, surplus: np.ndarray, step_of: np.ndarray) -> None:

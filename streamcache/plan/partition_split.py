@@ -95,18 +95,8 @@ class PartitionAssignment(LocalityAssignment):
         ids = self.counts.offsets[shards] + rows
         return partition_of_ids(ids, self.counts.total, self.partitions) // self._per_node
 
-    def _nodes(self, shards: np.ndarray, rows: np.ndarray, targets: np.ndarray) -> np.ndarray:
-        """The node of each slot of ``(steps, batch)`` arrays: its sample's owner, balanced to
-        ``targets`` by the fewest moves where a step is not a multiple of the partitions."""
-        count = self.num_nodes
-        if count == 1:
-            return np.zeros(shards.shape, dtype=np.int64)
-        steps, width = shards.shape
-        shards, rows = shards.ravel(), rows.ravel()
-        nodes = self.owners(shards, rows)
-        step_of = np.arange(shards.size, dtype=np.int64) // width
-        surplus = np.bincount(nodes + step_of * count, minlength=steps * count).reshape(
-            steps, count) - targets
-        if surplus.any():
-            self._move_paid(shards, rows, nodes, surplus, step_of, width)
-        return nodes.reshape(steps, width)
+    def _sample_nodes(self, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Each sample's node: its owner. With global batches that are multiples of the
+        partitions every step is balanced already; a step that is not (a partial last batch)
+        is balanced by the base class's fewest moves (no piece is held twice here)."""
+        return self.owners(shards, rows)
