@@ -172,6 +172,8 @@ def _disagreeing_body(rank: int, world_size: int, url: str, cache: str) -> list[
         # no launcher setting: the hosts decide (the same host: one node; two: two)
         ({}, {}, real_hostname()),
         ({}, {}, f"host-{rank}"),
+        # canonical partitions on one rank only: another order
+        (launcher(1), {"partitions": 8 if rank else 0}, ""),
     ]
     outcomes = []
     for env, options, host in phases:
@@ -208,6 +210,8 @@ def test_ranks_that_disagree_on_the_layout_are_refused_on_every_rank(tmp_path) -
     for phase, message in enumerate(expected):
         for rank in range(2):
             assert re.search(message, results[rank][phase]), (phase, rank, results[rank][phase])
+    for rank in range(2):  # (partitions= on rank 1 only: its cursor, so its order, differs)
+        assert re.search(r"PlanError: .*the loader state", results[rank][7]), results[rank][7]
     for phase, nodes in ((4, 2), (5, 1), (6, 2)):
         read = []
         for rank in range(2):
