@@ -119,8 +119,6 @@ class MemoryShard(ShardReader):
         self._buffers.clear()
 
 
-
-
 class RangeReader:
     """Reads rows of a dataset's shards by range requests, into memory.
 
@@ -401,7 +399,6 @@ class _RangesIgnored(Exception):
 def _read(result: tuple[ShardReader, np.ndarray] | None) -> tuple[ShardReader, np.ndarray]:
     assert result is not None  # (only a cold read may decline)
     return result
-
 
 
 __all__ = ["MemoryShard", "RangeReader", "RangeStats"]

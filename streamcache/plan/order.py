@@ -32,8 +32,6 @@ from .windows import RegularWindows, ShardWindows, ShuffleLayer, Windows
 _CHUNK = 1 << 20  # positions per pass when scanning long ranges
 
 
-
-
 class EpochOrder:
     """The sample order of one epoch, with O(log shards) random access to any position.
 

@@ -102,7 +102,7 @@ class Partitions:
         self.counts = counts
         self.total = counts.total
         self.bounds = partition_bounds(self.total, count)
-        self._quotient, self._remainder = divmod(self.total, count)
+        self._quotient = self.total // count
         window = shuffle.window // count if shuffle.window_unit == "samples" else shuffle.window
         self._options = replace(shuffle, partitions=0, window=max(1, window))
         self._seed, self._epoch, self._make = seed, epoch, make_order
@@ -153,16 +153,18 @@ class Partitions:
         built = self._orders[part]
         if built is not None:
             return built
-        start, stop = int(self.bounds[part]), int(self.bounds[part + 1])
-        offsets = self.counts.offsets
-        first = int(np.searchsorted(offsets, start, side="right")) - 1
-        last = int(np.searchsorted(offsets, stop, side="left"))  # (exclusive)
-        rows = (np.minimum(offsets[first + 1:last + 1], stop)
-                - np.maximum(offsets[first:last], start))
-        seed = derive_key(self._seed, part, TAG_PARTITION) & MASK64
-        built = (self._make(rows, seed, self._epoch, self._options), start, first)
-        with self._lock:
-            self._orders[part] = built
+        with self._lock:  # (built once, whichever thread asks first; no I/O here)
+            built = self._orders[part]
+            if built is None:
+                start, stop = int(self.bounds[part]), int(self.bounds[part + 1])
+                offsets = self.counts.offsets
+                first = int(np.searchsorted(offsets, start, side="right")) - 1
+                last = int(np.searchsorted(offsets, stop, side="left"))  # (exclusive)
+                rows = (np.minimum(offsets[first + 1:last + 1], stop)
+                        - np.maximum(offsets[first:last], start))
+                seed = derive_key(self._seed, part, TAG_PARTITION) & MASK64
+                built = (self._make(rows, seed, self._epoch, self._options), start, first)
+                self._orders[part] = built
         return built
 
     def __repr__(self) -> str:
