@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from servers import FaultServer, S3Bucket
 
 from streamcache import DatasetReader, StreamDataset, StreamLoader, load_index, write_dataset
-from streamcache.cache import ledger
+from streamcache.cache import install, ledger
 from streamcache.cache.accounting import ACCOUNTING_LOCK, ACCOUNTING_NAME, file_lock
 from streamcache.cache.eviction import Resident, choose_victims, simulate_fetches
 from streamcache.cache.node import NodeCache
@@ -243,6 +243,26 @@ def test_local_compressed_source_is_materialized_into_the_cache(tmp_path: Path) 
     with DatasetReader(index, store=NodeCache(index, str(tmp_path / "cache"))) as reader:
         read_everything(reader)
     assert check_installed(index, tmp_path / "cache") == len(index.shards)
+
+
+def test_a_remote_uncompressed_shard_is_installed_as_downloaded_without_a_decode(
+        fault_server: FaultServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An uncompressed chunked shard (what ShardWriter stores where compression does not pay)
+    is already the layout the reader maps: the install keeps the verified download, byte for
+    byte, and never decodes and rewrites it (its download used to be named ``*.download``,
+    which the layout check refused by its extension)."""
+    index = serve_dataset(fault_server, num_shards=3, compression=None)
+
+    def no_decode(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("an uncompressed shard was decoded on install")
+
+    monkeypatch.setattr("streamcache.cache.install.materialize", no_decode)
+    with DatasetReader(index, store=NodeCache(index, str(tmp_path / "cache"))) as reader:
+        read_everything(reader)
+    assert check_installed(index, tmp_path / "cache") == 3
+    for path in installed_files(tmp_path / "cache"):
+        source = Path(fault_server.root or "") / "ds" / index.shards[int(path.stem)].path
+        assert path.read_bytes() == source.read_bytes()
 
 
 def test_budget_smaller_than_the_working_set_is_refused_with_the_minimum(
@@ -460,6 +480,10 @@ def test_four_processes_stream_one_s3_dataset_with_one_get_per_shard(
 
 
 def _stream_until_killed(index_url: str, cache_dir: str, seed: int) -> None:
+    # downloads through a temporary file, whose presence shows that a kill landed
+    # mid-download (a small compressed shard is otherwise fetched into memory, where a kill
+    # leaves nothing behind to see; test_sigkill_while_small_shards_install_... covers that)
+    install.MEMORY_INSTALL_BYTES = 0
     index = load_index(index_url)
     cache = NodeCache(index, cache_dir, fetch_options=FAST_RETRIES)
     threads = [threading.Thread(target=lambda k=k: [cache.install(s) for s in range(k, len(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CacheBudgetError, CacheError
 from ..format.index import DatasetIndex
-from ..format.materialize import is_local_layout, materialize
+from ..format.materialize import is_mappable_arrow, materialize
 from ..remote import storage
 from ..remote.fetch import Fetcher
 from .accounting import EVICTION_GRACE_S, Accounting, remove_quietly
@@ -28,6 +28,13 @@ from .ledger import Entry
 #: renames new ones in and unlinks old ones), and a process that maps one would die of
 #: SIGBUS if anything truncated it.
 INSTALLED_MODE = 0o444
+
+#: A shard that must be decoded anyway (compressed, Parquet, an Arrow stream) and stores at
+#: most this many bytes is fetched into memory and decoded from there: writing it to a
+#: temporary file, syncing it and reading it back twice (checksum, decode) cost more than the
+#: download itself (one 64 MB shard: 0.2-0.7 s against 0.16-0.2 s). A larger one goes through
+#: a file, so that the memory an install holds stays bounded by this (per download thread).
+MEMORY_INSTALL_BYTES = 256 << 20
 
 
 class Installer(Accounting):
@@ -86,11 +93,17 @@ class Installer(Accounting):
         tmp = self._tmp_dir()
         download = os.path.join(tmp, f"{shard:06d}.download")
         staged = os.path.join(tmp, f"{shard:06d}.arrow")
+        decoded = info.compression is not None or info.format != "arrow"
+        if decoded and info.bytes is not None and info.bytes <= MEMORY_INSTALL_BYTES:
+            data = self.fetcher.fetch(url, size=info.bytes, checksum=info.checksum)
+            materialize(data, info.format, self.index.schema, staged, where=url,
+                        expected_rows=info.rows, durable=self.durable)
+            return staged, len(data)
         try:
             nbytes = self.fetcher.fetch_to_file(url, download, size=info.bytes,
                                                 checksum=info.checksum)
             # (a compressed shard is never in the layout; checking would decompress it once more)
-            if info.format == "arrow" and info.compression is None and is_local_layout(
+            if info.format == "arrow" and info.compression is None and is_mappable_arrow(
                     download, self.index.schema):
                 os.replace(download, staged)  # stored uncompressed already: no decode
             else:

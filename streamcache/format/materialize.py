@@ -145,6 +145,12 @@ def is_local_layout(path: str, schema: Schema) -> bool:
     """
     if not path.endswith((".arrow", ".feather", ".ipc")):
         return False
+    return is_mappable_arrow(path, schema)
+
+
+def is_mappable_arrow(path: str, schema: Schema) -> bool:
+    """:func:`is_local_layout` without the file name's extension: for a file known to hold
+    Arrow IPC whatever its name (a download in the cache's temporaries)."""
     try:
         with pa.memory_map(path, "r") as mm:
             reader = ipc.open_file(mm)
