@@ -6,6 +6,9 @@ Run:  python benchmarks/bench_first_run.py [--mb 1000] [--repeats 3] [--data tok
 Data: bench_loader.py's (1 KB token rows, batch 256; 100 KB rows, batch 32), written by
 ShardWriter at the library's defaults (zstd, 64 MB shards, 64 KiB chunks) and the same rows
 with ``compression=None`` (everything else default), beside a numpy .npy of the same bytes.
+Since ShardWriter compresses only where the codec saves 10% (format/codec_choice.py), the
+defaults store random 100 KB rows uncompressed: the "zstd" blobs cases below are then the
+raw path (the last result predates that; 1 KB tokens stay compressed).
 Cases, each in a fresh process, interleaved, ``--repeats`` times, shuffled, one epoch:
   dataloader-cold   DataLoader(map-style memmap Dataset, shuffle=True), page cache dropped
   dataloader-warm   the same, page cache warm

@@ -59,8 +59,10 @@ def write_shards(folder: Path, num_shards: int = 12, compression: str | None = "
                  ) -> DatasetIndex:
     samples = (sample(i) for i in range(num_shards * ROWS_PER_SHARD))
     # shard_size in raw bytes: about ROWS_PER_SHARD rows of ~230 bytes
+    # (min_savings 0: a compressed dataset here is every shard compressed, so installed;
+    # its random blobs would leave some shards uncompressed, read in place, at the default)
     index = write_dataset(samples, str(folder), schema=SCHEMA, shard_size=ROWS_PER_SHARD * 228,
-                          compression=compression)
+                          compression=compression, compression_min_savings=0)
     return index
 
 

@@ -24,6 +24,7 @@ from streamcache.errors import (
     StreamcacheError,
 )
 from streamcache.format.index import load_index
+from streamcache.format.materialize import is_local_layout
 from streamcache.format.schema import Field, Schema
 from streamcache.format.writer import ShardWriter, write_dataset
 from streamcache.loading.dataset_reader import DatasetReader
@@ -232,3 +233,55 @@ def test_index_json_is_versioned_and_relative(tmp_path) -> None:
     os.rename(dst, moved)  # relative paths: a dataset can be moved or copied
     with DatasetReader(str(moved)) as reader:
         assert [reader[i]["x"] for i in range(10)] == list(range(10))
+
+
+# ------------------------------------------------------------ compression where it pays
+
+
+def _blob(i: int) -> dict[str, Any]:
+    return {"id": i, "x": np.random.default_rng(i).integers(0, 256, 5_000, dtype=np.uint8)}
+
+
+def _token(i: int) -> dict[str, Any]:
+    return {"id": i, "x": (np.arange(5_000) % 7 + i).astype(np.uint8)}
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4"])
+def test_incompressible_shards_are_stored_uncompressed_and_compressible_ones_compressed(
+        tmp_path, codec: str) -> None:
+    """Random bytes (what JPEG or audio look like to a codec) are stored uncompressed and the
+    index says so; data the codec shrinks keeps it; both read back exactly."""
+    samples = [_blob(i) for i in range(40)] + [_token(i) for i in range(40, 80)]
+    index = write_dataset(iter(samples), str(tmp_path / "ds"), shard_size=100_000,
+                          compression=codec)
+    kinds = {s.compression for s in index.shards}
+    assert kinds == {None, codec}
+    with DatasetReader(index) as reader:
+        for shard in index.shards:
+            path = str(tmp_path / "ds" / shard.path)
+            # an uncompressed file is the layout a reader maps where it lies; a compressed
+            # one's buffers must be decoded into memory first
+            assert is_local_layout(path, index.schema) == (shard.compression is None)
+        batch = reader.read_batch(np.arange(80))
+    for i, sample in enumerate(samples):
+        assert batch["id"][i] == sample["id"]
+        assert bytes(np.asarray(batch["x"][i])) == bytes(sample["x"])
+
+
+def test_min_savings_zero_compresses_every_shard_and_a_high_one_none(tmp_path) -> None:
+    always = write_dataset((_blob(i) for i in range(30)), str(tmp_path / "a"),
+                           shard_size=50_000, compression_min_savings=0)
+    assert {s.compression for s in always.shards} == {"zstd"}
+    never = write_dataset((_token(i) for i in range(30)), str(tmp_path / "b"),
+                          shard_size=50_000, compression_min_savings=0.999)
+    assert {s.compression for s in never.shards} == {None}
+    plain = write_dataset((_token(i) for i in range(30)), str(tmp_path / "c"),
+                          shard_size=50_000, compression=None)
+    assert {s.compression for s in plain.shards} == {None}
+
+
+@pytest.mark.parametrize("value", [-0.1, 1, 1.5, float("nan"), float("inf"), True, "0.1", None])
+def test_a_bad_min_savings_is_refused_before_anything_is_written(tmp_path, value: Any) -> None:
+    with pytest.raises(ValueError, match=r"compression_min_savings must be a number in \[0, 1\)"):
+        ShardWriter(str(tmp_path / "ds"), compression_min_savings=value)
+    assert not (tmp_path / "ds").exists() or not any((tmp_path / "ds").iterdir())

@@ -9,7 +9,8 @@ half-written dataset is never readable.
 Each shard is a sequence of record batches ("chunks") of about ``chunk_size`` bytes, with a
 digest of each chunk in the footer and the chunk layout in the index (format/chunks.py), so
 a reader can fetch the rows it needs by range instead of the whole shard (cache/ranges.py).
-Installing a shard still decodes it into the one-batch local layout (materialize.py).
+A shard is compressed only where the codec pays (codec_choice.py); an uncompressed one is
+installed as downloaded, a compressed one decoded into the local layout (materialize.py).
 
 One writer per destination: a writer holds the destination's lease (lease.py) from its start
 to its end, a second one is refused, and the index is published only if the lease is still
@@ -44,6 +45,7 @@ from ..errors import (
 from ..remote import storage
 from .checksum import checksum_bytes, checksum_file
 from .chunks import DEFAULT_CHUNK_SIZE, chunk_digest, chunk_rows_for, footer_metadata, tail_size
+from .codec_choice import DEFAULT_MIN_SAVINGS, PLAIN, check_min_savings, compression_pays
 from .columns import build_column, field_from_arrow, normalize_value, to_canonical
 from .index import INDEX_NAME, DatasetIndex, ShardInfo, load_index, save_index
 from .lease import WriterLease, new_token
@@ -77,6 +79,10 @@ class ShardWriter:
         shard_size: target uncompressed bytes per shard.
         compression: ``"zstd"`` (default), ``"lz4"`` or None for the Arrow IPC buffers.
         compression_level: codec level (None: the codec's default).
+        compression_min_savings: a shard is stored compressed only where the codec saves
+            this share of the bytes of a few of its chunks (default 0.1; 0: always);
+            otherwise uncompressed (the index says ``compression: null``), so JPEG, audio
+            or random bytes cost no decode on install and a local copy is read in place.
         chunk_size: target uncompressed bytes per chunk (record batch) of a shard: the unit
             a range read fetches (default 64 KiB; a sample larger than that is a chunk of
             its own). Rows per chunk are fixed per shard (from its average row size).
@@ -106,7 +112,8 @@ class ShardWriter:
                  shard_size: int = DEFAULT_SHARD_SIZE, compression: str | None = "zstd",
                  compression_level: int | None = None, overwrite: bool = False,
                  storage_options: Mapping[str, Any] | None = None, max_pending: int = 2,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+                 chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 compression_min_savings: float = DEFAULT_MIN_SAVINGS) -> None:
         if compression == "none":
             compression = None
         if compression not in COMPRESSIONS:
@@ -115,6 +122,7 @@ class ShardWriter:
             raise ValueError("shard_size must be positive")
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
+        self.compression_min_savings = check_min_savings(compression_min_savings)
         self.chunk_size = int(chunk_size)
         self.url = dst
         self.schema: Schema | None = Schema.coerce(schema) if schema is not None else None
@@ -263,35 +271,40 @@ class ShardWriter:
         path = storage.join(self._root, name)
         with storage.destination_errors(self._fs, path):
             if storage.is_local(self._fs):
-                size, checksum, tail = self._store_local(path, batch)
+                size, checksum, tail, compression = self._store_local(path, batch)
             else:
-                data = self._encode(pa.BufferOutputStream(), batch).getvalue()
+                stream, compression = self._encode(pa.BufferOutputStream(), batch)
+                data = stream.getvalue()
                 size, checksum = data.size, checksum_bytes(data)
                 tail = data[data.size - tail_size(data, data.size):].to_pybytes()
                 self._fs.pipe_file(path, data.to_pybytes())
-        return ShardInfo(name, "arrow", batch.num_rows, size, checksum, self.compression,
+        return ShardInfo(name, "arrow", batch.num_rows, size, checksum, compression,
                          batch.nbytes, chunk_rows_for(batch.num_rows, batch.nbytes,
                                                       self.chunk_size),
                          len(tail), checksum_bytes(tail))
 
-    def _encode(self, sink: Any, batch: pa.RecordBatch) -> Any:
-        """Write ``batch`` as chunks of a fixed row count, their digests in the footer."""
+    def _encode(self, sink: Any, batch: pa.RecordBatch) -> tuple[Any, str | None]:
+        """Write ``batch`` as chunks of a fixed row count, their digests in the footer;
+        returns the sink and the compression the shard was stored with."""
         rows = chunk_rows_for(batch.num_rows, batch.nbytes, self.chunk_size)
         assert self.schema is not None
         chunks = [batch.slice(start, rows) for start in range(0, batch.num_rows, rows)]
         metadata = footer_metadata(rows, [chunk_digest(c, self.schema) for c in chunks])
-        with ipc.new_file(sink, batch.schema, options=self._options,
-                          metadata=metadata) as writer:
+        compression = self.compression if compression_pays(
+            chunks, self.compression and self._options, self.compression_min_savings) else None
+        options = self._options if compression else PLAIN
+        with ipc.new_file(sink, batch.schema, options=options, metadata=metadata) as writer:
             for chunk in chunks:
                 writer.write_batch(chunk)
-        return sink
+        return sink, compression
 
-    def _store_local(self, path: str, batch: pa.RecordBatch) -> tuple[int, str, bytes]:
+    def _store_local(self, path: str,
+                     batch: pa.RecordBatch) -> tuple[int, str, bytes, str | None]:
         """Encode straight into a temporary file, checksum it, fsync, rename into place;
-        returns (bytes, checksum, the file's tail)."""
+        returns (bytes, checksum, the file's tail, the compression it was stored with)."""
         with storage.atomic_path(path) as temp:
             with pa.OSFile(temp, "wb") as sink:
-                self._encode(sink, batch)
+                _, compression = self._encode(sink, batch)
             checksum = checksum_file(temp)
             size = os.path.getsize(temp)
             with open(temp, "rb") as file:
@@ -300,7 +313,7 @@ class ShardWriter:
                 file.seek(max(0, size - 10 - footer))
                 tail = file.read()
             tail_size(tail, size)  # it is the end of an Arrow IPC file
-        return size, checksum, tail
+        return size, checksum, tail, compression
 
     def _raise_background_errors(self) -> None:
         for future in self._futures:
