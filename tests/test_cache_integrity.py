@@ -29,15 +29,17 @@ from hypothesis import strategies as st
 from servers import FaultServer, S3Bucket
 from test_cache import (
     ROWS_PER_SHARD,
+    SCHEMA,
     accounting,
     check_batch,
+    check_installed,
     installed_files,
     read_everything,
     sample,
     write_shards,
 )
 
-from streamcache import DatasetReader, ShardWriter, StreamDataset, StreamLoader
+from streamcache import DatasetReader, ShardWriter, StreamDataset, StreamLoader, write_dataset
 from streamcache.cache.accounting import ACCOUNTING_NAME
 from streamcache.cache.advice import shard_usage, working_set_bound
 from streamcache.cache.node import NodeCache, local_bytes_estimate
@@ -532,3 +534,35 @@ def test_a_tight_budget_that_fits_the_disk_reads_a_whole_epoch(tmp_path: Path) -
                 seen.extend(batch["id"].tolist())
         dataset.close()
         assert sorted(seen) == list(range(SAMPLES))
+
+
+# ------------------------------------------------------ an index wrong about compression
+
+
+@pytest.mark.parametrize("stored,claimed", [("zstd", None), (None, "zstd")],
+                         ids=["compressed-called-plain", "plain-called-compressed"])
+@pytest.mark.parametrize("where", ["remote", "local"])
+def test_an_index_wrong_about_a_shards_compression_still_serves_its_rows(
+        fault_server: FaultServer, tmp_path: Path, where: str, stored: str | None,
+        claimed: str | None) -> None:
+    """The index's ``compression`` (per shard, outside the fingerprint; ShardWriter now
+    decides it per shard) only routes the install: what is mapped in place or kept as
+    downloaded is decided by the file itself, so an index that calls a compressed shard
+    uncompressed (or the reverse) costs a decode at most, never wrong or unreadable rows."""
+    root = Path(fault_server.root or "") if where == "remote" else tmp_path
+    write_dataset((sample(i) for i in range(4 * ROWS_PER_SHARD)), str(root / "ds"),
+                  schema=SCHEMA, shard_size=ROWS_PER_SHARD * 228, compression=stored or "zstd",
+                  compression_min_savings=0 if stored else 0.999)
+    path = root / "ds" / "index.json"
+    document = json.loads(path.read_text())
+    assert {s["compression"] for s in document["shards"]} == {stored}
+    for shard in document["shards"]:
+        shard["compression"] = claimed
+    path.write_text(json.dumps(document))
+    index = load_index(fault_server.url_for("ds") if where == "remote" else str(root / "ds"))
+    cache_dir = tmp_path / "cache"
+    with DatasetReader(index, store=NodeCache(index, str(cache_dir))) as reader:
+        assert read_everything(reader) == index.num_samples
+    # a compressed file is never mapped as it is, and a plain local one is read in place
+    # only where the index calls it plain: every shard here is a whole installed copy
+    assert check_installed(index, cache_dir) == len(index.shards)
