@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
+import torch
 from servers import FaultServer, S3Bucket
 
 from streamcache import (
@@ -581,3 +582,55 @@ def test_a_cold_epoch_costs_about_one_request_per_shard_beyond_the_first_steps(
     assert len(set(seen)) == len(seen) == ROWS // 64 * 64  # (the default tail: dropped)
     requests = server.requests.count() + server.requests.count(method="HEAD")
     assert requests <= 2 * len(index.shards) + ranged + 1  # (+ the index)
+
+
+# ------------------------------------------------------ a node's processes share the budgets
+
+
+def test_a_readers_budget_share_scales_its_cold_budgets(
+        served: tuple[FaultServer, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every reading process of a node has its own range reader; with the budgets split
+    among them (``budget_share``) the node's range reads stay within one reader's budget."""
+    _, url = served
+    index = load_index(url)
+    info = index.shards[0]
+    monkeypatch.setattr(ranges, "COLD_BUDGET", 0.5)
+    rows = np.arange(0, info.rows, 2 * info.chunk_rows)  # every other chunk: ~half the shard
+    whole = RangeReader(index, Fetcher(NO_RETRIES))
+    shared = RangeReader(index, Fetcher(NO_RETRIES), budget_share=0.25)
+    try:
+        assert whole.cold_budget_left(0, int(0.45 * info.bytes))
+        assert not shared.cold_budget_left(0, int(0.45 * info.bytes))
+        assert shared.cold_budget_left(0, int(0.1 * info.bytes))
+        assert shared.read_rows(0, rows, cold=True) is None  # past 1/4 of the budget: awaited
+        assert whole.read_rows(0, rows[:2], cold=True) is not None
+    finally:
+        whole.close()
+        shared.close()
+
+
+@pytest.mark.parametrize("value,expected", [("4", 4), ("1", 1), ("", 1), ("abc", 1), ("0", 1),
+                                            ("-2", 1), ("4.0", 1), ("99999999", 1)])
+def test_the_node_readers_come_from_torchruns_local_world_size(
+        monkeypatch: pytest.MonkeyPatch, value: str, expected: int) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    assert dataset_reader.node_readers() == expected
+
+
+def test_a_dataset_readers_range_reader_takes_its_share(
+        served: tuple[FaultServer, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    _, url = served
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with DatasetReader(load_index(url)) as reader:
+        assert reader.range_reader().budget_share == 0.25
+
+
+class _Readers(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    def __iter__(self) -> Any:
+        yield dataset_reader.node_readers()
+
+
+def test_a_dataloader_worker_counts_its_rank_s_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    loader = torch.utils.data.DataLoader(_Readers(), num_workers=2, batch_size=None)
+    assert sorted(int(x) for x in loader) == [4, 4]

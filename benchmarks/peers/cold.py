@@ -7,6 +7,8 @@ Run (in the peers' venv, see README.md; ~25 min with the defaults on this 2-core
     /tmp/peers-venv/bin/python benchmarks/peers/cold.py [--repeats 3] [--scale 1]
         [--stores loopback,20ms-100MBps] [--kinds tokens,blobs]
         [--systems streamcache,webdataset,litdata,mosaic]
+    /tmp/peers-venv/bin/python benchmarks/peers/cold.py --systems streamcache-2r,streamcache-4r
+        (streamcache as 2 or 4 ranks of one node, one cache folder)
 
 Setup. The server is tests/servers.py's FaultServer in a process of its own: GET and HEAD with
 single ranges (only the bytes asked for are read from the file), S3's ListObjectsV2, no
@@ -56,6 +58,10 @@ from servers import StoreModel, serve_in_process, server_totals  # noqa: E402
 FIRST = 4096
 BUCKET = "cold"
 SYSTEMS = ("streamcache", "webdataset", "litdata", "mosaic")
+#: streamcache as N ranks of one node (one process each, one cache folder: one download per
+#: node), the clock from a common start to the last rank's 4,096th global sample; asked for
+#: by name (``--systems streamcache-2r,streamcache-4r``)
+RANKED = ("streamcache-2r", "streamcache-4r")
 STORES = {"loopback": StoreModel(), "20ms-100MBps": StoreModel(0.02, 100e6)}
 #: name -> (row shape, dtype, global batch, samples)
 DATA: dict[str, tuple[tuple[int, ...], Any, int, int]] = {
@@ -125,16 +131,23 @@ def _litdata_samples(job: tuple[str, int, int]) -> Any:
 # ------------------------------------------------------------------------------ one job
 
 
-def open_loader(system: str, data: str, url: str, cache: str) -> Any:
-    """An iterable of batches (dicts or tuples); the ids are not needed here."""
+def ranks_of(system: str) -> int:
+    """How many ranks of one node a system runs as (``streamcache-<N>r``: N; others: 1)."""
+    return int(system.split("-")[1][:-1]) if system in RANKED else 1
+
+
+def open_loader(system: str, data: str, url: str, cache: str, rank: int = 0,
+                world: int = 1) -> Any:
+    """An iterable of batches (dicts with the samples' global ids)."""
     _, _, batch, _ = DATA[data]
-    remote = f"s3://{BUCKET}/{system}/{data}"
-    if system == "streamcache":
+    folder = "streamcache" if system.startswith("streamcache") else system
+    remote = f"s3://{BUCKET}/{folder}/{data}"
+    if folder == "streamcache":
         from streamcache import StreamDataset, StreamLoader
 
         options = {"key": "testing", "secret": "testing",
                    "client_kwargs": {"endpoint_url": url, "region_name": "us-east-1"}}
-        dataset = StreamDataset(remote, global_batch_size=batch, rank=0, world_size=1,
+        dataset = StreamDataset(remote, global_batch_size=batch, rank=rank, world_size=world,
                                 cache_dir=cache, storage_options=options)
         return StreamLoader(dataset)
     if system == "webdataset":
@@ -192,12 +205,16 @@ def mixing(ids: np.ndarray, count: int) -> float:
     return float(np.abs(np.diff(ids)).mean() / (count / 3))
 
 
-def job(system: str, data: str, url: str, cache: str, count: int) -> dict[str, Any]:
-    """One cold run; ``count``: the samples of the dataset served (for :func:`mixing`)."""
+def job(system: str, data: str, url: str, cache: str, count: int, rank: int = 0,
+        start_at: float | None = None) -> dict[str, Any]:
+    """One cold run (one rank of ``system``, whose clock starts at the wall-clock time
+    ``start_at`` when given); ``count``: the samples of the dataset served (for
+    :func:`mixing`). Every rank reads until the job has covered :data:`FIRST` global
+    samples."""
     import torch  # noqa: F401  (imports are not timed)
 
     # the library and the S3 client it uses (a lazy import would be timed otherwise)
-    if system == "streamcache":
+    if system.startswith("streamcache"):
         import s3fs  # noqa: F401
 
         import streamcache.loading.loader  # noqa: F401
@@ -213,8 +230,10 @@ def job(system: str, data: str, url: str, cache: str, count: int) -> dict[str, A
     else:
         import webdataset  # noqa: F401
     _, _, batch, _ = DATA[data]
+    while start_at is not None and time.time() < start_at:
+        time.sleep(0.001)
     started = time.perf_counter()
-    loader = open_loader(system, data, url, cache)
+    loader = open_loader(system, data, url, cache, rank, ranks_of(system))
     first = 0.0
     seen = 0
     ids: list[np.ndarray] = []
@@ -226,8 +245,23 @@ def job(system: str, data: str, url: str, cache: str, count: int) -> dict[str, A
         if seen >= FIRST:
             break
     total = time.perf_counter() - started
-    return {"first_s": first, "samples": seen, "total_s": total,
-            "samples_per_s": seen / total, "mixing": mixing(np.concatenate(ids), count)}
+    result: dict[str, Any] = {"first_s": first, "samples": seen, "total_s": total,
+              "samples_per_s": seen / total, "mixing": mixing(np.concatenate(ids), count)}
+    if ranks_of(system) > 1:
+        result["ids"] = [part.tolist() for part in ids]
+    return result
+
+
+def combine_ranks(parts: list[dict[str, Any]], count: int) -> dict[str, Any]:
+    """One result of a job's ranks: the last rank's first batch and end (a step needs every
+    rank), the global batches rebuilt step by step (rank 0's part, rank 1's, ...)."""
+    steps = min(len(p["ids"]) for p in parts)
+    ids = np.concatenate([np.asarray(p["ids"][k], np.int64) for k in range(steps)
+                          for p in parts])
+    total = max(p["total_s"] for p in parts)
+    return {"first_s": max(p["first_s"] for p in parts), "samples": parts[0]["samples"],
+            "total_s": total, "samples_per_s": parts[0]["samples"] / total,
+            "mixing": mixing(ids, count)}
 
 
 
@@ -237,25 +271,43 @@ def job(system: str, data: str, url: str, cache: str, count: int) -> dict[str, A
 def run_job(system: str, data: str, url: str, scratch: str) -> dict[str, Any]:
     cache = tempfile.mkdtemp(prefix=f"{system}-", dir=scratch)
     count = len(np.load(array_path(scratch, data), mmap_mode="r"))
-    spec = json.dumps({"system": system, "data": data, "url": url, "cache": cache,
-                       "count": count})
+    world = ranks_of(system)
+    # ranks start together, once every process has imported what it needs
+    start_at = time.time() + 6.0 if world > 1 else None
     server_totals(url, reset=True)
-    process = subprocess.Popen([sys.executable, __file__, "--job", spec],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **aws_env(url)}, start_new_session=True)
+    processes = []
+    for rank in range(world):
+        spec = json.dumps({"system": system, "data": data, "url": url, "cache": cache,
+                           "count": count, "rank": rank, "start_at": start_at})
+        ranked = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                  "LOCAL_WORLD_SIZE": str(world)} if world > 1 else {}
+        processes.append(subprocess.Popen(
+            [sys.executable, __file__, "--job", spec], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env={**os.environ, **aws_env(url), **ranked},
+            start_new_session=True))
+    outputs = [_finish(process) for process in processes]
+    totals = server_totals(url)
+    shutil.rmtree(cache, ignore_errors=True)
+    errors = [o for o in outputs if "error" in o]
+    if errors:
+        return errors[0]
+    result = outputs[0] if world == 1 else combine_ranks(outputs, count)
+    return {**result, **totals}
+
+
+def _finish(process: subprocess.Popen[str]) -> dict[str, Any]:
     try:
         stdout, stderr = process.communicate(timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, 9)
         process.communicate()
         stdout, stderr = "", f"no result within {JOB_TIMEOUT_S} s"
-    totals = server_totals(url)
-    shutil.rmtree(cache, ignore_errors=True)
     lines = stdout.strip().splitlines()
     if process.returncode != 0 or not lines:
         tail = [line for line in stderr.strip().splitlines() if line.strip()]
         return {"error": (tail[-1] if tail else f"exit {process.returncode}")[:300]}
-    return {**json.loads(lines[-1]), **totals}
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -294,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.job:
         spec = json.loads(args.job)
         print(json.dumps(job(spec["system"], spec["data"], spec["url"], spec["cache"],
-                             spec["count"])))
+                             spec["count"], spec["rank"], spec["start_at"])))
         return 0
     systems, kinds = args.systems.split(","), args.kinds.split(",")
     root = os.path.join(OUT, "cold")
@@ -302,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(served, exist_ok=True)
     for data in kinds:
         source = make_array(root, data, args.scale)
-        for system in systems:
+        for system in {"streamcache" if s in RANKED else s for s in systems}:
             build(system, data, source, os.path.join(served, BUCKET, system, data))
     results: dict[str, Any] = {"args": vars(args), "load_before": os.getloadavg(),
                                "streamcache": STREAMCACHE_SOURCE}

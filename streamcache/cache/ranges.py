@@ -128,6 +128,8 @@ class RangeReader:
             and the concurrency bound). Not closed by :meth:`close`.
         schema: the fields to read (default: all of the index's).
         threads: shards read at once by :meth:`read_many`.
+        budget_share: the fraction of the cold budgets (:data:`COLD_BUDGET`,
+            :data:`COLD_START_BUDGET`) this reader may spend (default 1: the only reader).
 
     Owns: a pool of ``threads`` named daemon threads (``streamcache-ranges-*``), started on
     first use and stopped by :meth:`close`. Fork: a child gets a new lock and pool on first
@@ -135,8 +137,12 @@ class RangeReader:
     """
 
     def __init__(self, index: DatasetIndex, fetcher: Fetcher, *, schema: Schema | None = None,
-                 threads: int = 16) -> None:
+                 threads: int = 16, budget_share: float = 1.0) -> None:
         self.index = index
+        #: This reader's share of a node's cold budgets (1 / the node's reading processes):
+        #: every process of a node has its own reader, and the budgets bound the node's range
+        #: reads that its one install per shard makes redundant.
+        self.budget_share = budget_share
         self.fetcher = fetcher
         self.schema = schema or index.schema
         self._threads = max(1, threads)
@@ -199,7 +205,7 @@ class RangeReader:
         stored bytes."""
         with self._lock:
             used = self._shard_bytes.get(shard, 0)
-        fraction = COLD_BUDGET if budget is None else budget
+        fraction = (COLD_BUDGET if budget is None else budget) * self.budget_share
         return used + more <= fraction * self.index.shards[shard].bytes
 
     def read_rows(self, shard: int, rows: np.ndarray, *, cold: bool = False,

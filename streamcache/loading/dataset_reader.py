@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -56,8 +57,29 @@ from ..remote.retry import FetchError
 #: Steps of a cold start read by range whatever their density (ranges.COLD_BUDGET applies
 #: afterwards), with the store's downloads held back meanwhile.
 COLD_START_STEPS = 2
+#: The most reading processes :func:`node_readers` counts on a node.
+MAX_NODE_READERS = 1024
 #: How often a reader looks whether the files it maps were evicted by another process.
 SWEEP_S = 2.0
+
+
+def node_readers() -> int:
+    """The reading processes of this node, as far as this process can tell: torchrun's
+    ``LOCAL_WORLD_SIZE`` (ranks of the node; 1 when unset or not a positive integer, at most
+    :data:`MAX_NODE_READERS`) times the DataLoader worker processes of this rank when this
+    is one. Each has its own range reader; the node's cold-start budgets are split among
+    them (one download per node makes their range reads redundant alike)."""
+    ranks = os.environ.get("LOCAL_WORLD_SIZE", "")
+    count = int(ranks) if ranks.isdigit() and 0 < int(ranks) <= MAX_NODE_READERS else 1
+    workers = _worker_count()
+    return max(1, min(MAX_NODE_READERS, count * workers))
+
+
+def _worker_count() -> int:
+    """Worker processes of this rank's DataLoader when this is one of them, else 1."""
+    utils = sys.modules.get("torch.utils.data")  # (never imports torch)
+    info = utils.get_worker_info() if utils is not None else None
+    return max(1, int(getattr(info, "num_workers", 1) or 1))
 
 
 class ShardStore(Protocol):
@@ -374,7 +396,8 @@ class DatasetReader:
                         options = dataclasses.replace(
                             options, storage_options=dict(self._storage_options))
                     fetcher = self._own_fetcher = Fetcher(options)
-                self._ranges = RangeReader(self.index, fetcher, schema=self.schema)
+                self._ranges = RangeReader(self.index, fetcher, schema=self.schema,
+                                           budget_share=1 / node_readers())
             return self._ranges
 
     @property
