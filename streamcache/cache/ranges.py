@@ -128,8 +128,9 @@ class RangeReader:
             and the concurrency bound). Not closed by :meth:`close`.
         schema: the fields to read (default: all of the index's).
         threads: shards read at once by :meth:`read_many`.
-        budget_share: the fraction of the cold budgets (:data:`COLD_BUDGET`,
-            :data:`COLD_START_BUDGET`) this reader may spend (default 1: the only reader).
+        budget_share: the fraction of :data:`COLD_BUDGET` this reader may spend (default 1:
+            the node's only reader). The first steps' :data:`COLD_START_BUDGET` is not split:
+            the rows of the first steps are the global batches', whatever the processes.
 
     Owns: a pool of ``threads`` named daemon threads (``streamcache-ranges-*``), started on
     first use and stopped by :meth:`close`. Fork: a child gets a new lock and pool on first
@@ -205,7 +206,7 @@ class RangeReader:
         stored bytes."""
         with self._lock:
             used = self._shard_bytes.get(shard, 0)
-        fraction = (COLD_BUDGET if budget is None else budget) * self.budget_share
+        fraction = COLD_BUDGET * self.budget_share if budget is None else budget
         return used + more <= fraction * self.index.shards[shard].bytes
 
     def read_rows(self, shard: int, rows: np.ndarray, *, cold: bool = False,
@@ -233,7 +234,10 @@ class RangeReader:
                                      f"has {info.rows}")
         if self.addressable(shard):
             try:
-                budget = (COLD_START_BUDGET if dense else COLD_BUDGET) if cold else None
+                # (the first steps' budget is each process's own: their rows, fixed by the
+                # global batches, are the node's either way, split among its processes)
+                budget = (COLD_START_BUDGET if dense else COLD_BUDGET * self.budget_share) \
+                    if cold else None
                 return self._by_range(shard, rows, budget)
             except _RangesIgnored:
                 pass  # (the server ignores ranges: whole objects from now on)
