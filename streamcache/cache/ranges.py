@@ -140,9 +140,9 @@ class RangeReader:
     def __init__(self, index: DatasetIndex, fetcher: Fetcher, *, schema: Schema | None = None,
                  threads: int = 16, budget_share: float = 1.0) -> None:
         self.index = index
-        #: This reader's share of a node's cold budgets (1 / the node's reading processes):
-        #: every process of a node has its own reader, and the budgets bound the node's range
-        #: reads that its one install per shard makes redundant.
+        #: This reader's share of the node's :data:`COLD_BUDGET` (1 / the node's reading
+        #: processes): every process of a node has its own reader, and the budget bounds the
+        #: node's range reads that its one install per shard makes redundant.
         self.budget_share = budget_share
         self.fetcher = fetcher
         self.schema = schema or index.schema
@@ -202,8 +202,8 @@ class RangeReader:
     def cold_budget_left(self, shard: int, more: int = 0, budget: float | None = None,
                          ) -> bool:
         """Whether a cold start may still read ``shard`` by range: the bytes range-read from
-        it so far, plus ``more``, stay within ``budget`` (default :data:`COLD_BUDGET`) of its
-        stored bytes."""
+        it so far, plus ``more``, stay within ``budget`` (default: this reader's share of
+        :data:`COLD_BUDGET`) of its stored bytes."""
         with self._lock:
             used = self._shard_bytes.get(shard, 0)
         fraction = COLD_BUDGET * self.budget_share if budget is None else budget

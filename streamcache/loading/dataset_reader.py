@@ -20,8 +20,9 @@ chunks that hold them, into memory, installing nothing):
   files of several row groups), so the first batches do not wait for whole shards while the
   prefetcher installs them in first-use order; once installed, rows come from the cache. A
   shard is read so while its range-read bytes, the read included, stay within 1/16 of its
-  size (``ranges.COLD_BUDGET``), else awaited: the cold start never costs more than 1.0625
-  times the whole-shard path's transfer, and rows dense in a shard wait for its install.
+  size (``ranges.COLD_BUDGET``, the node's: split among its reading processes), else
+  awaited: the cold start never costs more than 1.0625 times the whole-shard path's
+  transfer, and rows dense in a shard wait for its install.
 
 Either way the rows are the same canonical arrays, gathered by the same native gather: a
 batch is identical cold, warm, or read by range.
@@ -67,8 +68,9 @@ def node_readers() -> int:
     """The reading processes of this node, as far as this process can tell: torchrun's
     ``LOCAL_WORLD_SIZE`` (ranks of the node; 1 when unset or not a positive integer, at most
     :data:`MAX_NODE_READERS`) times the DataLoader worker processes of this rank when this
-    is one. Each has its own range reader; the node's cold-start budgets are split among
-    them (one download per node makes their range reads redundant alike)."""
+    is one. Each has its own range reader; the node's later cold budget
+    (``ranges.COLD_BUDGET``) is split among them (one download per node makes their range
+    reads redundant alike)."""
     ranks = os.environ.get("LOCAL_WORLD_SIZE", "")
     count = int(ranks) if ranks.isdigit() and 0 < int(ranks) <= MAX_NODE_READERS else 1
     workers = _worker_count()

@@ -216,8 +216,9 @@ async def _bounded(awaitable: Any, timeout: float) -> Any:
     """``await awaitable`` within ``timeout`` seconds (``asyncio.TimeoutError`` past it).
 
     ``asyncio.timeout`` (Python 3.11) arms one timer in the running task; ``wait_for`` wraps
-    the awaitable in a task of its own, which cost the body's reads about a third of the
-    event loop's time (a read returns ~64 KiB: thousands of reads a shard)."""
+    the awaitable in a task of its own, for each read of ~64 KiB (thousands a shard). The
+    fetch's CPU time moved within this machine's noise (0.67 -> 0.62 s for 460 MB): the
+    cheaper form, not a measured speed-up."""
     if _TIMEOUT is None:  # Python 3.10
         return await asyncio.wait_for(awaitable, timeout)
     async with _TIMEOUT(timeout):
