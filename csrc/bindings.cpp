@@ -275,6 +275,32 @@ StatusTuple py_gather_var_chunks(const std::vector<ColumnChunks*>& columns, int6
   return gather_var_from(sourced, sources, elem_size, which, rows, out_offsets, out_values);
 }
 
+StatusTuple py_pad_rows(const Bytes& values, const Int64s& offsets, int64_t elem_size,
+                        int64_t width, const Bytes& pad, MutAny& out) {
+  Status s = check_positive(elem_size, "elem_size");
+  if (s.ok() && width < 0) s = Status::Error(StatusCode::kInvalid, -1, "width must not be negative");
+  if (s.ok() && offsets.size() == 0) {
+    s = Status::Error(StatusCode::kInvalid, -1, "offsets must hold at least one entry");
+  }
+  if (s.ok() && pad.size() != static_cast<size_t>(elem_size)) {
+    s = Status::Error(StatusCode::kInvalid, -1, "pad must hold elem_size bytes");
+  }
+  if (!s.ok()) return to_tuple(s);
+  const uint8_t* values_ptr = values.data();
+  const size_t values_size = values.size();
+  const int64_t* offsets_ptr = offsets.data();
+  const size_t n = offsets.size() - 1;
+  const uint8_t* pad_ptr = pad.data();
+  auto* out_ptr = static_cast<uint8_t*>(out.data());
+  const size_t out_size = out.nbytes();
+  nb::gil_scoped_release release;
+  s = guarded([&] {
+    return pad_rows(values_ptr, values_size, static_cast<size_t>(elem_size), offsets_ptr, n,
+                    static_cast<size_t>(width), pad_ptr, out_ptr, out_size);
+  });
+  return to_tuple(s);
+}
+
 // Keeps the GIL (an exception to the rule): the job takes a microsecond or two, less than
 // releasing and taking back the GIL would cost.
 std::tuple<int, int64_t, std::string, int64_t> py_group_shards(const Int64s& shards,
@@ -637,6 +663,11 @@ NB_MODULE(_core, m) {
   m.def("gather_bytes_chunks", &py_gather_bytes_chunks, nb::arg("columns"),
         nb::arg("which").noconvert(), nb::arg("rows").noconvert(),
         "gather_bytes over ColumnChunks.");
+  m.def("pad_rows", &py_pad_rows, nb::arg("values").noconvert(), nb::arg("offsets").noconvert(),
+        nb::arg("elem_size"), nb::arg("width"), nb::arg("pad").noconvert(),
+        nb::arg("out").noconvert(),
+        "A variable-width batch (values, offsets) as rows of width elements, cut or filled "
+        "with pad; returns (code, item, message).");
   m.def("group_shards", &py_group_shards, nb::arg("shards").noconvert(),
         nb::arg("unique_out").noconvert(), nb::arg("which_out").noconvert(),
         "The distinct shards of a batch in increasing order into unique_out, each row's "

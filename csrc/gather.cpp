@@ -238,6 +238,53 @@ Status gather_var_rows(const std::vector<VarSource>& sources, size_t elem_size,
   return error.take();
 }
 
+Status pad_rows(const uint8_t* values, size_t values_size, size_t elem_size,
+                const int64_t* offsets, size_t n, size_t width, const uint8_t* pad, uint8_t* out,
+                size_t out_size) {
+  if (elem_size == 0) return Status::Error(StatusCode::kInvalid, -1, "elem_size must be positive");
+  const size_t row_bytes = width * elem_size;
+  if (width != 0 && row_bytes / width != elem_size) {
+    return Status::Error(StatusCode::kInvalid, -1, "width * elem_size overflows");
+  }
+  if ((row_bytes != 0 && n > std::numeric_limits<size_t>::max() / row_bytes) ||
+      n * row_bytes != out_size) {
+    return Status::Error(StatusCode::kInvalid, -1,
+                         "output holds " + std::to_string(out_size) + " bytes, " +
+                             std::to_string(n) + " rows of " + std::to_string(width) +
+                             " elements of " + std::to_string(elem_size) + " bytes need " +
+                             std::to_string(n * row_bytes));
+  }
+  const int64_t n_elems = static_cast<int64_t>(values_size / elem_size);
+  for (size_t i = 0; i < n; ++i) {
+    if (offsets[i] < 0 || offsets[i + 1] < offsets[i] || offsets[i + 1] > n_elems) {
+      return Status::Error(StatusCode::kInvalid, static_cast<int64_t>(i),
+                           "offsets[" + std::to_string(i) + ":" + std::to_string(i + 2) +
+                               "] = [" + std::to_string(offsets[i]) + ", " +
+                               std::to_string(offsets[i + 1]) +
+                               "] is not a non-decreasing range inside the " +
+                               std::to_string(n_elems) + " elements of values");
+    }
+  }
+  bool uniform_pad = true;  // every byte of the pad value equal: a memset fills it
+  for (size_t b = 1; b < elem_size; ++b) uniform_pad = uniform_pad && pad[b] == pad[0];
+  for (size_t i = 0; i < n; ++i) {
+    const size_t length =
+        std::min(static_cast<size_t>(offsets[i + 1] - offsets[i]), width);
+    uint8_t* row = out + i * row_bytes;
+    if (length > 0) {
+      std::memcpy(row, values + static_cast<size_t>(offsets[i]) * elem_size, length * elem_size);
+    }
+    uint8_t* tail = row + length * elem_size;
+    const size_t tail_bytes = row_bytes - length * elem_size;
+    if (uniform_pad) {
+      std::memset(tail, pad[0], tail_bytes);
+    } else {
+      for (size_t b = 0; b < tail_bytes; b += elem_size) std::memcpy(tail + b, pad, elem_size);
+    }
+  }
+  return Status::Ok();
+}
+
 size_t group_values(const int64_t* values, size_t n, int64_t* unique_out, int32_t* which) {
   // A batch reads a few shards: collect them with a linear scan while they are few, else sort.
   constexpr size_t kFew = 16;

@@ -46,6 +46,14 @@ Status gather_var_rows(const std::vector<VarSource>& sources, size_t elem_size,
                        const int32_t* which, const int64_t* rows, size_t n,
                        const int64_t* out_offsets, uint8_t* const* dests);
 
+// Rows of a variable-width batch (values and offsets as gather_var writes them: offsets[0..n]
+// non-decreasing, counted in elements of elem_size bytes) as an n x width matrix: row i's
+// first min(length, width) elements, then copies of the elem_size bytes of `pad`. out holds
+// exactly n * width * elem_size bytes.
+Status pad_rows(const uint8_t* values, size_t values_size, size_t elem_size,
+                const int64_t* offsets, size_t n, size_t width, const uint8_t* pad, uint8_t* out,
+                size_t out_size);
+
 // The shards of a batch: unique_out[0..k) = the distinct values of values[0..n) in increasing
 // order, which[i] = the position of values[i] in it; returns k. (numpy.unique with
 // return_inverse, for the few distinct shards a batch holds, in microseconds.)

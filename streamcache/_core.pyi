@@ -53,6 +53,11 @@ def gather_var_chunks(columns: Sequence[ColumnChunks], elem_size: int, which: An
 def gather_bytes_chunks(columns: Sequence[ColumnChunks], which: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu', writable=False)], rows: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> tuple[int, int, str, list]:
     """gather_bytes over ColumnChunks."""
 
+def pad_rows(values: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)], offsets: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], elem_size: int, width: int, pad: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)], out: Annotated[NDArray, dict(order='C', device='cpu')]) -> tuple[int, int, str]:
+    """
+    A variable-width batch (values, offsets) as rows of width elements, cut or filled with pad; returns (code, item, message).
+    """
+
 def group_shards(shards: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], unique_out: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')], which_out: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu')]) -> tuple[int, int, str, int]:
     """
     The distinct shards of a batch in increasing order into unique_out, each row's position among them into which_out; returns (code, item, message, count).

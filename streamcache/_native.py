@@ -214,6 +214,32 @@ def gather_bytes_chunks(columns: Sequence[ColumnChunks], which: np.ndarray,
     return list(result)
 
 
+def pad_rows(values: np.ndarray, offsets: np.ndarray, width: int, pad_value: Any,
+             out: np.ndarray) -> None:
+    """Rows ``values[offsets[i]:offsets[i + 1]]`` into ``out`` (``[len(offsets) - 1, width]``
+    of ``values.dtype``), each cut to ``width`` or filled with ``pad_value``: one copy per row,
+    with the GIL released.
+
+    Raises:
+        NativeError: an array is not C-contiguous, ``out`` is not writable or not of that
+            size, or the offsets are not a non-decreasing range inside ``values``.
+    """
+    for name, array in (("values", values), ("out", out)):
+        if (problem := _twin_checks.array_problem(name, array, dtype=values.dtype,
+                                                  writable=name == "out",
+                                                  one_d=name == "values")) is not None:
+            raise NativeError(f"pad_rows: {problem}", CODE_INVALID)
+    pad = np.array([pad_value], dtype=values.dtype).view(np.uint8)
+    try:
+        status = _native_backend.active.pad_rows(values.view(np.uint8), offsets,
+                                                 values.dtype.itemsize, width, pad,
+                                                 out.reshape(-1).view(np.uint8))
+    except TypeError as exc:
+        refused(exc, _twin_checks.array_problem_status("pad_rows", "offsets", offsets,
+                                                        np.dtype(np.int64)))
+    raise_error(*status)
+
+
 def group_shards(shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct shards of a batch in increasing order, and each row's position among them
     (int32): ``numpy.unique(shards, return_inverse=True)``, in a microsecond or two.

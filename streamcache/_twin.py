@@ -324,6 +324,48 @@ def gather_bytes_chunks(columns: Sequence[ColumnChunks], which: np.ndarray, rows
     return gather_bytes([v for column in columns for v in column.values], offsets, which, rows)
 
 
+def pad_rows(values: np.ndarray, offsets: np.ndarray, elem_size: int, width: int,
+             pad: np.ndarray, out: np.ndarray) -> Status:
+    """Rows ``values[offsets[i]:offsets[i + 1]]`` (elements of ``elem_size`` bytes) as an
+    ``n x width`` matrix in ``out``: each row cut to ``width`` elements or filled with copies
+    of the ``elem_size`` bytes of ``pad``."""
+    for name, array, dtype, writable, one_d in (
+            ("values", values, np.dtype(np.uint8), False, True),
+            ("offsets", offsets, np.dtype(np.int64), False, True),
+            ("pad", pad, np.dtype(np.uint8), False, True),
+            ("out", out, None, True, False)):
+        if (problem := array_problem(name, array, dtype=dtype, writable=writable,
+                                     one_d=one_d)) is not None:
+            return INVALID, -1, problem
+    if elem_size <= 0:
+        return INVALID, -1, "elem_size must be positive"
+    if width < 0:
+        return INVALID, -1, "width must not be negative"
+    if len(offsets) == 0:
+        return INVALID, -1, "offsets must hold at least one entry"
+    if pad.size != elem_size:
+        return INVALID, -1, "pad must hold elem_size bytes"
+    n = len(offsets) - 1
+    row_bytes = width * elem_size
+    if out.nbytes != n * row_bytes:
+        return INVALID, -1, (f"output holds {out.nbytes} bytes, {n} rows of {width} elements "
+                             f"of {elem_size} bytes need {n * row_bytes}")
+    n_elems = values.size // elem_size
+    bounds = offsets.tolist()
+    for i in range(n):
+        begin, end = bounds[i], bounds[i + 1]
+        if begin < 0 or end < begin or end > n_elems:
+            return INVALID, i, (f"offsets[{i}:{i + 2}] = [{begin}, {end}] is not a "
+                                f"non-decreasing range inside the {n_elems} elements of values")
+    rows = out.reshape(-1).view(np.uint8).reshape(n, row_bytes)
+    rows[:] = np.tile(pad, width)
+    for i in range(n):
+        kept = min(bounds[i + 1] - bounds[i], width) * elem_size
+        start = bounds[i] * elem_size
+        rows[i, :kept] = values[start:start + kept]
+    return OK, -1, ""
+
+
 def group_shards(shards: np.ndarray, unique_out: np.ndarray,
                  which_out: np.ndarray) -> tuple[int, int, str, int]:
     """The distinct shards in increasing order into ``unique_out``, each row's position among

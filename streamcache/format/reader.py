@@ -101,17 +101,28 @@ class Ragged:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
-    def to_padded(self, pad_value: Any = 0, max_length: int | None = None,
-                  ) -> tuple[np.ndarray, np.ndarray]:
-        """``(padded [B, L], lengths [B])``; rows longer than ``max_length`` are cut."""
-        lengths = self.lengths
+    def to_padded(self, pad_value: Any = 0, max_length: int | None = None, *,
+                  share: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """``(padded [B, L], lengths [B])``; rows longer than ``max_length`` are cut.
+
+        ``share=True`` lets ``padded`` be a view of :attr:`values` where every row already has
+        length L (sequences packed to one length, the common case: no copy at all); otherwise
+        it is a new array (from the gather's buffer pool), filled by one copy per row.
+        """
+        offsets = self.offsets
+        values = self.values
+        lengths = np.diff(offsets)
         width = int(lengths.max(initial=0)) if max_length is None else max_length
-        out = np.full((len(self), width), pad_value, dtype=self.values.dtype)
         kept = np.minimum(lengths, width)
-        columns = np.arange(width)
-        mask = columns[None, :] < kept[:, None]
-        starts = self.offsets[:-1]
-        out[mask] = self.values[(starts[:, None] + columns[None, :])[mask]]
+        n = len(lengths)
+        if (share and n and values.ndim == 1 and offsets[0] == 0
+                and offsets[-1] == n * width and bool((lengths == width).all())):
+            return values[:n * width].reshape(n, width), kept
+        nbytes = n * width * values.dtype.itemsize
+        out = _OUTPUTS.get().take(nbytes).view(values.dtype).reshape(n, width)
+        _native.pad_rows(np.ascontiguousarray(values), np.ascontiguousarray(offsets,
+                                                                            dtype=np.int64),
+                         width, pad_value, out)
         return out, kept
 
 

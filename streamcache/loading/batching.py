@@ -81,7 +81,7 @@ def to_torch(arrays: Mapping[str, Any], fields: Mapping[str, Field], *, ragged: 
         elif field is not None and field.kind == "bytes":
             out[name] = value.tolist()
         else:
-            padded, lengths = value.to_padded(pad_value)
+            padded, lengths = value.to_padded(pad_value, share=True)
             out[name] = _tensor(padded)
             out[f"{name}_lengths"] = _tensor(lengths)
     return out
