@@ -69,6 +69,30 @@ def test_later_answers_miss_no_shard_that_comes_sooner(rows: list[int], seed: in
         assert sooner <= set(shards.tolist())
 
 
+@settings(max_examples=150, deadline=None)
+@given(rows=st.lists(st.integers(0, 40), min_size=1, max_size=40), seed=st.integers(0, 50),
+       window=st.integers(1, 120), stride=st.integers(1, 6), count=st.integers(1, 10),
+       steps=st.lists(st.integers(0, 40), min_size=1, max_size=40))
+def test_an_answer_reused_for_later_positions_is_the_answer_computed_there(
+        rows: list[int], seed: int, window: int, stride: int, count: int,
+        steps: list[int]) -> None:
+    # A step asks again at a later position; until a shard of the last answer is done with,
+    # the last answer is handed out again (shards first read since then now in use). It must
+    # be exactly what the same horizon computes at that position.
+    if sum(rows) == 0:
+        rows = [*rows, 1]
+    order = EpochOrder(rows, seed, 0, ShuffleOptions(window=window))
+    walked = ShardAdvice(order, stride=stride)
+    computed = ShardAdvice(order, stride=stride)
+    position = 0
+    for step in steps:
+        position = min(order.num_samples - 1, position + step)
+        computed._last = None  # no reuse: the answer from its horizon at this position
+        got, expected = walked.upcoming(position, count), computed.upcoming(position, count)
+        assert got[0].tolist() == expected[0].tolist(), position
+        assert got[1].tolist() == expected[1].tolist(), position
+
+
 def test_advice_on_a_million_shards_scans_a_horizon_not_the_epoch(monkeypatch) -> None:
     rows = np.full(1_000_000, 1000, dtype=np.int64)
     rows.setflags(write=False)

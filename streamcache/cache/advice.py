@@ -74,20 +74,21 @@ class ShardAdvice:
         interval = (position + self.stride - 1) // self.stride
         with self._lock:
             horizon, last = self._horizon, self._last
-        if last is not None and last[0] is horizon and last[1:3] == (interval, count):
-            shards, next_use, in_use = last[3:]
-            next_use = next_use.copy()
-            next_use[:in_use] = position
+        if last is not None and last[0] is horizon and last[2] == count and (
+                last[1] == interval or last[6] <= position < last[7]):
+            # the same interval, or a later position before any shard in use is done with:
+            # the same shards, those first read by now in use (next use `position`)
+            shards, next_use = last[3], np.maximum(last[4], position)
             return shards, next_use
         answer = None if horizon is None else horizon.upcoming(position, count, self.stride)
         if answer is None:
             horizon = _Horizon.scan(self.order, position, count * _HORIZON_SHARDS, self.stride)
             answer = horizon.upcoming(position, count, self.stride)
             assert answer is not None  # a horizon scanned from `position` answers for it
-        shards, next_use, in_use = answer
+        shards, next_use, in_use, until = answer
         with self._lock:
             self._horizon = horizon
-            self._last = (horizon, interval, count, shards, next_use, in_use)
+            self._last = (horizon, interval, count, shards, next_use, in_use, position, until)
         return shards, next_use.copy()
 
     def working_set_shards(self) -> int:
@@ -147,10 +148,15 @@ class _Horizon:
         return cls(start, stop, shards, first, last, complete=stop >= total)
 
     def upcoming(self, position: int, count: int, stride: int,
-                 ) -> tuple[np.ndarray, np.ndarray, int] | None:
-        """The answer of :meth:`ShardAdvice.upcoming` and how many of its shards are in use
-        (they come first), or None when this horizon cannot give it (``position`` before
-        it, or too few of its shards left)."""
+                 ) -> tuple[np.ndarray, np.ndarray, int, int] | None:
+        """The answer of :meth:`ShardAdvice.upcoming`, how many of its shards are in use
+        (they come first) and the first later position whose answer differs in its shards
+        (one of those in use is done with), or None when this horizon cannot give it
+        (``position`` before it, or too few of its shards left).
+
+        Until that bound the answer only moves shards from ahead to in use as their first
+        read passes: both are ordered by first read, so the list of shards is the same.
+        """
         if position < self.start:
             return None
         begin = int(np.searchsorted(self.first, position, side="left"))
@@ -161,7 +167,13 @@ class _Horizon:
             return None  # shards beyond the horizon could come next
         next_use = np.concatenate([np.full(in_use.size, position, dtype=np.int64),
                                    self.first[ahead]])[:count]
-        return self.shards[chosen], next_use, min(int(in_use.size), count)
+        kept = min(int(in_use.size), count)
+        # a shard of the answer is done with once position - stride passes its last read;
+        # with more in use than count, which of them are cut may change at any position
+        until = int(self.last[chosen].min()) + stride + 1 if chosen.size else self.stop
+        if in_use.size > count:
+            until = position + 1
+        return self.shards[chosen], next_use, kept, until
 
 
 def _merge(shards: np.ndarray, first: np.ndarray, last: np.ndarray, more: np.ndarray,

@@ -27,9 +27,12 @@ class CursorMismatchError(PlanError):
 def check_int(name: str, value: Any, *, minimum: int | None = None,
               maximum: int | None = None) -> int:
     """``value`` as a Python int, or :class:`PlanError` naming ``name`` (bools are refused)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if type(value) is int:  # the common case, without the ABC check (a cursor per step)
+        result = value
+    elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise PlanError(f"{name} must be an integer, got {value!r}")
-    result = int(value)
+    else:
+        result = int(value)
     if minimum is not None and result < minimum:
         raise PlanError(f"{name} must be >= {minimum}, got {result}")
     if maximum is not None and result > maximum:
