@@ -283,3 +283,15 @@ def test_loaders_closed_dropped_or_abandoned_print_nothing_at_exit(data: tuple[s
                             env={**os.environ, "TMPDIR": "/tmp"})
     assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr[-3000:]
     assert result.stderr == "", result.stderr[-3000:]
+
+
+def test_a_dataset_folder_given_as_a_path_reads_as_its_string(data: tuple[str, str]) -> None:
+    from pathlib import Path
+
+    from streamcache import Source, StreamDataset
+
+    url, cache = data
+    as_path = StreamDataset(Path(url), batch_size=4, cache_dir=Path(cache), seed=3)
+    as_str = StreamDataset(url, batch_size=4, cache_dir=cache, seed=3)
+    assert as_path.index.fingerprint == as_str.index.fingerprint
+    assert Source(Path(url)).url == url

@@ -131,3 +131,32 @@ def test_gather_into_takes_the_outputs_from_the_pool_given(tmp_path: Path) -> No
                                          inside[name].values),
                               np.asarray(outside[name] if name in fixed else
                                          outside[name].values))
+
+
+@pytest.mark.parametrize("lengths", ["equal", "varied"])
+def test_padded_sequences_kept_by_the_loop_are_never_overwritten(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lengths: str) -> None:
+    # rows of one length come out as the gathered values themselves (no copy), others padded
+    # into pooled buffers: either way a batch the loop keeps must stay as it was read
+    from streamcache import ShardWriter, StreamDataset, StreamLoader
+
+    monkeypatch.setattr(POOL, "min_bytes", 1)  # pool even these small batches
+    rng = np.random.default_rng(4)
+    rows = [rng.integers(-1000, 1000, 6 if lengths == "equal" else int(rng.integers(0, 9)),
+                         dtype=np.int32) for _ in range(96)]
+    with ShardWriter(str(tmp_path / "ds"), shard_size=1000, chunk_size=200) as writer:
+        for row in rows:
+            writer.write({"tokens": row})
+    dataset = StreamDataset(str(tmp_path / "ds"), batch_size=8, cache_dir=str(tmp_path / "cache"),
+                            pad_value=-7)
+    with StreamLoader(dataset) as loader:
+        kept = [batch for _ in range(2) for batch in loader]
+    assert len(kept) == 24
+    for batch in kept:
+        padded, kept_lengths = batch["tokens"], batch["tokens_lengths"]
+        assert padded.shape[1] == int(kept_lengths.max())
+        for i, sample_id in enumerate(batch["__id__"].tolist()):
+            want = rows[sample_id]
+            assert kept_lengths[i] == len(want)
+            assert padded[i, :len(want)].tolist() == want.tolist()
+            assert (padded[i, len(want):] == -7).all()

@@ -143,7 +143,7 @@ class StreamDataset(IterableDataset):
 
     def __init__(
         self,
-        url: str | DatasetIndex | Sequence[Source],
+        url: str | os.PathLike[str] | DatasetIndex | Sequence[Source],
         *,
         batch_size: int | None = None,
         global_batch_size: int | None = None,
@@ -193,6 +193,8 @@ class StreamDataset(IterableDataset):
                                       window_unit=opts.shuffle_window_unit,
                                       partitions=opts.partitions)
         self._feed: ShardFeed | MixtureFeed
+        if isinstance(url, os.PathLike):  # a local folder as a pathlib.Path
+            url = os.fspath(url)
         if isinstance(url, (str, DatasetIndex)):
             self.index = url if isinstance(url, DatasetIndex) else load_index(
                 url, opts.storage_options, allow_external_paths=opts.allow_external_paths,

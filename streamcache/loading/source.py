@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,8 @@ class Source:
     storage_options: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.url, os.PathLike):  # a local folder as a pathlib.Path
+            object.__setattr__(self, "url", os.fspath(self.url))
         if not isinstance(self.url, (str, DatasetIndex)):
             raise ConfigError(f"Source url must be a URL string or a DatasetIndex, got "
                               f"{type(self.url).__name__}")
