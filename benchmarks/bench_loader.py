@@ -9,13 +9,22 @@ the baselines read the same bytes from numpy memmaps):
   blobs   100 KB samples: uint8[100000] tensors               (--mb MB in all), batch 32
   images  80-120 KB samples of varying size: a bytes field,
           as encoded images are (values + offsets .npy)       (--mb MB in all), batch 32
+  seqs    token sequences written with the writer's defaults
+          (write({"tokens": row}): a sequence field, zstd, so
+          read from the cache's installed copy): 256 int32
+          tokens each (values + offsets .npy)                 (--mb MB in all), batch 256
+  varseqs the same with 128-384 tokens a row (1 KB on average) (--mb MB in all), batch 256
 Cases (each in a fresh process, interleaved, --repeats times; shuffled, one epoch):
   dataloader-wN   torch DataLoader(map-style memmap Dataset, shuffle=True, num_workers=N);
                   for images each sample is its bytes (default_collate keeps the list)
+                  for seqs and varseqs each sample is its tokens, padded by pad_sequence
   streamcache-wN  StreamLoader(StreamDataset(...), num_workers=N); images as lists of bytes
-                  (ragged="padded"); streamcache-offsets-w0: one uint8 tensor plus offsets
+                  (ragged="padded"), sequences padded; streamcache-offsets-w0: one tensor
+                  plus offsets
   gather-limit    one process copies the same shuffled (sorted) batches from the memmap into
-                  one reused buffer: the page-cache limit of a per-sample gather
+                  one reused buffer: the page-cache limit of a per-sample gather (numpy take
+                  of [B, 256] rows for tokens and seqs; a concatenation of the rows for
+                  images and varseqs)
   tf-*            the same with light_transform per sample (worker processes with w2)
   open            import streamcache (torch already imported), construct, first batch
   resume-0/-90    first batch of an opened loader at 0% / after load_state_dict at 90%
@@ -153,10 +162,15 @@ SHAPES = {"tokens": ((256,), np.int32, 256), "blobs": ((100_000,), np.uint8, 32)
 # images: a bytes field of 80-120 KB per sample (as encoded images are), batch 32
 IMAGE_SIZES = (80_000, 120_000)
 IMAGE_BATCH = 32
-BATCH = {"tokens": 256, "blobs": 32, "images": IMAGE_BATCH, "jpegs": 32}
+# seqs / varseqs: token sequences as an LLM dataset holds them, written with the writer's
+# defaults (``ShardWriter(path).write({"tokens": row})``: a ``sequence`` field, zstd, so the
+# warm cache holds the installed copy): every row 256 tokens, or 128-384 (1 KB on average)
+SEQ_LENGTHS = {"seqs": (256, 256), "varseqs": (128, 384)}
+BATCH = {"tokens": 256, "blobs": 32, "images": IMAGE_BATCH, "jpegs": 32, "seqs": 256,
+         "varseqs": 256}
 # Epochs a rate is measured over: an epoch of 100 KB samples is 79 steps (about 0.1-0.3 s),
 # short beside what a loader starts in the background after its first batch
-EPOCHS = {"tokens": 1, "blobs": 4, "images": 4, "jpegs": 1}
+EPOCHS = {"tokens": 1, "blobs": 4, "images": 4, "jpegs": 1, "seqs": 1, "varseqs": 1}
 
 
 def build(mb: int) -> None:
@@ -189,6 +203,8 @@ def build(mb: int) -> None:
             json.dump({"n": n, "format": FORMAT}, f)
     build_images(mb)
     build_jpegs(JPEG_COUNT)
+    for name in SEQ_LENGTHS:
+        build_sequences(name, mb)
 
 
 def _built(marker: str, want: dict[str, Any]) -> bool:
@@ -230,6 +246,66 @@ def build_images(mb: int) -> None:
     np.save(os.path.join(DATA, "images-offsets.npy"), offsets)
     with open(marker, "w") as f:
         json.dump({"mb": mb, "format": FORMAT}, f)
+
+
+def build_sequences(name: str, mb: int) -> None:
+    """int32 token rows (vocabulary 50,000) of SEQ_LENGTHS[name] tokens, written with the
+    writer's defaults, and values.npy + offsets.npy for the baselines."""
+    from streamcache import ShardWriter
+
+    marker = os.path.join(DATA, f"{name}.done")
+    if _built(marker, {"mb": mb, "format": FORMAT}):
+        return
+    rng = np.random.default_rng(3)
+    low, high = SEQ_LENGTHS[name]
+    lengths = rng.integers(low, high + 1, mb * 1_000_000 // (2 * (low + high)))
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.lib.format.open_memmap(os.path.join(DATA, f"{name}-values.npy"), mode="w+",
+                                       dtype=np.int32, shape=(int(offsets[-1]),))
+    with ShardWriter(os.path.join(DATA, name), overwrite=True) as writer:
+        for start in range(0, len(lengths), 4096):
+            stop = min(len(lengths), start + 4096)
+            block = rng.integers(0, 50_000, int(offsets[stop] - offsets[start]),
+                                 dtype=np.int32)
+            values[offsets[start]:offsets[stop]] = block
+            for i in range(start, stop):
+                writer.write({"tokens": block[offsets[i] - offsets[start]:
+                                              offsets[i + 1] - offsets[start]]})
+    values.flush()
+    np.save(os.path.join(DATA, f"{name}-offsets.npy"), offsets)
+    with open(marker, "w") as f:
+        json.dump({"mb": mb, "format": FORMAT}, f)
+
+
+class SequenceDataset:
+    """The baseline for seqs / varseqs: sample i is its tokens, a tensor over a numpy memmap
+    (:func:`pad_collate` batches them as a user pads sequences of several lengths)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.offsets = np.load(os.path.join(DATA, f"{name}-offsets.npy"))
+        self.values: Any = None
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> Any:
+        import torch
+
+        if self.values is None:
+            self.values = np.load(os.path.join(DATA, f"{self.name}-values.npy"),
+                                  mmap_mode="r")
+        return torch.from_numpy(np.array(self.values[self.offsets[i]:self.offsets[i + 1]]))
+
+
+def pad_collate(rows: list[Any]) -> dict[str, Any]:
+    """Sequences of several lengths as ``[B, L]`` padded with 0, plus their lengths (what
+    streamcache's ``ragged="padded"`` hands out)."""
+    import torch
+
+    return {"tokens": torch.nn.utils.rnn.pad_sequence(rows, batch_first=True),
+            "tokens_lengths": torch.tensor([len(row) for row in rows])}
 
 
 def build_jpegs(count: int) -> None:
@@ -387,9 +463,12 @@ def run_case(case: str, data: str) -> dict[str, Any]:
     workers = int(case.rsplit("w", 1)[1]) if case[-2:-1] == "w" else 0
     if "dataloader" in case:
         dataset: Any = ImagesDataset() if data == "images" else JpegDataset() \
-            if data == "jpegs" else MemmapDataset(os.path.join(DATA, f"{data}.npy"), transform)
+            if data == "jpegs" else SequenceDataset(data) if data in SEQ_LENGTHS else \
+            MemmapDataset(os.path.join(DATA, f"{data}.npy"), transform)
+        collate = pad_collate if data in SEQ_LENGTHS else None
         loader: Any = torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True,
-                                                  num_workers=workers, drop_last=True)
+                                                  num_workers=workers, drop_last=True,
+                                                  collate_fn=collate)
         for _ in range(EPOCHS[data]):
             for out in loader:
                 first_batch = first_batch or time.perf_counter() - started
@@ -407,16 +486,17 @@ def run_case(case: str, data: str) -> dict[str, Any]:
                     first_batch = first_batch or time.perf_counter() - started
                     samples += _rows(out)
     elif case == "gather-limit":
-        if data == "images":
-            offsets = np.load(os.path.join(DATA, "images-offsets.npy"))
+        if data == "images" or data == "varseqs":
+            offsets = np.load(os.path.join(DATA, f"{data}-offsets.npy"))
             # a plain ndarray over the mapping: np.memmap slices cost microseconds each
-            values = np.load(os.path.join(DATA, "images-values.npy"),
+            values = np.load(os.path.join(DATA, f"{data}-values.npy"),
                              mmap_mode="r").view(np.ndarray)
             order = np.concatenate([np.random.default_rng().permutation(len(offsets) - 1)
                                     for _ in range(EPOCHS[data])])
             # one output buffer, reused: a fresh one per batch would add a page fault per
             # 4 KB written, which is the allocator's cost, not the page cache's
-            out = np.empty(batch * IMAGE_SIZES[1], dtype=np.uint8)
+            out = np.empty(batch * (IMAGE_SIZES[1] if data == "images" else
+                                    SEQ_LENGTHS[data][1]), dtype=values.dtype)
             for start in range(0, len(order) - batch + 1, batch):
                 ids = np.sort(order[start:start + batch])
                 total = int((offsets[ids + 1] - offsets[ids]).sum())
@@ -424,7 +504,10 @@ def run_case(case: str, data: str) -> dict[str, Any]:
                 first_batch = first_batch or time.perf_counter() - started
                 samples += len(ids)
         else:
-            array = np.load(os.path.join(DATA, f"{data}.npy"), mmap_mode="r").view(np.ndarray)
+            array = np.load(os.path.join(DATA, f"{data}-values.npy" if data == "seqs" else
+                                         f"{data}.npy"), mmap_mode="r").view(np.ndarray)
+            if data == "seqs":
+                array = array.reshape(-1, SEQ_LENGTHS[data][0])
             order = np.concatenate([np.random.default_rng().permutation(len(array))
                                     for _ in range(EPOCHS[data])])
             out = np.empty((batch, *array.shape[1:]), dtype=array.dtype)  # reused, as above
@@ -470,6 +553,7 @@ def run_case(case: str, data: str) -> dict[str, Any]:
     steady = elapsed - (first_batch or 0.0) if steady_case else elapsed
     counted = samples - batch if steady_case else samples
     row_bytes = (sum(IMAGE_SIZES) // 2 if data in ("images", "jpegs") else
+                 sum(SEQ_LENGTHS[data]) * 2 if data in SEQ_LENGTHS else
                  int(np.prod(SHAPES[data][0])) * np.dtype(SHAPES[data][1]).itemsize)
     return {"case": case, "data": data, "seconds": elapsed, "samples": samples,
             "samples_per_s": counted / steady, "mb_per_s": counted * row_bytes / 1e6 / steady,
@@ -499,6 +583,11 @@ PLAN: list[tuple[str, list[str]]] = [
     ("blobs", CASES),
     ("images", ["gather-limit", "dataloader-w0", "streamcache-w0", "streamcache-offsets-w0",
                 "dataloader-w2", "streamcache-w2"]),
+    # token sequences written with the writer's defaults, padded or as values + offsets
+    ("seqs", ["gather-limit", "dataloader-w0", "streamcache-w0", "streamcache-offsets-w0",
+              "streamcache-w2"]),
+    ("varseqs", ["gather-limit", "dataloader-w0", "streamcache-w0", "streamcache-offsets-w0",
+                 "streamcache-w2"]),
     # JPEG decode, random resized crop, flip: image_transform per sample
     ("jpegs", ["dataloader-w0", "streamcache-w0", "dataloader-w2", "streamcache-w2"]),
 ]
