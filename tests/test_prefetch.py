@@ -174,6 +174,29 @@ def test_lookahead_bounds_what_is_fetched(fault_server: FaultServer, tmp_path: P
         assert prefetcher.stats.hits == 1
 
 
+def test_a_shard_another_process_evicted_is_fetched_again_without_a_reader_asking(
+        fault_server: FaultServer, tmp_path: Path) -> None:
+    # update() does not look at the files of shards it found installed on every call: a
+    # shard that another process evicts (its file unlinked) is seen at the next full check,
+    # within _FULL_CHECK_EVERY updates, and fetched ahead again
+    from streamcache.cache import prefetch as prefetch_module
+
+    index = serve_dataset(fault_server)
+    cache = NodeCache(index, str(tmp_path / "cache"))
+    with Prefetcher(cache, PrefetchOptions(lookahead_shards=3)) as prefetcher:
+        advice = ([5, 2, 9], [0, 10, 20])
+        prefetcher.update(*advice)
+        wait_until_idle(prefetcher)
+        prefetcher.update(*advice)  # now every one of them is known installed
+        os.unlink(cache.shard_path(2))
+        for _ in range(prefetch_module._FULL_CHECK_EVERY):
+            prefetcher.update(*advice)
+        wait_until_idle(prefetcher)
+        assert os.path.exists(cache.shard_path(2))
+        assert shard_gets(fault_server)[f"/ds/{index.shards[2].path}"] == 2
+        assert prefetcher.local_path(2) == cache.shard_path(2)
+
+
 # --------------------------------------------------------------------------- errors, threads
 
 

@@ -139,6 +139,10 @@ class ShardUsage:
 PrefetchStats = SchedulerCounters
 
 
+#: updates between two checks of every upcoming shard's file (see Prefetcher.update)
+_FULL_CHECK_EVERY = 16
+
+
 class Prefetcher:
     """A :class:`NodeCache` with download threads that stay ahead of the reader.
 
@@ -174,6 +178,8 @@ class Prefetcher:
         self._scheduler = Scheduler(self.options.inflight_bytes)
         self._threads: list[threading.Thread] = []
         self._queued: set[int] = set()
+        self._known_ready: set[int] = set()  # installed when update last checked
+        self._checks_left = 0
         self._errors: dict[int, BaseException] = {}
         self._pid = os.getpid()
         self._finalizer: weakref.finalize[Any, Any] | None = None
@@ -192,17 +198,30 @@ class Prefetcher:
         with self._lock:
             self._start()
             scheduler = self._scheduler
-            for shard in self._queued - set(chosen):
+            queued = set(chosen)
+            for shard in self._queued - queued:
                 scheduler.cancel(shard)
+            # Shards found installed stay so unless evicted: by this process (the listener
+            # forgets them) or by another one, which a reader finds out when it opens the
+            # shard, and so does the full check every _FULL_CHECK_EVERY updates. A step
+            # of a batch over 16 shards checked each of them every step: 60 us.
+            self._checks_left -= 1
+            if self._checks_left <= 0:
+                self._checks_left = _FULL_CHECK_EVERY
+                self._known_ready = set()
+            known = self._known_ready
             for shard in chosen:
+                if shard in known:
+                    continue
                 state = scheduler.state(shard)
                 if self.cache.contains(shard):
                     scheduler.mark_ready(shard)
+                    known.add(shard)
                 elif state != SHARD_FAILED:  # a failed shard is retried only by a reader
                     if state == SHARD_READY:
                         scheduler.forget(shard)  # evicted by another process
                     scheduler.submit(shard, next_use[shard], self._stored_bytes(shard))
-            self._queued = set(chosen)
+            self._queued = queued
 
     def _lookahead(self, upcoming: list[int]) -> list[int]:
         limit = self.options.lookahead_bytes
@@ -236,6 +255,7 @@ class Prefetcher:
             scheduler.mark_ready(shard)
             return path
         self.release()  # a reader waits for a download: nothing is held any more
+        self._known_ready.discard(shard)
         scheduler.forget(shard)  # it may be marked ready but gone: evicted by another process
         scheduler.submit(shard, URGENT, self._stored_bytes(shard))
         count = True
@@ -346,6 +366,7 @@ class Prefetcher:
             scheduler.complete(shard, True, fetched, "")
 
     def _evicted(self, shard: int, nbytes: int) -> None:
+        self._known_ready.discard(shard)
         self._scheduler.forget(shard, nbytes)
 
     def _stored_bytes(self, shard: int) -> int:
