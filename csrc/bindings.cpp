@@ -148,31 +148,29 @@ class ColumnChunks {
   std::vector<VarSource> var_;
 };
 
-// The columns' chunks one after another: a row's source is its shard's first chunk's place
-// in this list plus its chunk (the caller numbers them so).
-std::vector<Span> flat_spans(const std::vector<ColumnChunks*>& columns) {
-  std::vector<Span> out;
-  size_t total = 0;
-  for (const auto* c : columns) total += c->size();
-  out.reserve(total);
-  for (const auto* c : columns) out.insert(out.end(), c->spans().begin(), c->spans().end());
+// The columns' chunks one after another, as views (nothing copied): a row's source is its
+// shard's first chunk's place in this list plus its chunk (the caller numbers them so). The
+// columns must outlive the list (the caller's Python objects hold them for the call).
+SpanList flat_spans(const std::vector<ColumnChunks*>& columns) {
+  SpanList out;
+  for (const auto* c : columns) out.add(c->spans());
   return out;
 }
 
-std::vector<VarSource> flat_var(const std::vector<ColumnChunks*>& columns, Status* status) {
-  std::vector<VarSource> out;
+VarList flat_var(const std::vector<ColumnChunks*>& columns, Status* status) {
+  VarList out;
   for (size_t i = 0; i < columns.size(); ++i) {
     if (!columns[i]->has_offsets()) {
       *status = Status::Error(StatusCode::kInvalid, static_cast<int64_t>(i),
                               "a column without offsets in a variable-width gather");
       return out;
     }
-    out.insert(out.end(), columns[i]->var().begin(), columns[i]->var().end());
+    out.add(columns[i]->var());
   }
   return out;
 }
 
-StatusTuple gather_fixed_from(const std::vector<Span>& spans, int64_t stride, const Int32s& which,
+StatusTuple gather_fixed_from(const SpanList& spans, int64_t stride, const Int32s& which,
                               const Int64s& rows, MutAny& out) {
   Status s = check_batch(which, rows);
   if (s.ok()) s = check_positive(stride, "stride");
@@ -191,7 +189,8 @@ StatusTuple gather_fixed_from(const std::vector<Span>& spans, int64_t stride, co
 
 StatusTuple py_gather_fixed(const std::vector<Bytes>& sources, int64_t stride, const Int32s& which,
                             const Int64s& rows, MutAny& out) {
-  return gather_fixed_from(spans_of(sources), stride, which, rows, out);
+  const std::vector<Span> spans = spans_of(sources);
+  return gather_fixed_from(SpanList(spans), stride, which, rows, out);
 }
 
 StatusTuple py_gather_fixed_chunks(const std::vector<ColumnChunks*>& columns, int64_t stride,
@@ -201,7 +200,7 @@ StatusTuple py_gather_fixed_chunks(const std::vector<ColumnChunks*>& columns, in
 
 // `sourced`: how converting the sources went (checked after the batch's shape, as before).
 std::tuple<int, int64_t, std::string, int64_t> var_offsets_from(
-    const Status& sourced, const std::vector<VarSource>& sources, int64_t elem_size,
+    const Status& sourced, const VarList& sources, int64_t elem_size,
     const Int32s& which, const Int64s& rows, MutInt64s& out_offsets) {
   Status s = check_batch(which, rows);
   int64_t total = 0;
@@ -226,19 +225,19 @@ std::tuple<int, int64_t, std::string, int64_t> py_var_offsets(const std::vector<
                                                               const Int64s& rows,
                                                               MutInt64s& out_offsets) {
   Status sourced;
-  std::vector<VarSource> sources = var_sources(values, offsets, &sourced);
-  return var_offsets_from(sourced, sources, elem_size, which, rows, out_offsets);
+  const std::vector<VarSource> sources = var_sources(values, offsets, &sourced);
+  return var_offsets_from(sourced, VarList(sources), elem_size, which, rows, out_offsets);
 }
 
 std::tuple<int, int64_t, std::string, int64_t> py_var_offsets_chunks(
     const std::vector<ColumnChunks*>& columns, int64_t elem_size, const Int32s& which,
     const Int64s& rows, MutInt64s& out_offsets) {
   Status sourced;
-  std::vector<VarSource> sources = flat_var(columns, &sourced);
+  const VarList sources = flat_var(columns, &sourced);
   return var_offsets_from(sourced, sources, elem_size, which, rows, out_offsets);
 }
 
-StatusTuple gather_var_from(const Status& sourced, const std::vector<VarSource>& sources,
+StatusTuple gather_var_from(const Status& sourced, const VarList& sources,
                             int64_t elem_size, const Int32s& which, const Int64s& rows,
                             const Int64s& out_offsets, MutAny& out_values) {
   Status s = check_batch(which, rows);
@@ -263,15 +262,15 @@ StatusTuple py_gather_var(const std::vector<Bytes>& values, const std::vector<In
                           int64_t elem_size, const Int32s& which, const Int64s& rows,
                           const Int64s& out_offsets, MutAny& out_values) {
   Status sourced;
-  std::vector<VarSource> sources = var_sources(values, offsets, &sourced);
-  return gather_var_from(sourced, sources, elem_size, which, rows, out_offsets, out_values);
+  const std::vector<VarSource> sources = var_sources(values, offsets, &sourced);
+  return gather_var_from(sourced, VarList(sources), elem_size, which, rows, out_offsets, out_values);
 }
 
 StatusTuple py_gather_var_chunks(const std::vector<ColumnChunks*>& columns, int64_t elem_size,
                                  const Int32s& which, const Int64s& rows,
                                  const Int64s& out_offsets, MutAny& out_values) {
   Status sourced;
-  std::vector<VarSource> sources = flat_var(columns, &sourced);
+  const VarList sources = flat_var(columns, &sourced);
   return gather_var_from(sourced, sources, elem_size, which, rows, out_offsets, out_values);
 }
 
@@ -322,7 +321,7 @@ std::tuple<int, int64_t, std::string, int64_t> py_group_shards(const Int64s& sha
 // header or reference count: nothing else can see the objects before this function returns
 // them. This is the GIL rule's "allocate outputs with the GIL" with outputs that are objects.
 std::tuple<int, int64_t, std::string, nb::list> gather_bytes_from(
-    const Status& sourced, const std::vector<VarSource>& sources, const Int32s& which,
+    const Status& sourced, const VarList& sources, const Int32s& which,
     const Int64s& rows) {
   Status s = check_batch(which, rows);
   if (s.ok()) s = sourced;
@@ -370,14 +369,14 @@ std::tuple<int, int64_t, std::string, nb::list> py_gather_bytes(const std::vecto
                                                                 const Int32s& which,
                                                                 const Int64s& rows) {
   Status sourced;
-  std::vector<VarSource> sources = var_sources(values, offsets, &sourced);
-  return gather_bytes_from(sourced, sources, which, rows);
+  const std::vector<VarSource> sources = var_sources(values, offsets, &sourced);
+  return gather_bytes_from(sourced, VarList(sources), which, rows);
 }
 
 std::tuple<int, int64_t, std::string, nb::list> py_gather_bytes_chunks(
     const std::vector<ColumnChunks*>& columns, const Int32s& which, const Int64s& rows) {
   Status sourced;
-  std::vector<VarSource> sources = flat_var(columns, &sourced);
+  const VarList sources = flat_var(columns, &sourced);
   return gather_bytes_from(sourced, sources, which, rows);
 }
 

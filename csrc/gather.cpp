@@ -100,7 +100,7 @@ Status check_shard(size_t i, int32_t shard, size_t n_sources) {
 
 }  // namespace
 
-Status gather_fixed(const std::vector<Span>& sources, size_t stride, const int32_t* which,
+Status gather_fixed(const SpanList& sources, size_t stride, const int32_t* which,
                     const int64_t* rows, size_t n, uint8_t* out, size_t out_size) {
   if (stride == 0) return Status::Error(StatusCode::kInvalid, -1, "stride must be positive");
   if (n > out_size / stride) {  // out_size < n * stride, without overflowing the product
@@ -129,7 +129,7 @@ Status gather_fixed(const std::vector<Span>& sources, size_t stride, const int32
   return error.take();
 }
 
-Status var_offsets(const std::vector<VarSource>& sources, size_t elem_size, const int32_t* which,
+Status var_offsets(const VarList& sources, size_t elem_size, const int32_t* which,
                    const int64_t* rows, size_t n, int64_t* out_offsets, int64_t* total) {
   if (elem_size == 0) return Status::Error(StatusCode::kInvalid, -1, "elem_size must be positive");
   // The batch's byte size must fit the address space: a caller allocates running * elem_size.
@@ -155,7 +155,7 @@ Status var_offsets(const std::vector<VarSource>& sources, size_t elem_size, cons
   return Status::Ok();
 }
 
-Status gather_var(const std::vector<VarSource>& sources, size_t elem_size, const int32_t* which,
+Status gather_var(const VarList& sources, size_t elem_size, const int32_t* which,
                   const int64_t* rows, size_t n, const int64_t* out_offsets, uint8_t* out_values,
                   size_t out_size) {
   if (elem_size == 0) return Status::Error(StatusCode::kInvalid, -1, "elem_size must be positive");
@@ -205,7 +205,7 @@ Status gather_var(const std::vector<VarSource>& sources, size_t elem_size, const
   return error.take();
 }
 
-Status gather_var_rows(const std::vector<VarSource>& sources, size_t elem_size,
+Status gather_var_rows(const VarList& sources, size_t elem_size,
                        const int32_t* which, const int64_t* rows, size_t n,
                        const int64_t* out_offsets, uint8_t* const* dests) {
   if (elem_size == 0) return Status::Error(StatusCode::kInvalid, -1, "elem_size must be positive");
