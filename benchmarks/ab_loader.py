@@ -1,7 +1,8 @@
 """Before/after: bench_loader.py's cases run by two installs of streamcache, interleaved.
 
 Run:  python benchmarks/ab_loader.py --before /tmp/oldvenv/bin/python [--after python3]
-                                     [--repeats 3]
+                                     [--repeats 3] [--mb 256] [--data tokens,blobs]
+                                     [--cases streamcache-w0,streamcache-w2,...]
 
 "Before" is any other install (e.g. a venv with an older commit installed non-editable);
 "after" defaults to this interpreter. Both read the same data (bench_loader.py's, built by
@@ -57,11 +58,11 @@ def run_case(python: str, case: str, data: str) -> dict[str, Any]:
     return dict(json.loads(result.stdout.strip().splitlines()[-1]))
 
 
-def table(runs: list[dict[str, Any]]) -> str:
+def table(runs: list[dict[str, Any]], data_sets: list[str], cases: list[str]) -> str:
     lines = [f"{'data':<8}{'case':<16}{'before/s':>12}{'after/s':>12}{'ratio':>7}"
              f"{'1st before s':>13}{'1st after s':>12}{'RSS b MB':>9}{'RSS a MB':>9}"]
-    for data in DATA:
-        for case in CASES:
+    for data in data_sets:
+        for case in cases:
             def pick(who: str, key: str, data: str = data, case: str = case) -> list[float]:
                 return [r[key] for r in runs
                         if r["data"] == data and r["case"] == case and r["who"] == who]
@@ -82,20 +83,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--after", default=sys.executable)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mb", type=int, default=256)
+    parser.add_argument("--data", default=",".join(DATA),
+                        help="bench_loader.py's data sets (e.g. tokens,seqs,varseqs,images)")
+    parser.add_argument("--cases", default=",".join(CASES), help="bench_loader.py's cases")
     parser.add_argument("--out", default=os.path.join(HERE, "out", "ab_loader.json"))
     args = parser.parse_args(argv)
+    data_sets, cases = args.data.split(","), args.cases.split(",")
     sys.path.insert(0, HERE)
     import bench_loader
 
     bench_loader.build(args.mb)
     runs: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
-        for data in DATA:
-            for case in CASES:
+        for data in data_sets:
+            for case in cases:
                 pair = [("before", args.before), ("after", args.after)]
                 for who, python in pair if repeat % 2 == 0 else pair[::-1]:
                     runs.append({**run_case(python, case, data), "who": who})
-    print(table(runs))
+    print(table(runs, data_sets, cases))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "runs": runs}, f, indent=1)

@@ -235,6 +235,18 @@ class DatasetReader:
             return False
         return (st.st_dev, st.st_ino) == inode
 
+    def shard_readers(self, shards: list[int]) -> list[ShardReader]:
+        """:meth:`shard_reader` of each, with one eviction check and one lock for all."""
+        self._drop_evicted()
+        with self._lock:
+            readers = self._readers
+            found = [readers.get(shard) for shard in shards]
+            for shard, reader in zip(shards, found, strict=True):
+                if reader is not None:
+                    readers.move_to_end(shard)
+        return [reader if reader is not None else self.shard_reader(shard)
+                for shard, reader in zip(shards, found, strict=True)]
+
     def shard_reader(self, shard: int) -> ShardReader:
         self._drop_evicted()
         with self._lock:
@@ -308,7 +320,7 @@ class DatasetReader:
         try:
             chosen = self._ranged(unique, starting)
             if chosen is None:
-                return [self.shard_reader(int(s)) for s in unique], rows
+                return self.shard_readers(unique.tolist()), rows
             return self._read_ranged(unique, which, rows, *chosen, starting)
         finally:
             if starting:
