@@ -74,12 +74,15 @@ class ShardAdvice:
         interval = (position + self.stride - 1) // self.stride
         with self._lock:
             horizon, last = self._horizon, self._last
-        if last is not None and last[0] is horizon and last[2] == count and (
-                last[1] == interval or last[6] <= position < last[7]):
-            # the same interval, or a later position before any shard in use is done with:
-            # the same shards, those first read by now in use (next use `position`)
-            shards, next_use = last[3], np.maximum(last[4], position)
-            return shards, next_use
+        if last is not None and last[0] is horizon and last[2] == count:
+            if last[6] <= position < last[7]:
+                # a later position before any shard of the answer is done with: the same
+                # shards, those first read by now in use (next use `position`)
+                return last[3], np.maximum(last[4], position)
+            if last[1] == interval:  # an earlier position of the same interval
+                next_use = last[4].copy()
+                next_use[:last[5]] = position
+                return last[3], next_use
         answer = None if horizon is None else horizon.upcoming(position, count, self.stride)
         if answer is None:
             horizon = _Horizon.scan(self.order, position, count * _HORIZON_SHARDS, self.stride)
