@@ -87,7 +87,8 @@ def node_bytes(folder: str, global_batch: int, nodes: int, ranks_per_node: int =
     _, shards, rows, readers = split.nodes_many(
         order, np.arange(steps, dtype=np.int64) * global_batch, sizes)
     every_shard, every_row = order.locate(0, order.num_samples)
-    cut = layout.cut
+    chunk_of_shard = np.concatenate([block[3] for block in layout.scan()])  # (0: not cut)
+    cut = chunk_of_shard > 0
     result = []
     for node in range(nodes):
         total = 0
@@ -97,7 +98,7 @@ def node_bytes(folder: str, global_batch: int, nodes: int, ranks_per_node: int =
         for piece in pieces.tolist():
             shard, first_row, piece_rows = layout.span(piece)
             if cut[shard]:
-                chunk = int(layout.chunk_rows[shard])
+                chunk = int(chunk_of_shard[shard])
                 total += shards_info.chunk_span_bytes(shard, first_row // chunk,
                                                       -(-(first_row + piece_rows) // chunk))
                 touched.add(shard)
@@ -108,7 +109,7 @@ def node_bytes(folder: str, global_batch: int, nodes: int, ranks_per_node: int =
         f_shards, f_rows = shards[foreign], rows[foreign]
         f_steps = np.nonzero(foreign)[0]
         in_cut = cut[f_shards]
-        chunk_rows = np.maximum(layout.chunk_rows[f_shards], 1)
+        chunk_rows = np.maximum(chunk_of_shard[f_shards], 1)
         chunks = np.unique(np.stack([f_shards[in_cut], (f_rows // chunk_rows)[in_cut]]), axis=1)
         for shard, chunk in chunks.T.tolist():
             total += shards_info.chunk_span_bytes(shard, chunk, chunk + 1)

@@ -50,7 +50,7 @@ def sent(server: FaultServer) -> int:
 
 def piece_layout(index) -> UnitLayout:
     layout = unit_layout(index, ROWS, 4)  # pieces of whole chunks, 16 a node's window
-    assert layout.cut.all() and layout.num_pieces > 4
+    assert all((chunk > 0).all() for *_, chunk, _ in layout.scan()) and layout.num_pieces > 4
     return layout
 
 

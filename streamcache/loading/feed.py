@@ -236,7 +236,7 @@ class ShardFeed(FeedBase):
         what = "the working set"
         if num_nodes > 1:
             layout = self.unit_layout(num_nodes)
-            if layout.cut.any():
+            if layout.any_cut:
                 needed = node_working_set([self.index], layout, needed, num_nodes)
                 what = f"a node's share of the working set with {num_nodes} nodes"
         if cache_limit < needed:

@@ -31,6 +31,7 @@ from ..format.index import DatasetIndex
 from ..format.reader import Ragged, ShardReader, gather
 from ..format.schema import Schema
 from ..plan.locality import LocalityAssignment
+from ..plan.unit_columns import CHUNK, PIECE
 from ..plan.units import UnitLayout
 from ..remote.fetch import Fetcher
 from .dataset_reader import DatasetReader
@@ -136,8 +137,8 @@ class NodeReader:
         layout = self.layout
         mine = self.assignment.holds(shards, rows, self.node)
         units = np.where(mine, layout.piece_keys(shards, rows), layout.chunk_keys(shards, rows))
-        local = np.where(mine, rows % layout.piece_rows[shards],
-                         rows % np.maximum(layout.chunk_rows[shards], 1))
+        piece, chunk = layout.lookup(shards, (PIECE, CHUNK))
+        local = np.where(mine, rows % piece, rows % np.maximum(chunk, 1))
         return units, local
 
     def unit_readers(self, units: list[int]) -> list[ShardReader]:

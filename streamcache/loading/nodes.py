@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from ..cache.advice import ShardAdvice
 from ..cache.identity import local_file
@@ -55,19 +56,75 @@ def fingerprint_of(cursor: Any) -> str:
 
 def unit_layout(index: DatasetIndex, window_rows: int, num_nodes: int) -> UnitLayout:
     """The pieces of ``index``'s shards for ``num_nodes`` nodes reading windows of
-    ``window_rows`` samples: a shard is cut when it is chunked (rows addressable by range,
-    each chunk verified), has a checksum (its units are then identified by it), holds more
-    than one chunk, and is not read in place (a local uncompressed file costs no transfer)."""
-    columns = index.shard_table.columns()
-    rows = np.asarray(index.shard_rows, dtype=np.int64)
-    chunk = np.maximum(np.asarray(columns["chunk_rows"], dtype=np.int64), 0)  # (-1: none)
-    checked = np.asarray(columns["checksums"].is_valid(), dtype=bool)
-    compressed = np.asarray(columns["compressions"].is_valid(), dtype=bool)
-    local = local_file(index.url) is not None
-    cut = (chunk > 0) & (chunk < rows) & checked & (compressed | (not local))
-    chunk = np.where(cut, chunk, 0)
-    pieces = np.where(cut, piece_rows_for(window_rows, num_nodes, chunk), np.maximum(rows, 1))
-    return UnitLayout(rows, chunk, pieces.astype(np.int64))
+    ``window_rows`` samples (see :class:`IndexUnitColumns` for which shards are cut)."""
+    return UnitLayout.of([IndexUnitColumns(index, window_rows, num_nodes)])
+
+
+class IndexUnitColumns:
+    """The unit layout's per-shard numbers, read from an index's columns a block at a time
+    (:class:`~streamcache.plan.unit_columns.ShardColumns`; with a node copy of the shard
+    table those are shared pages, so no process keeps anything per shard).
+
+    A shard is cut when it is chunked (rows addressable by range, each chunk verified), has
+    a checksum (its units are then identified by it), holds more than one chunk, and is not
+    read in place (a local uncompressed file costs no transfer); its pieces are
+    :func:`~streamcache.plan.units.piece_rows_for` the window and node count.
+
+    Pickles as its arguments (the index pickles as the node copy it maps, where it is one).
+    """
+
+    def __init__(self, index: DatasetIndex, window_rows: int, num_nodes: int) -> None:
+        self.index = index
+        self.window_rows = window_rows
+        self.num_nodes = num_nodes
+        self._local = local_file(index.url) is not None
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.index.shard_table)
+
+    def block(self, first: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        columns = self.index.shard_table.columns()
+        return self._numbers(
+            self.index.shard_rows[first:stop], columns["chunk_rows"][first:stop],
+            np.asarray(columns["checksums"][first:stop].is_valid(), dtype=bool),
+            np.asarray(columns["compressions"][first:stop].is_valid(), dtype=bool))
+
+    def at(self, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        columns = self.index.shard_table.columns()
+        return self._numbers(self.index.shard_rows[shards], columns["chunk_rows"][shards],
+                             valid_at(columns["checksums"], shards),
+                             valid_at(columns["compressions"], shards))
+
+    def _numbers(self, rows: np.ndarray, chunk: np.ndarray, checked: np.ndarray,
+                 compressed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rows = np.asarray(rows, dtype=np.int64)
+        chunk = np.maximum(np.asarray(chunk, dtype=np.int64), 0)  # (-1: no chunk layout)
+        cut = (chunk > 0) & (chunk < rows) & checked & (compressed | (not self._local))
+        chunk = np.where(cut, chunk, 0)
+        pieces = np.where(cut, piece_rows_for(self.window_rows, self.num_nodes, chunk),
+                          np.maximum(rows, 1))
+        return rows, chunk, pieces.astype(np.int64)
+
+    def counts(self) -> ShardCounts:
+        """The index's shard counts (shared, not counted again)."""
+        return self.index.shard_table.counts()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (IndexUnitColumns, (self.index, self.window_rows, self.num_nodes))
+
+
+def valid_at(column: pa.Array, at: np.ndarray) -> np.ndarray:
+    """Whether each entry ``at`` of an Arrow column is set (read from its validity bitmap:
+    nothing made per entry of the column)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    bitmap = column.buffers()[0]
+    if bitmap is None:
+        return np.full(np.shape(at), column.null_count == 0, dtype=bool)
+    bits = np.frombuffer(bitmap, dtype=np.uint8)
+    where = np.asarray(at, dtype=np.int64) + column.offset
+    return ((bits[where >> 3] >> (where & 7).astype(np.uint8)) & 1).astype(bool)
 
 
 class NodeLocality:
@@ -98,11 +155,10 @@ class NodeLocality:
                 raise PlanError("canonical partitions on several nodes need the dataset's "
                                 "shard layout (a mixture cannot use partitions)")
             self._split = PartitionAssignment(topology.num_nodes, key, partitions,
-                                              ShardCounts.of(layout.shard_rows), layout,
-                                              global_batch)
+                                              layout.shard_counts(), layout, global_batch)
         elif topology.num_nodes > 1:
             # (pieces held by two nodes only where the node holds units)
-            held_twice = layout is not None and bool(layout.cut.any())
+            held_twice = layout is not None and layout.any_cut
             self._split = LocalityAssignment(topology.num_nodes, key, layout,
                                              global_batch if held_twice else None)
 
@@ -149,7 +205,7 @@ class NodeLocality:
         """The units this node holds, where the node holds units rather than whole shards
         (several nodes, and some shard cut into pieces); else None."""
         layout = self.layout
-        if self._split is None or layout is None or not layout.cut.any():
+        if self._split is None or layout is None or not layout.any_cut:
             return None
         return layout
 
@@ -202,7 +258,7 @@ class UnitAdvice:
         self.node = node
         total = order.num_samples
         self.span = scan_span(window_rows, total)
-        smallest = int(np.min(layout.piece_rows[layout.shard_rows > 0], initial=1))
+        smallest = _smallest_piece(layout)
         self.stride = max(1, min(smallest, self.span) // _SCAN_HITS)
         self._lock = threading.Lock()
         self._scanned: tuple[int, np.ndarray, np.ndarray] | None = None
@@ -261,10 +317,19 @@ def scan_span(window_rows: int, num_samples: int) -> int:
 def units_in_span(layout: UnitLayout, num_nodes: int, span: int) -> int:
     """About the most units of one node that ``span`` consecutive positions read: its share
     of the pieces of the smallest size, and one more piece per shard the span cuts."""
-    rows = layout.piece_rows[layout.shard_rows > 0]
-    smallest = int(rows.min(initial=1))
-    shards = span // max(1, int(layout.shard_rows.max(initial=1))) + 2
+    smallest = _smallest_piece(layout)
+    shards = span // max(1, layout.max_shard_rows) + 2
     return -(-span // (smallest * num_nodes)) + shards
+
+
+def _smallest_piece(layout: UnitLayout) -> int:
+    """The piece rows the scan's stride and the lookahead are computed from: 1, so every
+    position of the span is scanned and every unit in it counted. (The smallest piece,
+    :attr:`UnitLayout.min_piece_rows`, reads as what was meant, but the code has always
+    taken ``min(..., initial=1)``, which is 1, and every multi-node measurement was made so;
+    a stride of a piece's rows changes what the scan sees and the prefetcher's depth.)"""
+    del layout
+    return 1
 
 
 def node_working_set(indexes: Sequence[DatasetIndex], layout: UnitLayout, working_set: int,
@@ -275,13 +340,18 @@ def node_working_set(indexes: Sequence[DatasetIndex], layout: UnitLayout, workin
     (``indexes``: the dataset's, or a mixture's sources' in the layout's order)."""
     sizes = np.concatenate([index.shard_table.raw_or_stored_bytes() for index in indexes]) \
         + LAYOUT_OVERHEAD
-    rows = np.maximum(layout.shard_rows, 1)
-    piece = sizes * np.minimum(layout.piece_rows, rows) // rows
-    chunk = np.where(layout.cut, sizes * np.maximum(layout.chunk_rows, 1) // rows, 0)
+    largest_piece = largest_chunk = 0
+    for first, stop, shard_rows, chunk_rows, piece_rows in layout.scan():
+        here = sizes[first:stop]
+        rows = np.maximum(shard_rows, 1)
+        piece = here * np.minimum(piece_rows, rows) // rows
+        chunk = np.where(chunk_rows > 0, here * np.maximum(chunk_rows, 1) // rows, 0)
+        largest_piece = max(largest_piece, int(piece.max(initial=0)))
+        largest_chunk = max(largest_chunk, int(chunk.max(initial=0)))
     spanned = working_set // max(1, int(sizes.min(initial=1))) + 2
     share = -(-working_set // num_nodes)
-    return min(working_set, share + min(len(sizes), spanned) * int(piece.max(initial=0))) + (
-        64 * int(chunk.max(initial=0)))
+    return min(working_set, share + min(len(sizes), spanned) * largest_piece) + (
+        64 * largest_chunk)
 
 
 def window_rows(shuffle: ShuffleOptions, shard_rows: np.ndarray) -> int:

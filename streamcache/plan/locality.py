@@ -46,6 +46,7 @@ from .owners import (
     typical_chunk_rows,
 )
 from .release import PRIORITY_BITS, released_samples
+from .split_lookup import ShardOffsets, StepFacts
 from .units import UnitLayout
 
 TAG_RELEASE = 6  # domain tag of the chunk priorities
@@ -101,10 +102,9 @@ class LocalityAssignment:
         self._weyl_group = np.uint64((dual_key >> 32) % _WEYL_SIZE | 1)
         self._last: tuple[Any, int, tuple[int, ...], np.ndarray, np.ndarray] | None = None
         self._lock = threading.Lock()
-        self._chunk_table: tuple[np.ndarray, np.ndarray] | None = None
-        # each shard's offset: all of the layout's at once, else filled as shards are first seen
-        self._offsets = np.full(0, -1, dtype=np.int64) if layout is None else shard_offsets(
-            self.key, np.arange(layout.num_shards, dtype=np.int64), num_nodes)
+        # each shard's offset, kept for the last shards seen (direct-mapped, as the layout's
+        # lookups: nothing per shard of the dataset)
+        self._offsets = ShardOffsets(self.key, num_nodes)
 
     def __repr__(self) -> str:
         return (f"LocalityAssignment(num_nodes={self.num_nodes}, key={self.key:#x}, "
@@ -187,7 +187,7 @@ class LocalityAssignment:
         if self.num_nodes == 1 or shards.size == 0:
             return np.zeros(shards.shape, dtype=np.int64)
         pieces = 0 if self.layout is None else self.layout.piece_index(shards, rows)
-        return (self._offset(shards) + pieces) % self.num_nodes
+        return (self._offsets(shards) + pieces) % self.num_nodes
 
     def backups(self, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The node that also holds the piece of each (shard, row), -1 where only its owner
@@ -228,13 +228,7 @@ class LocalityAssignment:
         piece's owner)."""
         if self.layout is None:
             raise PlanError("unit owners need a unit layout")
-        layout = self.layout
-        units = np.asarray(units, dtype=np.int64)
-        shards = layout.shard_of_units(units)
-        is_piece = units < layout.num_pieces
-        first = np.where(is_piece, (units - layout.piece_base[shards]) * layout.piece_rows[
-            shards], (units - layout.chunk_base[shards]) * np.maximum(layout.chunk_rows[shards], 1))
-        return self.owners(shards, first)
+        return self.owners(*self.layout.unit_starts(units))
 
     # ------------------------------------------------------------ the split
 
@@ -272,34 +266,36 @@ class LocalityAssignment:
             return np.zeros(shards.shape, dtype=np.int64)
         steps, width = shards.shape
         shards, rows = shards.ravel(), rows.ravel()
-        nodes = self._sample_nodes(shards, rows)
+        facts = StepFacts(self.layout, shards, rows)
+        nodes = self._sample_nodes(shards, rows, facts)
         step_of = np.arange(shards.size, dtype=np.int64) // width
         surplus = np.bincount(nodes + step_of * count, minlength=steps * count).reshape(
             steps, count) - targets
         if surplus.any() and self.dual > 0:
-            self._move_flexible(shards, rows, self._piece_index(shards, rows), nodes, surplus,
-                                step_of)
+            self._move_flexible(shards, facts, nodes, surplus, step_of)
         if surplus.any():
-            self._move_paid(shards, rows, nodes, surplus, step_of, width)
+            self._move_paid(facts, nodes, surplus, step_of, width)
         return nodes.reshape(steps, width)
 
-    def _sample_nodes(self, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    def _sample_nodes(self, shards: np.ndarray, rows: np.ndarray,
+                      facts: StepFacts) -> np.ndarray:
         """Each sample's node before the step is balanced: its piece's owner (flat arrays)."""
-        nodes = self._offset(shards) + self._piece_index(shards, rows)
+        nodes = facts.offsets(self._offsets) + facts.piece()
         nodes %= self.num_nodes
         return nodes
 
-    def _move_flexible(self, shards: np.ndarray, rows: np.ndarray, piece: np.ndarray,
-                       nodes: np.ndarray, surplus: np.ndarray, step_of: np.ndarray) -> None:
+    def _move_flexible(self, shards: np.ndarray, facts: StepFacts, nodes: np.ndarray,
+                       surplus: np.ndarray, step_of: np.ndarray) -> None:
         """Move samples of pieces held by two nodes from owner to backup where that balances
         the step (:func:`~streamcache.plan.flows.flexible_moves`); ``nodes`` and ``surplus``
         are updated."""
+        piece = facts.piece()
         dual = np.flatnonzero(self._twice(shards, piece))
         if dual.size == 0:
             return
         owners = nodes[dual]
         backups = self._backup(shards[dual], piece[dual], owners)
-        priority = counter_hash(self._release_key, self._chunk_keys(shards[dual], rows[dual]))
+        priority = counter_hash(self._release_key, facts.chunk_keys(dual))
         moved = dual[flexible_moves(step_of[dual], owners, backups,
                                     (priority >> np.uint64(64 - PRIORITY_BITS)).astype(
                                         np.int64), surplus)]
@@ -310,16 +306,15 @@ class LocalityAssignment:
         surplus += np.bincount(step_of[moved] * count + nodes[moved],
                                minlength=surplus.size).reshape(surplus.shape)
 
-    def _move_paid(self, shards: np.ndarray, rows: np.ndarray, nodes: np.ndarray,
-                   surplus: np.ndarray, step_of: np.ndarray, width: int) -> None:
+    def _move_paid(self, facts: StepFacts, nodes: np.ndarray, surplus: np.ndarray,
+                   step_of: np.ndarray, width: int) -> None:
         """Balance what is left: each node with a surplus gives the samples of its lowest
         chunk priority (:func:`~streamcache.plan.release.released_samples`) to their chunk's
         backup while it is short, else to the lowest node still short (:meth:`_receivers`).
         ``nodes`` is updated."""
         count = self.num_nodes
         candidate = np.flatnonzero(surplus.ravel()[step_of * count + nodes] > 0)
-        hashed = counter_hash(self._release_key,
-                              self._chunk_keys(shards[candidate], rows[candidate]))
+        hashed = counter_hash(self._release_key, facts.chunk_keys(candidate))
         released, hashed = released_samples(candidate, nodes[candidate], hashed, width, surplus)
         nodes[released] = self._receivers(nodes[released], hashed, step_of[released],
                                           np.maximum(0, -surplus))
@@ -328,46 +323,12 @@ class LocalityAssignment:
         """Each row's piece within its shard (0 without a layout)."""
         if self.layout is None:
             return np.zeros(shards.shape, dtype=np.int64)
-        return rows // self.layout.piece_rows[shards]
+        return self.layout.piece_index(shards, rows)
 
     def _chunk_keys(self, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Each row's chunk unit, or its piece unit in a shard that is not cut (its shard
-        without a layout)."""
-        if self.layout is None:
-            return shards
-        base, divisor = self._chunk_tables()
-        return base[shards] + rows // divisor[shards]
-
-    def _chunk_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per shard: the first unit of its chunk keys and the rows a key covers (its chunk
-        units; its one piece where it is not cut)."""
-        tables = self._chunk_table
-        if tables is None:
-            layout = self.layout
-            assert layout is not None
-            cut = layout.cut
-            tables = (np.where(cut, layout.chunk_base[:-1], layout.piece_base[:-1]),
-                      np.where(cut, layout.chunk_rows, np.iinfo(np.int64).max))
-            self._chunk_table = tables
-        return tables
-
-    def _offset(self, shards: np.ndarray) -> np.ndarray:
-        """Each shard's offset, from a table filled as shards are first seen (a shard is in
-        many consecutive batches, and a table lookup is cheaper than hashing)."""
-        table = self._offsets
-        if shards.size and int(shards.max()) < table.size:
-            found = table[shards]
-            if not (found < 0).any():
-                return found
-        with self._lock:
-            size = self._offsets.size
-            if shards.size and int(shards.max()) >= size:
-                grown = np.full(max(int(shards.max()) + 1, 2 * size), -1, dtype=np.int64)
-                grown[:size] = self._offsets
-                self._offsets = grown
-            missing = np.unique(shards[self._offsets[shards] < 0])
-            self._offsets[missing] = shard_offsets(self.key, missing, self.num_nodes)
-            return self._offsets[shards]
+        without a layout): what a sample's release priority is a hash of."""
+        return StepFacts(self.layout, shards, rows).chunk_keys()
 
     def _receivers(self, owners: np.ndarray, hashed: np.ndarray, steps: np.ndarray,
                    deficit: np.ndarray) -> np.ndarray:

@@ -77,9 +77,7 @@ def dual_fraction(num_nodes: int, global_batch: int | None, chunk_rows: int = 64
 
 def typical_chunk_rows(layout: UnitLayout | None) -> int:
     """The median rows per chunk of a layout's cut shards (0: none is cut)."""
-    if layout is None or not layout.cut.any():
-        return 0
-    return int(np.median(layout.chunk_rows[layout.cut]))
+    return 0 if layout is None else layout.typical_chunk_rows()
 
 
 __all__ = ["DUAL_MIN_CHUNK_ROWS", "TAG_DUAL", "TAG_NODES", "dual_fraction", "locality_key",

@@ -95,7 +95,8 @@ class PartitionAssignment(LocalityAssignment):
         ids = self.counts.offsets[shards] + rows
         return partition_of_ids(ids, self.counts.total, self.partitions) // self._per_node
 
-    def _sample_nodes(self, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    def _sample_nodes(self, shards: np.ndarray, rows: np.ndarray,
+                      facts: Any) -> np.ndarray:
         """Each sample's node: its owner. With global batches that are multiples of the
         partitions every step is balanced already; a step that is not (a partial last batch)
         is balanced by the base class's fewest moves (no piece is held twice here)."""

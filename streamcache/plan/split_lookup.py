@@ -1,0 +1,123 @@
+"""What the locality split reads per sample, looked up without a table per shard: each
+shard's offset (the node of its piece 0, a hash) and its numbers in the unit layout.
+
+Both are asked for many samples at once (a plan of hundreds of steps) and for a step's few;
+both keep only the shards seen last (:class:`ShardOffsets`; the layout's own cache, see
+:mod:`streamcache.plan.unit_columns`), and a call of many samples looks each distinct shard
+up once. Pure; no I/O.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .owners import shard_offsets
+from .unit_columns import DISTINCT_AT, KEY, KEY_ROWS, PIECE, distinct_values
+from .units import UnitLayout
+
+#: Shards whose offsets a split keeps (direct-mapped: shard ``k`` in slot ``k % SLOTS``).
+OFFSET_SLOTS = 1 << 14
+
+
+class ShardOffsets:
+    """Each shard's offset (:func:`~streamcache.plan.owners.shard_offsets`), kept for the
+    shards seen last (a shard is in many consecutive batches, and a lookup is cheaper than
+    hashing).
+
+    Thread safety: may be called from any thread (the cache fills under a lock).
+    """
+
+    def __init__(self, key: int, num_nodes: int) -> None:
+        self.key, self.num_nodes = key, num_nodes
+        self._lock = threading.Lock()
+        # (an empty slot's tag is a shard of another slot: no shard asked matches it)
+        self._tags = (np.arange(OFFSET_SLOTS, dtype=np.int64) + 1) & (OFFSET_SLOTS - 1)
+        self._values = np.zeros(OFFSET_SLOTS, dtype=np.int64)
+        self._every: np.ndarray | None = None
+
+    def __call__(self, shards: np.ndarray) -> np.ndarray:
+        shards = np.asarray(shards, dtype=np.int64)
+        if shards.size > OFFSET_SLOTS // 4:  # (a scan: each distinct shard hashed once)
+            distinct, where = distinct_values(shards, int(shards.max()) + 1)
+            return shard_offsets(self.key, distinct, self.num_nodes)[where].reshape(
+                shards.shape)
+        slots = shards & (OFFSET_SLOTS - 1)
+        with self._lock:
+            hit = self._tags[slots] == shards
+            found = self._values[slots]
+        if hit.all():
+            return found
+        missed = ~hit
+        found[missed] = shard_offsets(self.key, shards[missed], self.num_nodes)
+        with self._lock:
+            self._values[slots[missed]] = found[missed]
+            self._tags[slots[missed]] = shards[missed]
+        return found
+
+    def every(self, num_shards: int) -> np.ndarray:
+        """Every shard's offset, of a small layout's ``num_shards`` shards (made once)."""
+        table = self._every
+        if table is None or table.size != num_shards:
+            table = shard_offsets(self.key, np.arange(num_shards, dtype=np.int64),
+                                  self.num_nodes)
+            self._every = table
+        return table
+
+
+class StepFacts:
+    """What the split reads of the layout for the samples of some steps, looked up once per
+    distinct shard: each sample's piece within its shard, its shard offset, and the chunk
+    key of the samples asked (its chunk unit, or its piece unit in a shard that is not cut;
+    its shard without a layout).
+
+    ``values`` are the looked-up fields (piece rows, key, key rows) of ``keys`` (None: of
+    every shard, a dense layout's), and a sample ``k``'s are at ``where[k]`` (None: at
+    ``k``)."""
+
+    def __init__(self, layout: UnitLayout | None, shards: np.ndarray, rows: np.ndarray) -> None:
+        self.layout, self.shards, self.rows = layout, shards, rows
+        self.keys: np.ndarray | None = shards
+        self.where: np.ndarray | None = None
+        self.values: list[np.ndarray] = []
+        if layout is None:
+            return
+        fields = (PIECE, KEY, KEY_ROWS)
+        if layout.dense:
+            self.values, self.where = layout.lookup_indexed(shards, fields)
+            self.keys = None
+            return
+        if shards.size > DISTINCT_AT:  # (many steps at once: each shard looked up once)
+            self.keys, self.where = distinct_values(shards, layout.num_shards)
+        self.values = layout.lookup(self.keys, fields)
+
+    def per_sample(self, values: np.ndarray, which: np.ndarray | None = None) -> np.ndarray:
+        """``values`` (of :attr:`keys`) at each sample (of ``which``)."""
+        at = self.where if which is None or self.where is None else self.where[which]
+        if at is None:
+            return values if which is None else values[which]
+        return values[at]
+
+    def offsets(self, offsets: ShardOffsets) -> np.ndarray:
+        """Each sample's shard offset."""
+        if self.keys is None:
+            assert self.layout is not None
+            return self.per_sample(offsets.every(self.layout.num_shards))
+        return self.per_sample(offsets(self.keys))
+
+    def piece(self) -> np.ndarray:
+        if self.layout is None:
+            return np.zeros(self.shards.shape, dtype=np.int64)
+        return self.rows // self.per_sample(self.values[0])
+
+    def chunk_keys(self, which: np.ndarray | None = None) -> np.ndarray:
+        """The chunk keys of the samples ``which`` (all by default)."""
+        if self.layout is None:
+            return self.shards if which is None else self.shards[which]
+        rows = self.rows if which is None else self.rows[which]
+        return self.per_sample(self.values[1], which) + rows // self.per_sample(
+            self.values[2], which)
+
+
+__all__ = ["OFFSET_SLOTS", "ShardOffsets", "StepFacts"]
