@@ -1,7 +1,8 @@
 """Opening a dataset of 1k, 100k and 1M shards: construction, first batch and memory.
 
 Run:  python benchmarks/bench_open.py [--repeats 3]
-          [--shards 1000,100000,1000000] [--ranks 1,8] [--data DIR] [--baseline SRC]
+          [--shards 1000,100000,1000000] [--ranks 1,8] [--nodes 1,8] [--data DIR]
+          [--baseline SRC]
 
 What a rank process pays to open a dataset, as a user sees it: a fresh process imports
 streamcache (not timed), then ``StreamDataset(url, global_batch_size=256, shuffle=True,
@@ -139,7 +140,7 @@ def make_dataset(folder: str, shards: int) -> str:
 # ---------------------------------------------------------------- one rank process
 
 
-def child(url: str, cache: str, rank: int, world: int, steps: int) -> None:
+def child(url: str, cache: str, rank: int, world: int, steps: int, nodes: int = 1) -> None:
     """One rank: import (not timed), construct, first batch, then ``steps`` more batches;
     prints one JSON line."""
     import streamcache
@@ -149,7 +150,8 @@ def child(url: str, cache: str, rank: int, world: int, steps: int) -> None:
     del streamcache
     start = time.perf_counter()
     dataset = StreamDataset(url, global_batch_size=GLOBAL_BATCH, shuffle=True, rank=rank,
-                            world_size=world, cache_dir=cache)
+                            world_size=world, cache_dir=cache,
+                            **({"nodes": nodes} if nodes > 1 else {}))
     built = time.perf_counter()
     loader = StreamLoader(dataset)
     batches = iter(loader)
@@ -190,13 +192,14 @@ _BOOT = ("import runpy, sys\n"
          "runpy.run_path(script, run_name='__main__')\n")
 
 
-def run_ranks(url: str, cache: str, world: int, steps: int, src: str | None) -> list[dict]:
+def run_ranks(url: str, cache: str, world: int, steps: int, src: str | None,
+              nodes: int = 1) -> list[dict]:
     """``world`` rank processes started together; their reports."""
     script = os.path.abspath(__file__)
     start = [sys.executable, "-W", "ignore"] + (["-c", _BOOT, src] if src else [])
     procs = [subprocess.Popen(
         [*start, script, "--child", url, "--cache", cache, "--rank", str(r),
-         "--world", str(world), "--steps", str(steps)],
+         "--world", str(world), "--steps", str(steps), "--nodes", str(nodes)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for r in range(world)]
     reports = []
@@ -218,6 +221,10 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--nodes", default="1",
+                        help="node counts, comma-separated: with N > 1 the W ranks are W/N to "
+                             "a node (every rank process is counted; cases where N does not "
+                             "divide W are skipped)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shards", default="1000,100000,1000000")
     parser.add_argument("--ranks", default="1,8")
@@ -228,30 +235,34 @@ def main() -> None:
     parser.add_argument("--baseline-ranks", default="1")
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.cache, args.rank, args.world, args.steps)
+        child(args.child, args.cache, args.rank, args.world, args.steps, int(args.nodes))
         return
     counts = [int(c) for c in args.shards.split(",")]
     ranks = [int(r) for r in args.ranks.split(",")]
     urls = {n: make_dataset(os.path.join(args.data, f"shards-{n}"), n) for n in counts}
-    cases = [("this", None, n, world) for n in counts for world in ranks]
+    node_counts = [int(c) for c in args.nodes.split(",")]
+    cases = [("this", None, n, world, nodes) for n in counts for world in ranks
+             for nodes in node_counts if world % nodes == 0]
     if args.baseline:
-        cases += [("baseline", args.baseline, n, world)
+        cases += [("baseline", args.baseline, n, world, nodes)
                   for n in (int(c) for c in args.baseline_shards.split(","))
-                  for world in (int(r) for r in args.baseline_ranks.split(","))]
+                  for world in (int(r) for r in args.baseline_ranks.split(","))
+                  for nodes in node_counts if world % nodes == 0]
     results: dict[str, list[Any]] = {}
     for round_ in range(-1, args.repeats):  # round -1 installs the shards: not counted
-        for source, src, n, world in cases:
+        for source, src, n, world, nodes in cases:
             for case in ("cold", "warm"):
                 cache = os.path.join(args.data, f"cache-{source}-{n}")
                 if case == "cold":
                     shutil.rmtree(os.path.join(cache, "tables"), ignore_errors=True)
                 steps = args.throughput_steps if world == 1 and case == "warm" else 0
-                reports = run_ranks(urls[n], cache, world, steps if round_ >= 0 else 0, src)
-                key = f"{source}|{n}|{world}|{case}"
+                reports = run_ranks(urls[n], cache, world, steps if round_ >= 0 else 0, src,
+                                    nodes)
+                key = f"{source}|{n}|{world}|{case}" + (f"|{nodes}" if nodes > 1 else "")
                 if round_ >= 0:
                     results.setdefault(key, []).append(reports)
                 print(f"round {round_} {key}: " + json.dumps(_summary(reports)), flush=True)
-    _report(results, sorted({source for source, _, _, _ in cases}, reverse=True), counts, ranks)
+    _report(results, sorted({case[0] for case in cases}, reverse=True), counts, ranks)
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "open.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -280,8 +291,9 @@ def _report(results: dict[str, list[Any]], sources: list[str], counts: list[int]
     for key, rounds in results.items():
         summaries = [_summary(r) for r in rounds]
         med[key] = {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
-        source, n, world, case = key.split("|")
+        source, n, world, case, *nodes = key.split("|")
         m = med[key]
+        world = f"{world}/{nodes[0]}n" if nodes else world
         print(f"{source:<9}{int(n):>9,}{world:>6} {case:<5}{m['construct_s']:>12.3f}"
               f"{m['first_batch_s']:>14.3f}{m['peak_rss_mb']:>12.1f}{m['sum_rss_mb']:>11.1f}"
               f"{m['sum_pss_mb']:>11.1f}{m.get('steps_per_s', float('nan')):>9.1f}")
@@ -304,6 +316,14 @@ def _report(results: dict[str, list[Any]], sources: list[str], counts: list[int]
                           f"process, {this['sum_rss_mb'] - base['sum_rss_mb']:+.1f} MB RSS "
                           f"and {this['sum_pss_mb'] - base['sum_pss_mb']:+.1f} MB PSS over "
                           "the ranks")
+    for key, this in med.items():  # several nodes against one, the same ranks and shards
+        source, n, world, case, *nodes = key.split("|")
+        base = med.get("|".join((source, n, world, case)))
+        if nodes and base:
+            print(f"{source} {int(n):,} shards, {world} ranks as {nodes[0]} nodes vs one node, "
+                  f"{case}: peak RSS {this['peak_rss_mb'] - base['peak_rss_mb']:+.1f} MB a "
+                  f"process, {this['sum_pss_mb'] - base['sum_pss_mb']:+.1f} MB PSS over the "
+                  f"ranks, first batch {this['first_batch_s'] / base['first_batch_s']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -78,22 +78,32 @@ class StepFacts:
 
     def __init__(self, layout: UnitLayout | None, shards: np.ndarray, rows: np.ndarray) -> None:
         self.layout, self.shards, self.rows = layout, shards, rows
+        self._looked_up = layout is None
         self.keys: np.ndarray | None = shards
         self.where: np.ndarray | None = None
         self.values: list[np.ndarray] = []
-        if layout is None:
+
+    def _look_up(self) -> None:
+        """Look the samples' shards up (once, when first needed: a balanced step of canonical
+        partitions needs nothing)."""
+        if self._looked_up:
             return
+        self._looked_up = True
+        layout, shards = self.layout, self.shards
+        assert layout is not None
         fields = (PIECE, KEY, KEY_ROWS)
         if layout.dense:
             self.values, self.where = layout.lookup_indexed(shards, fields)
             self.keys = None
             return
+        keys = shards
         if shards.size > DISTINCT_AT:  # (many steps at once: each shard looked up once)
-            self.keys, self.where = distinct_values(shards, layout.num_shards)
-        self.values = layout.lookup(self.keys, fields)
+            keys, self.where = distinct_values(shards, layout.num_shards)
+        self.keys, self.values = keys, layout.lookup(keys, fields)
 
     def per_sample(self, values: np.ndarray, which: np.ndarray | None = None) -> np.ndarray:
         """``values`` (of :attr:`keys`) at each sample (of ``which``)."""
+        self._look_up()
         at = self.where if which is None or self.where is None else self.where[which]
         if at is None:
             return values if which is None else values[which]
@@ -101,6 +111,7 @@ class StepFacts:
 
     def offsets(self, offsets: ShardOffsets) -> np.ndarray:
         """Each sample's shard offset."""
+        self._look_up()
         if self.keys is None:
             assert self.layout is not None
             return self.per_sample(offsets.every(self.layout.num_shards))
@@ -109,6 +120,7 @@ class StepFacts:
     def piece(self) -> np.ndarray:
         if self.layout is None:
             return np.zeros(self.shards.shape, dtype=np.int64)
+        self._look_up()
         return self.rows // self.per_sample(self.values[0])
 
     def chunk_keys(self, which: np.ndarray | None = None) -> np.ndarray:
@@ -116,6 +128,7 @@ class StepFacts:
         if self.layout is None:
             return self.shards if which is None else self.shards[which]
         rows = self.rows if which is None else self.rows[which]
+        self._look_up()
         return self.per_sample(self.values[1], which) + rows // self.per_sample(
             self.values[2], which)
 
