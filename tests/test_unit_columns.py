@@ -8,6 +8,7 @@ steps of the split keep nothing per shard of a large index.
 from __future__ import annotations
 
 import hashlib
+import pickle
 import threading
 import tracemalloc
 
@@ -267,6 +268,10 @@ def test_the_index_columns_give_what_the_arrays_did(tmp_path) -> None:
     layout = unit_layout(index, 1 << 16, 8)
     assert layout == UnitLayout(rows, chunk, piece)
     assert layout.shard_counts() is index.shard_table.counts()
+    # (a DataLoader worker gets it pickled: the index and the two numbers, nothing per shard)
+    copy = pickle.loads(pickle.dumps(layout))
+    assert copy == layout and copy.sources[0].index.fingerprint == index.fingerprint
+    assert np.array_equal(copy.piece_of(shards, shards % 7), layout.piece_of(shards, shards % 7))
 
 
 def test_a_large_layout_and_its_split_keep_nothing_per_shard(tmp_path) -> None:
