@@ -298,3 +298,26 @@ def test_a_large_layout_and_its_split_keep_nothing_per_shard(tmp_path) -> None:
         tracemalloc.stop()
     assert not layout.dense
     assert kept < 3 << 20, f"{kept:,} bytes kept for {count:,} shards"
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_extreme_counts_are_answered_like_the_arrays(dense: bool) -> None:
+    # what a valid index can hold: a shard of 2**40 one-row chunks, chunks larger than their
+    # shard, empty shards; no sum of them may wrap
+    rows = np.array([1 << 40, 5, 0, 7, (1 << 40) + 3], dtype=np.int64)
+    chunk = np.array([1, 1 << 50, 0, 0, 3], dtype=np.int64)
+    piece = np.array([512, 1 << 50, 1, 1, 3 << 20], dtype=np.int64)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(unit_columns, "DENSE_SHARDS", 1 << 30 if dense else 0)
+        layout = UnitLayout(rows, chunk, piece)
+    ref = Reference(rows, chunk, piece, (5,))
+    assert layout.num_units == int(ref.chunk_base[-1]) > 1 << 40
+    s = np.array([0, 1, 2, 3, 4, 4, 0])
+    r = np.array([(1 << 40) - 1, 4, 0, 6, (1 << 40) + 2, 0, 12345])
+    assert np.array_equal(layout.piece_of(s, r), ref.piece_of(s, r))
+    assert np.array_equal(layout.chunk_of(s, r), ref.chunk_of(s, r))
+    for unit in (0, ref.num_pieces - 1, ref.num_pieces, int(ref.chunk_base[1]) - 1,
+                 int(ref.chunk_base[-1]) - 1):
+        assert layout.span(unit) == ref.span(unit)
+    with pytest.raises(PlanError, match="does not exist"):
+        layout.span(int(ref.chunk_base[-1]))
