@@ -321,3 +321,15 @@ def test_extreme_counts_are_answered_like_the_arrays(dense: bool) -> None:
         assert layout.span(unit) == ref.span(unit)
     with pytest.raises(PlanError, match="does not exist"):
         layout.span(int(ref.chunk_base[-1]))
+
+
+def test_the_median_chunk_is_kept_in_fixed_memory_exact_up_to_its_cap() -> None:
+    # (a histogram of MEDIAN_CAP + 1 counts, not one entry per distinct chunk size, which a
+    # dataset of varied samples has per shard)
+    cap = unit_columns.MEDIAN_CAP
+    rows = np.full(5, 10 * cap, dtype=np.int64)
+    chunk = np.array([3, 5, 2 * cap, 3 * cap, 0], dtype=np.int64)
+    layout = UnitLayout(rows, chunk, np.maximum(chunk, 1))
+    assert layout.typical_chunk_rows() == int((5 + cap) / 2)  # (np.median: (5 + 2 cap) / 2)
+    layout = UnitLayout(rows[:3], np.array([3, 5, 2 * cap]), np.array([3, 5, 2 * cap]))
+    assert layout.typical_chunk_rows() == 5

@@ -35,14 +35,18 @@ BLOCK_BITS = 7
 BLOCK = 1 << BLOCK_BITS
 #: Shards a scan reads at once when the tables are made (a multiple of BLOCK).
 SCAN = 1 << 16
-#: Shards the lookup cache holds (direct-mapped: shard ``k`` in slot ``k % SLOTS``).
+#: Shards the lookup cache holds (shard ``k`` in slot ``k % SLOTS`` or in a second slot
+#: that a multiplicative hash gives it).
 SLOTS = 1 << 14
-#: Layouts of at most this many shards keep every shard's numbers (40 bytes a shard, at
-#: most what the cache takes) and look them up by index.
+#: Layouts of at most this many shards keep every shard's numbers (56 bytes a shard, what
+#: the cache takes) and look them up by index.
 DENSE_SHARDS = SLOTS
 #: Lookups of more shards than this (a plan of many steps at once) look up each distinct
 #: shard once (:func:`distinct_values`).
 DISTINCT_AT = 4096
+#: Rows per chunk up to which the median is exact (a chunk of more rows counts as this
+#: many: what the median decides, pieces held twice below 4 rows a chunk, does not change).
+MEDIAN_CAP = 1 << 16
 _MOVES = 16  # slots an insertion tries before it drops what it moved last
 _EMPTY = np.iinfo(np.int64).min
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -50,8 +54,6 @@ _GOLDEN = 0x9E3779B97F4A7C15
 ROWS, CHUNK, PIECE, PIECE_BASE, CHUNK_BASE, KEY, KEY_ROWS = range(7)
 FIELDS = (ROWS, CHUNK, PIECE, PIECE_BASE, CHUNK_BASE, KEY, KEY_ROWS)
 _NONE = np.iinfo(np.int64).max
-
-
 _SHIFT = 64 - (SLOTS.bit_length() - 1)
 
 
@@ -78,6 +80,16 @@ def distinct_values(values: np.ndarray, bound: int) -> tuple[np.ndarray, np.ndar
     distinct = values[table[values] == positions]
     table[distinct] = np.arange(distinct.size, dtype=index)
     return distinct, table[values]
+
+
+def _median(histogram: np.ndarray) -> int:
+    """``int(np.median(...))`` of the values a histogram counts (0: none)."""
+    total = int(histogram.sum())
+    if total == 0:
+        return 0
+    cumulative = np.cumsum(histogram)
+    low, high = np.searchsorted(cumulative, [(total - 1) // 2 + 1, total // 2 + 1])
+    return int((int(low) + int(high)) / 2)
 
 
 def _other_slot(shards: np.ndarray) -> np.ndarray:
@@ -212,7 +224,8 @@ class ColumnTables:
         piece_base = np.zeros(blocks + 1, dtype=np.int64)
         chunk_base = np.zeros(blocks + 1, dtype=np.int64)
         samples = pieces = chunks = 0
-        values: dict[int, int] = {}  # rows per chunk of the cut shards: how many have each
+        # how many cut shards have each number of rows per chunk (beyond MEDIAN_CAP: there)
+        histogram = np.zeros(MEDIAN_CAP + 1, dtype=np.int64)
         smallest, largest = np.iinfo(np.int64).max, 0
         digest = hashlib.blake2b(digest_size=8)
         # (the digest is of every shard's rows, then chunk rows, then piece rows: one kind
@@ -231,10 +244,8 @@ class ColumnTables:
                 samples += int(rows.sum())
                 pieces += int(n_pieces.sum())
                 chunks += int(n_chunks.sum())
-                cut = chunk > 0
-                found, counted = np.unique(chunk[cut], return_counts=True)
-                for value, count in zip(found.tolist(), counted.tolist(), strict=True):
-                    values[value] = values.get(value, 0) + count
+                histogram += np.bincount(np.minimum(chunk[chunk > 0], MEDIAN_CAP),
+                                         minlength=MEDIAN_CAP + 1)
                 filled = rows > 0
                 if filled.any():
                     smallest = min(smallest, int(piece[filled].min()))
@@ -242,7 +253,8 @@ class ColumnTables:
         piece_base[-1], chunk_base[-1] = pieces, chunks
         self.num_samples, self.num_pieces, self.num_chunks = samples, pieces, chunks
         self._piece_blocks, self._chunk_blocks = piece_base, chunk_base
-        self._chunk_values = sorted(values.items())
+        self._cut_shards = int(histogram.sum())
+        self._median_chunk_rows = _median(histogram)
         #: The fewest rows a piece of a shard with rows has (None: no shard has rows).
         self.min_piece_rows: int | None = None if largest == 0 else smallest
         self.max_shard_rows = largest
@@ -275,23 +287,12 @@ class ColumnTables:
 
     @property
     def any_cut(self) -> bool:
-        return bool(self._chunk_values)
+        return self._cut_shards > 0
 
     def median_chunk_rows(self) -> int:
-        """The median rows per chunk of the cut shards (as ``int(np.median(...))``; 0: none
-        is cut)."""
-        total = sum(count for _, count in self._chunk_values)
-        if total == 0:
-            return 0
-        picks = []
-        for target in ((total - 1) // 2, total // 2):
-            seen = 0
-            for value, count in self._chunk_values:
-                seen += count
-                if seen > target:
-                    picks.append(value)
-                    break
-        return int((picks[0] + picks[1]) / 2)
+        """The median rows per chunk of the cut shards (as ``int(np.median(...))``, with
+        chunks of more than :data:`MEDIAN_CAP` rows counted as that many; 0: none is cut)."""
+        return self._median_chunk_rows
 
     # ------------------------------------------------------------------ lookups
 
