@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -258,7 +258,10 @@ class ColumnTables:
         #: The fewest rows a piece of a shard with rows has (None: no shard has rows).
         self.min_piece_rows: int | None = None if largest == 0 else smallest
         self.max_shard_rows = largest
-        self.digest_state = digest
+        self.digest_state: Any = digest  # (None in a copy unpickled: not needed again)
+        self._start_lookups()
+
+    def _start_lookups(self) -> None:
         self._lock = threading.Lock()
         self._tags = np.full(0, _EMPTY, dtype=np.int64)
         self._values = np.zeros((len(FIELDS), 0), dtype=np.int64)
@@ -268,6 +271,27 @@ class ColumnTables:
         else:
             self._tags = np.full(SLOTS, _EMPTY, dtype=np.int64)
             self._values = np.zeros((len(FIELDS), SLOTS), dtype=np.int64)
+
+    @property
+    def sources(self) -> list[ShardColumns]:
+        return self._joined.sources
+
+    _KEPT = ("num_shards", "num_samples", "num_pieces", "num_chunks", "_piece_blocks",
+             "_chunk_blocks", "_cut_shards", "_median_chunk_rows", "min_piece_rows",
+             "max_shard_rows")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy in another process needs, the scan's results included (a DataLoader
+        worker, a restarted rank's child: no second scan of every shard)."""
+        return {"sources": self._joined.sources,
+                **{name: getattr(self, name) for name in self._KEPT}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._joined = _Joined(state["sources"])
+        for name in self._KEPT:
+            setattr(self, name, state[name])
+        self.digest_state = None
+        self._start_lookups()
 
     def _scan(self) -> Iterator[tuple[int, int, tuple[np.ndarray, ...]]]:
         for first in range(0, self.num_shards, SCAN):

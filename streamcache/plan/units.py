@@ -102,13 +102,16 @@ class UnitLayout:
         layout._set(list(sources))
         return layout
 
-    def _set(self, sources: list[ShardColumns]) -> None:
+    def _set(self, sources: list[ShardColumns], tables: ColumnTables | None = None,
+             digest: str | None = None) -> None:
         self.sources = sources
         self.parts = tuple(int(s.num_shards) for s in sources)
-        self._tables = ColumnTables(sources)
-        digest = self._tables.digest_state.copy()
-        digest.update(np.asarray(self.parts, dtype=np.int64).tobytes())
-        self.digest = digest.hexdigest()
+        self._tables = ColumnTables(sources) if tables is None else tables
+        if digest is None:
+            hashed = self._tables.digest_state.copy()
+            hashed.update(np.asarray(self.parts, dtype=np.int64).tobytes())
+            digest = hashed.hexdigest()
+        self.digest = digest
         self._part_first = np.concatenate(([0], np.cumsum(self.parts))).astype(np.int64)
         self._bounds: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._spans: dict[int, tuple[int, int, int]] = {}  # (the units asked last)
@@ -126,7 +129,7 @@ class UnitLayout:
         return hash(self.digest)
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (UnitLayout.of, (self.sources,))
+        return (_unpickled, (self._tables, self.digest))
 
     def __repr__(self) -> str:
         return (f"UnitLayout({self.num_shards} shards, {self.num_pieces} pieces, "
@@ -343,6 +346,13 @@ class UnitLayout:
             return False
         shard, _, rows = self.span(unit)
         return rows == int(self.rows_of(np.array([shard]))[0])
+
+
+def _unpickled(tables: ColumnTables, digest: str) -> UnitLayout:
+    """A layout pickled in another process (its tables carry the scan's results)."""
+    layout = object.__new__(UnitLayout)
+    layout._set(list(tables.sources), tables, digest)
+    return layout
 
 
 def concatenate(layouts: list[UnitLayout]) -> UnitLayout:
