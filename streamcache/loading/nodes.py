@@ -116,7 +116,8 @@ class IndexUnitColumns:
 
 def valid_at(column: pa.Array, at: np.ndarray) -> np.ndarray:
     """Whether each entry ``at`` of an Arrow column is set (read from its validity bitmap:
-    nothing made per entry of the column)."""
+    nothing made per entry of the column; a chunked column, which the shard table does not
+    keep, is combined first)."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     bitmap = column.buffers()[0]

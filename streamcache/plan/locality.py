@@ -102,8 +102,8 @@ class LocalityAssignment:
         self._weyl_group = np.uint64((dual_key >> 32) % _WEYL_SIZE | 1)
         self._last: tuple[Any, int, tuple[int, ...], np.ndarray, np.ndarray] | None = None
         self._lock = threading.Lock()
-        # each shard's offset, kept for the last shards seen (direct-mapped, as the layout's
-        # lookups: nothing per shard of the dataset)
+        # each shard's offset, kept for the last shards seen (a small direct-mapped cache:
+        # nothing per shard of the dataset)
         self._offsets = ShardOffsets(self.key, num_nodes)
 
     def __repr__(self) -> str:
