@@ -186,8 +186,8 @@ class LocalityAssignment:
         rows = np.zeros_like(shards) if rows is None else np.asarray(rows, dtype=np.int64)
         if self.num_nodes == 1 or shards.size == 0:
             return np.zeros(shards.shape, dtype=np.int64)
-        pieces = 0 if self.layout is None else self.layout.piece_index(shards, rows)
-        return (self._offsets(shards) + pieces) % self.num_nodes
+        facts = StepFacts(self.layout, shards.ravel(), rows.ravel())
+        return self._sample_nodes(facts.shards, facts.rows, facts).reshape(shards.shape)
 
     def backups(self, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The node that also holds the piece of each (shard, row), -1 where only its owner
@@ -196,9 +196,27 @@ class LocalityAssignment:
         rows = np.asarray(rows, dtype=np.int64)
         if self.dual == 0 or shards.size == 0:
             return np.full(shards.shape, -1, dtype=np.int64)
-        piece = self._piece_index(shards, rows)
-        backup = self._backup(shards, piece, self.owners(shards, rows))
-        return np.where(self._twice(shards, piece), backup, -1)
+        facts = StepFacts(self.layout, shards.ravel(), rows.ravel())
+        return self._backups(facts, self._sample_nodes(facts.shards, facts.rows, facts)
+                             ).reshape(shards.shape)
+
+    def holds(self, shards: np.ndarray, rows: np.ndarray, node: int) -> np.ndarray:
+        """Whether ``node`` holds the piece of each (shard, row): its owner or its backup
+        (each distinct shard looked up once for both)."""
+        shards = np.asarray(shards, dtype=np.int64)
+        rows = np.asarray(rows, dtype=np.int64)
+        if self.dual == 0 or shards.size == 0:
+            return self.owners(shards, rows) == node
+        facts = StepFacts(self.layout, shards.ravel(), rows.ravel())
+        owners = self._sample_nodes(facts.shards, facts.rows, facts)
+        held = (owners == node) | (self._backups(facts, owners) == node)
+        return held.reshape(shards.shape)
+
+    def _backups(self, facts: StepFacts, owners: np.ndarray) -> np.ndarray:
+        """:meth:`backups` of flat samples whose owners are known."""
+        piece = facts.piece()
+        backup = self._backup(facts.shards, piece, owners)
+        return np.where(self._twice(facts.shards, piece), backup, -1)
 
     def _twice(self, shards: np.ndarray, piece: np.ndarray) -> np.ndarray:
         """Whether each piece (shard, index in it) is held twice.
@@ -218,10 +236,6 @@ class LocalityAssignment:
         rounds += shards.astype(np.uint64) * _GOLDEN
         distance = 1 + ((rounds >> np.uint64(32)) % np.uint64(count - 1)).astype(np.int64)
         return (owners + distance) % count
-
-    def holds(self, shards: np.ndarray, rows: np.ndarray, node: int) -> np.ndarray:
-        """Whether ``node`` holds the piece of each (shard, row): its owner or its backup."""
-        return (self.owners(shards, rows) == node) | (self.backups(shards, rows) == node)
 
     def unit_owners(self, units: np.ndarray) -> np.ndarray:
         """The node (int64) that owns each piece unit of :attr:`layout` (chunk units: their
@@ -318,12 +332,6 @@ class LocalityAssignment:
         released, hashed = released_samples(candidate, nodes[candidate], hashed, width, surplus)
         nodes[released] = self._receivers(nodes[released], hashed, step_of[released],
                                           np.maximum(0, -surplus))
-
-    def _piece_index(self, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Each row's piece within its shard (0 without a layout)."""
-        if self.layout is None:
-            return np.zeros(shards.shape, dtype=np.int64)
-        return self.layout.piece_index(shards, rows)
 
     def _chunk_keys(self, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Each row's chunk unit, or its piece unit in a shard that is not cut (its shard

@@ -82,6 +82,7 @@ class StepFacts:
         self.keys: np.ndarray | None = shards
         self.where: np.ndarray | None = None
         self.values: list[np.ndarray] = []
+        self._piece: np.ndarray | None = None
 
     def _look_up(self) -> None:
         """Look the samples' shards up (once, when first needed: a balanced step of canonical
@@ -118,10 +119,14 @@ class StepFacts:
         return self.per_sample(offsets(self.keys))
 
     def piece(self) -> np.ndarray:
-        if self.layout is None:
-            return np.zeros(self.shards.shape, dtype=np.int64)
-        self._look_up()
-        return self.rows // self.per_sample(self.values[0])
+        """Each sample's piece within its shard (kept: the split and ``holds`` ask twice)."""
+        if self._piece is None:
+            if self.layout is None:
+                self._piece = np.zeros(self.shards.shape, dtype=np.int64)
+            else:
+                self._look_up()
+                self._piece = self.rows // self.per_sample(self.values[0])
+        return self._piece
 
     def chunk_keys(self, which: np.ndarray | None = None) -> np.ndarray:
         """The chunk keys of the samples ``which`` (all by default)."""
