@@ -40,10 +40,6 @@ from ..plan.shards import ShardCounts
 from ..plan.units import UnitLayout, piece_rows_for
 from .topology import NodeTopology, resolve_nodes
 
-#: A scan of the order ahead for :class:`UnitAdvice` looks at this many positions per unit
-#: row at least (every unit is seen while in use).
-_SCAN_HITS = 8
-
 
 def fingerprint_of(cursor: Any) -> str:
     """What identifies the data a cursor reads: a dataset's fingerprint, or a mixture's
@@ -243,10 +239,12 @@ class NodeLocality:
 class UnitAdvice:
     """The units one node reads next, and when: from a scan of the order ahead.
 
-    A piece's rows are spread over the shuffle window that reads its part of the shard, so
-    looking ``span`` positions ahead (a window and a half) at a stride that sees every piece
-    several times finds the node's pieces in order of first use. Chunks of other nodes'
-    pieces are not advised (they are installed when first read).
+    Every position ``span`` ahead (a window and a half) is looked at, so each of the node's
+    pieces is found at its first use. (A piece's rows are spread over the shuffle window that
+    reads its part of the shard, about one in ``window / piece rows`` positions: a scan at a
+    stride of ``s`` would find a piece only about ``s * window / piece rows`` positions after
+    its first use, an eighth of a window late at a stride of an eighth of a piece.) Chunks of
+    other nodes' pieces are not advised (they are installed when first read).
 
     Thread safety: every method may be called from any thread.
     """
@@ -259,8 +257,7 @@ class UnitAdvice:
         self.node = node
         total = order.num_samples
         self.span = scan_span(window_rows, total)
-        smallest = _smallest_piece(layout)
-        self.stride = max(1, min(smallest, self.span) // _SCAN_HITS)
+        self.stride = 1
         self._lock = threading.Lock()
         self._scanned: tuple[int, np.ndarray, np.ndarray] | None = None
 
@@ -316,21 +313,10 @@ def scan_span(window_rows: int, num_samples: int) -> int:
 
 
 def units_in_span(layout: UnitLayout, num_nodes: int, span: int) -> int:
-    """About the most units of one node that ``span`` consecutive positions read: its share
-    of the pieces of the smallest size, and one more piece per shard the span cuts."""
-    smallest = _smallest_piece(layout)
+    """A bound on the units of one node that ``span`` consecutive positions read: a unit
+    per position, the node's share of them, and one more piece per shard the span cuts."""
     shards = span // max(1, layout.max_shard_rows) + 2
-    return -(-span // (smallest * num_nodes)) + shards
-
-
-def _smallest_piece(layout: UnitLayout) -> int:
-    """The piece rows the scan's stride and the lookahead are computed from: 1, so every
-    position of the span is scanned and every unit in it counted. (The smallest piece,
-    :attr:`UnitLayout.min_piece_rows`, reads as what was meant, but the code has always
-    taken ``min(..., initial=1)``, which is 1, and every multi-node measurement was made so;
-    a stride of a piece's rows changes what the scan sees and the prefetcher's depth.)"""
-    del layout
-    return 1
+    return -(-span // num_nodes) + shards
 
 
 def node_working_set(indexes: Sequence[DatasetIndex], layout: UnitLayout, working_set: int,

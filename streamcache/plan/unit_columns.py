@@ -226,7 +226,7 @@ class ColumnTables:
         samples = pieces = chunks = 0
         # how many cut shards have each number of rows per chunk (beyond MEDIAN_CAP: there)
         histogram = np.zeros(MEDIAN_CAP + 1, dtype=np.int64)
-        smallest, largest = np.iinfo(np.int64).max, 0
+        largest = 0
         digest = hashlib.blake2b(digest_size=8)
         # (the digest is of every shard's rows, then chunk rows, then piece rows: one kind
         # per scan, as it always was, so a layout's units keep their cache folder)
@@ -246,17 +246,12 @@ class ColumnTables:
                 chunks += int(n_chunks.sum())
                 histogram += np.bincount(np.minimum(chunk[chunk > 0], MEDIAN_CAP),
                                          minlength=MEDIAN_CAP + 1)
-                filled = rows > 0
-                if filled.any():
-                    smallest = min(smallest, int(piece[filled].min()))
                 largest = max(largest, int(rows.max(initial=0)))
         piece_base[-1], chunk_base[-1] = pieces, chunks
         self.num_samples, self.num_pieces, self.num_chunks = samples, pieces, chunks
         self._piece_blocks, self._chunk_blocks = piece_base, chunk_base
         self._cut_shards = int(histogram.sum())
         self._median_chunk_rows = _median(histogram)
-        #: The fewest rows a piece of a shard with rows has (None: no shard has rows).
-        self.min_piece_rows: int | None = None if largest == 0 else smallest
         self.max_shard_rows = largest
         self.digest_state: Any = digest  # (None in a copy unpickled: not needed again)
         self._start_lookups()
@@ -277,8 +272,7 @@ class ColumnTables:
         return self._joined.sources
 
     _KEPT = ("num_shards", "num_samples", "num_pieces", "num_chunks", "_piece_blocks",
-             "_chunk_blocks", "_cut_shards", "_median_chunk_rows", "min_piece_rows",
-             "max_shard_rows")
+             "_chunk_blocks", "_cut_shards", "_median_chunk_rows", "max_shard_rows")
 
     def __getstate__(self) -> dict[str, Any]:
         """What a copy in another process needs, the scan's results included (a DataLoader

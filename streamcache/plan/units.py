@@ -165,11 +165,6 @@ class UnitLayout:
         return self._tables.any_cut
 
     @property
-    def min_piece_rows(self) -> int | None:
-        """The fewest rows a piece of a shard with rows has (None: no shard has rows)."""
-        return self._tables.min_piece_rows
-
-    @property
     def max_shard_rows(self) -> int:
         return self._tables.max_shard_rows
 
