@@ -8,7 +8,9 @@ steps of the split keep nothing per shard of a large index.
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
+import signal
 import threading
 import tracemalloc
 
@@ -336,3 +338,29 @@ def test_the_median_chunk_is_kept_in_fixed_memory_exact_up_to_its_cap() -> None:
     assert layout.typical_chunk_rows() == int((5 + cap) / 2)  # (np.median: (5 + 2 cap) / 2)
     layout = UnitLayout(rows[:3], np.array([3, 5, 2 * cap]), np.array([3, 5, 2 * cap]))
     assert layout.typical_chunk_rows() == 5
+
+
+def test_a_child_forked_while_a_lookup_held_the_locks_looks_up_alike() -> None:
+    # a DataLoader worker is forked while the parent's threads may be inside a lookup: the
+    # child gets fresh locks and empty caches (a slot may have been between tag and values)
+    count = 2 * SLOTS + 5
+    rows = np.full(count, 40, dtype=np.int64)
+    chunk = np.full(count, 4, dtype=np.int64)
+    layout = UnitLayout(rows, chunk, np.full(count, 8, dtype=np.int64))
+    split = LocalityAssignment(4, locality_key("fork"), layout, 64)
+    shards = np.arange(0, count, 97)
+    expected = (layout.piece_of(shards, shards % 40), split.owners(shards, shards % 40))
+    layout._tables._tags[:] = shards[0]  # (what a torn slot could leave: a tag, wrong values)
+    with layout._tables._lock, split._offsets._lock, split._lock:
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's "threads" hold every lock
+            code = 1
+            try:
+                signal.alarm(20)
+                got = (layout.piece_of(shards, shards % 40), split.owners(shards, shards % 40))
+                code = 0 if all(np.array_equal(a, b) for a, b in zip(
+                    got, expected, strict=True)) else 3
+            finally:
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .. import forksafe
 from ._util import PlanError, check_int
 from .bijection import MASK64, counter_hash, derive_key
 from .flows import flexible_moves
@@ -102,9 +103,13 @@ class LocalityAssignment:
         self._weyl_group = np.uint64((dual_key >> 32) % _WEYL_SIZE | 1)
         self._last: tuple[Any, int, tuple[int, ...], np.ndarray, np.ndarray] | None = None
         self._lock = threading.Lock()
+        forksafe.register(self)
         # each shard's offset, kept for the last shards seen (a small direct-mapped cache:
         # nothing per shard of the dataset)
         self._offsets = ShardOffsets(self.key, num_nodes)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # (a parent's thread may have held it)
 
     def __repr__(self) -> str:
         return (f"LocalityAssignment(num_nodes={self.num_nodes}, key={self.key:#x}, "

@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 
+from .. import forksafe
 from .owners import shard_offsets
 from .unit_columns import DISTINCT_AT, KEY, KEY_ROWS, PIECE, distinct_values
 from .units import UnitLayout
@@ -31,11 +32,18 @@ class ShardOffsets:
 
     def __init__(self, key: int, num_nodes: int) -> None:
         self.key, self.num_nodes = key, num_nodes
+        self._values = np.zeros(OFFSET_SLOTS, dtype=np.int64)
+        self._every: np.ndarray | None = None
+        self._after_fork_in_child()
+        forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        """A fresh lock and an empty cache (also what a new one starts with): a parent's
+        thread may have held the lock, or been between a slot's tag and its value, when the
+        fork came."""
         self._lock = threading.Lock()
         # (an empty slot's tag is a shard of another slot: no shard asked matches it)
         self._tags = (np.arange(OFFSET_SLOTS, dtype=np.int64) + 1) & (OFFSET_SLOTS - 1)
-        self._values = np.zeros(OFFSET_SLOTS, dtype=np.int64)
-        self._every: np.ndarray | None = None
 
     def __call__(self, shards: np.ndarray) -> np.ndarray:
         shards = np.asarray(shards, dtype=np.int64)

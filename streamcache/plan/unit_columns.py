@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .. import forksafe
 from ._util import PlanError
 
 BLOCK_BITS = 7
@@ -257,6 +258,7 @@ class ColumnTables:
         self._start_lookups()
 
     def _start_lookups(self) -> None:
+        forksafe.register(self)
         self._lock = threading.Lock()
         self._tags = np.full(0, _EMPTY, dtype=np.int64)
         self._values = np.zeros((len(FIELDS), 0), dtype=np.int64)
@@ -266,6 +268,12 @@ class ColumnTables:
         else:
             self._tags = np.full(SLOTS, _EMPTY, dtype=np.int64)
             self._values = np.zeros((len(FIELDS), SLOTS), dtype=np.int64)
+
+    def _after_fork_in_child(self) -> None:
+        """A fresh lock and an empty cache: a parent's thread may have held the lock, or been
+        between a slot's tag and its values, when the fork came."""
+        self._lock = threading.Lock()
+        self._tags.fill(_EMPTY)
 
     @property
     def sources(self) -> list[ShardColumns]:
