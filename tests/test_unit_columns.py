@@ -351,7 +351,7 @@ def test_a_child_forked_while_a_lookup_held_the_locks_looks_up_alike() -> None:
     shards = np.arange(0, count, 97)
     expected = (layout.piece_of(shards, shards % 40), split.owners(shards, shards % 40))
     layout._tables._tags[:] = shards[0]  # (what a torn slot could leave: a tag, wrong values)
-    with layout._tables._lock, split._offsets._lock, split._lock:
+    with layout._tables._lock, split._offsets._lock:
         pid = os.fork()
         if pid == 0:  # the child: the parent's "threads" hold every lock
             code = 1

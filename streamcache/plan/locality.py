@@ -28,13 +28,11 @@ works for a mixture's order (a combined shard index space). Pure; no I/O.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
-from .. import forksafe
 from ._util import PlanError, check_int
 from .bijection import MASK64, counter_hash, derive_key
 from .flows import flexible_moves
@@ -102,14 +100,9 @@ class LocalityAssignment:
         self._weyl_shard = np.uint64(dual_key % _WEYL_SIZE | 1)  # (per dataset)
         self._weyl_group = np.uint64((dual_key >> 32) % _WEYL_SIZE | 1)
         self._last: tuple[Any, int, tuple[int, ...], np.ndarray, np.ndarray] | None = None
-        self._lock = threading.Lock()
-        forksafe.register(self)
         # each shard's offset, kept for the last shards seen (a small direct-mapped cache:
         # nothing per shard of the dataset)
         self._offsets = ShardOffsets(self.key, num_nodes)
-
-    def _after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()  # (a parent's thread may have held it)
 
     def __repr__(self) -> str:
         return (f"LocalityAssignment(num_nodes={self.num_nodes}, key={self.key:#x}, "
@@ -262,8 +255,7 @@ class LocalityAssignment:
         by_rank = np.argsort(nodes, kind="stable")
         starts = np.zeros(len(sizes) + 1, dtype=np.int64)
         np.cumsum(sizes, out=starts[1:])
-        with self._lock:
-            self._last = (order, batch_start, sizes, by_rank, starts)
+        self._last = (order, batch_start, sizes, by_rank, starts)  # (one rebinding: atomic)
         return by_rank, starts
 
     def _node_targets(self, sizes: tuple[int, ...]) -> np.ndarray:
