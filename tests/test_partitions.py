@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -264,3 +266,22 @@ def test_a_hostile_partitions_value_in_a_state_is_refused_and_changes_nothing(
             loader.load_state_dict(state)
         assert loader.state_dict() == before
         assert len([batch for batch in loader]) == 130 // 16
+
+
+def test_a_child_forked_while_a_partition_order_was_being_built_reads_alike() -> None:
+    # (a DataLoader worker forked while a parent's thread held the build lock)
+    counts = ShardCounts.of(np.full(40, 25, dtype=np.int64))
+    order = EpochOrder(counts, 3, 0, ShuffleOptions(partitions=4))
+    expected = order.samples(0, 1000)[0]
+    fresh = EpochOrder(counts, 3, 0, ShuffleOptions(partitions=4))
+    with fresh._partitions._lock:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                signal.alarm(20)
+                code = 0 if np.array_equal(fresh.samples(0, 1000)[0], expected) else 3
+            finally:
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -42,6 +42,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .. import forksafe
 from ._util import PlanError
 from .bijection import MASK64, derive_key
 from .shards import ShardCounts
@@ -108,6 +109,10 @@ class Partitions:
         self._seed, self._epoch, self._make = seed, epoch, make_order
         self._orders: list[tuple[_Order, int, int] | None] = [None] * count
         self._lock = threading.Lock()
+        forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # (a parent's thread may have been building an order)
 
     def resolve(self, positions: np.ndarray) -> np.ndarray:
         """A (2, n) int64 array: the sample id and the shard at each position."""
