@@ -205,10 +205,6 @@ class UnitLayout:
     def rows_of(self, shards: np.ndarray) -> np.ndarray:
         return self.lookup(shards, (ROWS,))[0]
 
-    def chunk_rows_of(self, shards: np.ndarray) -> np.ndarray:
-        """Rows per chunk of each shard (0 where it is not cut)."""
-        return self.lookup(shards, (CHUNK,))[0]
-
     def piece_rows_of(self, shards: np.ndarray) -> np.ndarray:
         return self.lookup(shards, (PIECE,))[0]
 
