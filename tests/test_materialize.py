@@ -16,7 +16,13 @@ import pytest
 
 from streamcache.errors import SchemaError, ShardCorruptError
 from streamcache.format.columns import build_column
-from streamcache.format.materialize import decode_shard, is_local_layout, materialize
+from streamcache.format.materialize import (
+    decode_shard,
+    is_local_layout,
+    materialize,
+    recorded_copy_of,
+    restamp,
+)
 from streamcache.format.schema import Field, Schema
 
 SCHEMA = Schema([Field.tensor("x", "int64"), Field.sequence("t", "int32"), Field("s", "str")])
@@ -122,3 +128,24 @@ def test_bad_shards_are_refused_with_what_is_wrong() -> None:
         decode_shard(good, "arrow", Schema([Field("x", "bytes")]), where="shard-7")
     # a narrower integer is a checked cast: the values 0..4 fit in int8
     assert decode_shard(good, "arrow", narrow, where="shard-7").column("x").type == pa.int8()
+
+
+def test_restamp_keeps_every_chunk_of_an_uncompressed_chunked_file(tmp_path: Path) -> None:
+    """A node's unit that is a whole shard stored uncompressed is installed as downloaded,
+    then stamped with what it is a copy of: the stamp rewrote only the first record batch
+    (of ~1,000 chunks), so the unit held the first chunk's rows."""
+    batch = canonical()
+    path = tmp_path / "unit.arrow"
+    with ipc.new_file(str(path), SCHEMA.arrow_schema()) as writer:
+        for part in (batch.slice(0, 2), batch.slice(2, 0), batch.slice(2)):
+            writer.write_batch(part)
+    restamp(str(path), "fp#12")
+    assert recorded_copy_of(str(path)) == "fp#12"
+    for _ in range(2):  # the second: already stamped, left as it is
+        with pa.memory_map(str(path)) as source:
+            reader = ipc.open_file(source)
+            assert [reader.get_batch(i).num_rows for i in range(3)] == [2, 0, 3]
+            assert reader.read_all().combine_chunks().to_batches()[0].equals(
+                batch.replace_schema_metadata(reader.schema.metadata))
+        restamp(str(path), "fp#12")
+    assert os.listdir(tmp_path) == ["unit.arrow"]

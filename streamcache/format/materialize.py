@@ -89,9 +89,7 @@ def write_local_layout(batch: pa.RecordBatch, path: str, *, durable: bool = Fals
     a partial file under ``path``.
     """
     if copy_of is not None:
-        metadata = dict(batch.schema.metadata or {})
-        metadata[COPY_OF_KEY] = copy_of.encode()
-        batch = batch.replace_schema_metadata(metadata)
+        batch = batch.replace_schema_metadata(_stamped(batch.schema, copy_of).metadata)
     with storage.atomic_path(path, durable=durable) as temp:
         with open(temp, "wb") as raw, ipc.new_file(raw, batch.schema) as writer:
             writer.write_batch(batch)
@@ -106,6 +104,13 @@ def materialize(data: Any, fmt: str, schema: Schema, path: str, *, where: str,
     ``copy_of``, see :func:`write_local_layout`); returns bytes."""
     batch = decode_shard(data, fmt, schema, where=where, expected_rows=expected_rows)
     return write_local_layout(batch, path, durable=durable, copy_of=copy_of)
+
+
+def _stamped(schema: pa.Schema, copy_of: str) -> pa.Schema:
+    """``schema`` recording that its file is a copy of ``copy_of`` (:data:`COPY_OF_KEY`)."""
+    metadata = dict(schema.metadata or {})
+    metadata[COPY_OF_KEY] = copy_of.encode()
+    return schema.with_metadata(metadata)
 
 
 def recorded_copy_of(path: str) -> str | None:
@@ -127,9 +132,12 @@ def restamp(path: str, copy_of: str, *, durable: bool = False) -> None:
         return
     with pa.memory_map(path, "r") as mm:
         reader = ipc.open_file(mm)
-        batch = (reader.get_batch(0) if reader.num_record_batches
-                 else pa.RecordBatch.from_pylist([], schema=reader.schema))
-        write_local_layout(batch, path, durable=durable, copy_of=copy_of)
+        stamped = _stamped(reader.schema, copy_of)
+        with storage.atomic_path(path, durable=durable) as temp, open(temp, "wb") as raw, \
+                ipc.new_file(raw, stamped) as writer:
+            for i in range(reader.num_record_batches):  # every batch (chunks included)
+                writer.write_batch(reader.get_batch(i).replace_schema_metadata(
+                    stamped.metadata))
 
 
 def is_local_layout(path: str, schema: Schema) -> bool:
