@@ -112,8 +112,11 @@ def open_pieces(footer: Footer, size: int, pieces: list[tuple[int, bytes]], url:
     Arrow IPC file (chunked Arrow shards) or a ParquetFile that checks page CRCs."""
     source = sparse_file(size, pieces)
     try:
-        return ipc.open_file(source) if footer.digests is not None else \
-            pq.ParquetFile(source, page_checksum_verification=True)
+        if footer.digests is None:
+            return pq.ParquetFile(source, page_checksum_verification=True)
+        # (chunks decoded one at a time on the caller's thread: the pool's hand-over of a
+        # 64 KiB chunk's buffers costs more than decoding them, see materialize.py)
+        return ipc.open_file(source, options=ipc.IpcReadOptions(use_threads=False))
     except (pa.ArrowInvalid, OSError) as exc:  # (the footer was read before)
         raise ShardCorruptError(f"{url}: its footer cannot be read again ({exc})") from exc
 
