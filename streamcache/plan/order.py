@@ -74,8 +74,6 @@ class EpochOrder:
             raise PlanError(f"too many shards ({counts.num_shards}); at most {MAX_DOMAIN}")
         self.counts = counts
         self._stream = ShardStream(counts, self.seed, self.epoch, shuffle.enabled)
-        self.shard_rows = counts.rows
-        self.shard_offsets = counts.offsets
         self.num_shards = counts.num_shards
         self.num_samples = counts.total
         if self.num_samples == 0:
@@ -87,6 +85,16 @@ class EpochOrder:
             self._partitions is None else []
         self._cache_bytes = check_int("cache_bytes", cache_bytes, minimum=0)
         self._blocks = PositionBlocks(self._resolve, self.num_samples, self._cache_bytes)
+
+    @property
+    def shard_rows(self) -> np.ndarray:
+        """Every shard's row count (the counts' own array; made on demand for a partition's)."""
+        return self.counts.rows
+
+    @property
+    def shard_offsets(self) -> np.ndarray:
+        """Every shard's first sample id, and the total (as :attr:`shard_rows`)."""
+        return self.counts.offsets
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled as its arguments (for worker processes started with spawn): the order is
@@ -144,7 +152,7 @@ class EpochOrder:
         check_span(start, stop, self.num_samples)
         resolved = self._blocks.lookup(start, stop)
         shards = resolved[1].copy()
-        return resolved[0].copy(), shards, resolved[0] - self.shard_offsets[shards]
+        return resolved[0].copy(), shards, resolved[0] - self.counts.first_ids(shards)
 
     def samples_at(self, positions: np.ndarray | Sequence[int]
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -154,7 +162,7 @@ class EpochOrder:
         pos = check_positions(positions, self.num_samples)
         resolved = self._resolve(pos.ravel())
         shards = resolved[1]
-        rows = resolved[0] - self.shard_offsets[shards]
+        rows = resolved[0] - self.counts.first_ids(shards)
         return (resolved[0].reshape(pos.shape), shards.reshape(pos.shape),
                 rows.reshape(pos.shape))
 
@@ -181,8 +189,8 @@ class EpochOrder:
             PositionOutOfRangeError: an id outside ``[0, num_samples)``.
         """
         ids = check_positions(ids, self.num_samples)
-        shards = np.searchsorted(self.shard_offsets, ids, side="right") - 1
-        return shards, ids - self.shard_offsets[shards]
+        shards = self.counts.shard_of(ids)
+        return shards, ids - self.counts.first_ids(shards)
 
     # ---------------------------------------------------------------- internals
 

@@ -45,7 +45,7 @@ import numpy as np
 from .. import forksafe
 from ._util import PlanError
 from .bijection import MASK64, derive_key
-from .shards import ShardCounts
+from .shards import ClippedCounts, ShardCounts
 from .shuffle import ShuffleOptions
 
 TAG_PARTITION = 8  # domain tag of the partitions' seeds (see bijection's tags)
@@ -82,19 +82,21 @@ class Partitions:
         counts: the dataset's shard row counts.
         seed, epoch: the order's.
         shuffle: the order's options (``partitions > 0``).
-        make_order: builds a partition's own order (``EpochOrder``), from its shards' row
-            counts, a seed, the epoch and options without partitions.
+        make_order: builds a partition's own order (``EpochOrder``), from its shards' counts
+            (a :class:`ClippedCounts`: views of ``counts``), a seed, the epoch and options
+            without partitions.
 
     Raises:
         PlanError: more partitions than samples.
 
-    Memory: each partition's order is built when first used and holds its shards' row counts
-    (all partitions together: about the dataset's shard table). Thread safety: :meth:`resolve`
-    may be called from several threads at once.
+    Memory: each partition's order is built when first used; its shards' counts are views of
+    ``counts`` (nothing per shard is copied; they were, ~16 bytes a shard an epoch). Thread
+    safety: :meth:`resolve` may be called from several threads at once.
     """
 
     def __init__(self, counts: ShardCounts, seed: int, epoch: int, shuffle: ShuffleOptions,
-                 make_order: Callable[[np.ndarray, int, int, ShuffleOptions], _Order]) -> None:
+                 make_order: Callable[[ShardCounts, int, int, ShuffleOptions], _Order],
+                 ) -> None:
         count = shuffle.partitions
         if count > counts.total:
             raise PlanError(f"{count} partitions of {counts.total} samples: every partition "
@@ -165,10 +167,10 @@ class Partitions:
                 offsets = self.counts.offsets
                 first = int(np.searchsorted(offsets, start, side="right")) - 1
                 last = int(np.searchsorted(offsets, stop, side="left"))  # (exclusive)
-                rows = (np.minimum(offsets[first + 1:last + 1], stop)
-                        - np.maximum(offsets[first:last], start))
+                # (a view of the dataset's offsets: nothing per shard is copied)
+                counts = ClippedCounts(offsets[first:last + 1], start, stop)
                 seed = derive_key(self._seed, part, TAG_PARTITION) & MASK64
-                built = (self._make(rows, seed, self._epoch, self._options), start, first)
+                built = (self._make(counts, seed, self._epoch, self._options), start, first)
                 self._orders[part] = built
         return built
 

@@ -89,6 +89,14 @@ class ShardCounts:
         mapped table, not two: its pages are what each process maps)."""
         return self.offsets[shards + 1] - self.offsets[shards]
 
+    def first_ids(self, shards: np.ndarray) -> np.ndarray:
+        """The sample id of each of ``shards``' first row (``offsets[shards]``)."""
+        return self.offsets[shards]
+
+    def shard_of(self, ids: np.ndarray) -> np.ndarray:
+        """The shard holding each sample id (empty shards hold none)."""
+        return np.searchsorted(self.offsets, ids, side="right") - 1
+
     def histogram(self) -> tuple[np.ndarray, np.ndarray]:
         """``(values, counts)``: each distinct row count, ascending, and its number of shards."""
         if self._histogram is None:
@@ -110,6 +118,53 @@ class ShardCounts:
 
     def __repr__(self) -> str:
         return f"ShardCounts({self.num_shards} shards, {self.total} rows)"
+
+
+class ClippedCounts(ShardCounts):
+    """The samples ``[start, stop)`` of a dataset as shards of their own, numbered from 0:
+    the dataset's shards that hold them, the first and last cut to them (a canonical
+    partition's, plan/partitions.py). Nothing is copied: ``absolute`` is a view of the
+    dataset's offsets (``offsets[first:last + 1]``, the shards holding ``start`` and
+    ``stop - 1``); counts and starts are computed from it when asked. ``rows`` and
+    ``offsets`` are made on demand (O(shards)): the order asks only for the methods.
+    """
+
+    __slots__ = ("_absolute", "_start", "_stop")
+
+    def __init__(self, absolute: np.ndarray, start: int, stop: int) -> None:
+        self._absolute = absolute
+        self._start, self._stop = start, stop
+        self.total = stop - start
+        self._histogram = None
+
+    @property
+    def rows(self) -> np.ndarray:  # type: ignore[override]
+        return self.rows_of(np.arange(self.num_shards, dtype=np.int64))
+
+    @property
+    def offsets(self) -> np.ndarray:  # type: ignore[override]
+        return np.clip(self._absolute, self._start, self._stop) - self._start
+
+    @property
+    def num_shards(self) -> int:
+        return int(self._absolute.size) - 1
+
+    def rows_of(self, shards: np.ndarray) -> np.ndarray:
+        absolute = self._absolute
+        return (np.minimum(absolute[shards + 1], self._stop)
+                - np.maximum(absolute[shards], self._start))
+
+    def first_ids(self, shards: np.ndarray) -> np.ndarray:
+        return np.maximum(self._absolute[shards], self._start) - self._start
+
+    def shard_of(self, ids: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self._absolute, ids + self._start, side="right") - 1
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ClippedCounts, (np.array(self._absolute), self._start, self._stop))
+
+    def __repr__(self) -> str:
+        return f"ClippedCounts({self.num_shards} shards, {self.total} rows)"
 
 
 def row_histogram(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -81,7 +81,6 @@ class ShardStream:
     def __init__(self, counts: ShardCounts, seed: int, epoch: int, shuffled: bool) -> None:
         self.counts = counts
         self.num_shards = counts.num_shards
-        self.shard_offsets = counts.offsets
         self.total = counts.total
         self._key = derive_key(seed, epoch, TAG_SHARDS) if shuffled else None
         self.num_groups = -(-self.num_shards // GROUP)
@@ -104,19 +103,18 @@ class ShardStream:
     def resolve(self, stream: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sample id, shard) of each stream index (int64 arrays, each in ``[0, total)``)."""
         if self._key is None:  # index order: the stream index is the sample id
-            shards = np.searchsorted(self.shard_offsets, stream, side="right") - 1
-            return stream.copy(), shards
+            return stream.copy(), self.counts.shard_of(stream)
         if stream.size == 0:
             return stream.copy(), stream.copy()
         span = self._span(int(stream.min()), int(stream.max()))
         local = span.place(stream)
         shard = span.shards[local]
-        return stream - span.starts[local] + self.shard_offsets[shard], shard
+        return stream - span.starts[local] + self.counts.first_ids(shard), shard
 
     def slots_of(self, stream: np.ndarray) -> np.ndarray:
         """The slot holding each stream index (int64, each in ``[0, total)``)."""
         if self._key is None or stream.size == 0:
-            return np.searchsorted(self.shard_offsets, stream, side="right") - 1
+            return self.counts.shard_of(stream)
         span = self._span(int(stream.min()), int(stream.max()))
         return span.place(stream) + span.first
 
@@ -128,7 +126,7 @@ class ShardStream:
         if not inside.any():
             return out
         if self._key is None:
-            out[inside] = self.shard_offsets[slots[inside]]
+            out[inside] = self.counts.first_ids(slots[inside])
             return out
         wanted = slots[inside]
         low, high = int(wanted.min()) >> GROUP_BITS, int(wanted.max()) >> GROUP_BITS
