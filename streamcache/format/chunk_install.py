@@ -57,10 +57,7 @@ def _variable(field: Field) -> bool:
 def _unit(field: Field) -> int:
     """Bytes per value of a field's last buffer (per row for fixed widths; per element of a
     variable one)."""
-    arrow = field.arrow_type()
-    if pa.types.is_large_list(arrow):
-        return int(arrow.value_type.byte_width)
-    return 1 if _variable(field) else field.row_bytes
+    return field.elem_size if _variable(field) else field.row_bytes
 
 
 def install_chunks(data: Any, schema: Schema, path: str, out_schema: pa.Schema, *,
@@ -80,13 +77,13 @@ def install_chunks(data: Any, schema: Schema, path: str, out_schema: pa.Schema, 
         names = reader.schema.names
         if reader.num_record_batches < 2 or len(set(names)) != len(names) or not all(
                 f.name in names and reader.schema.field(f.name).type.equals(f.arrow_type())
-                and f.row_bytes > 0 for f in schema):
+                for f in schema):
             return None
         fields = list(schema)
         chunks = reader.num_record_batches
         if expected_rows is None or any(_variable(f) for f in fields):
             rows, offsets = _scan(reader, fields, where)
-            _check_rows(rows, expected_rows, where)
+            check_rows(rows, expected_rows, where)
         else:  # fixed widths and a known row count: one pass, checked as it goes
             rows, offsets = expected_rows, {}
         with storage.atomic_path(path, durable=durable) as temp:
@@ -106,7 +103,7 @@ def install_chunks(data: Any, schema: Schema, path: str, out_schema: pa.Schema, 
                             written[f.name] += piece.size
             finally:
                 os.close(fd)
-            _check_rows(seen, rows, where)
+            check_rows(seen, rows, where)
             for f in fields:  # (the offsets said so: a chunk that disagreed was refused)
                 expected = (int(offsets[f.name][-1]) if f.name in offsets else rows) * _unit(f)
                 if written[f.name] != expected:
@@ -215,13 +212,15 @@ def _write_layout(temp: str, out_schema: pa.Schema, fields: list[Field], rows: i
 
 
 def unreadable(where: str, fmt: str, exc: Exception) -> ShardCorruptError:
-    # any pyarrow error: a flipped bit may read as an unknown type or a huge length
+    """The error of a shard pyarrow cannot read (any pyarrow error: a flipped bit may read as
+    an unknown type or a huge length)."""
     return ShardCorruptError(
         f"{where} is not a readable {fmt} shard ({type(exc).__name__}: {exc}); it is "
         "truncated or corrupt: re-fetch it, or rewrite it and rebuild the index")
 
 
-def _check_rows(rows: int, expected_rows: int | None, where: str) -> None:
+def check_rows(rows: int, expected_rows: int | None, where: str) -> None:
+    """Refuse a shard whose rows are not the index's."""
     if expected_rows is not None and rows != expected_rows:
         raise ShardCorruptError(
             f"{where} holds {rows} rows but the index says {expected_rows}; the "

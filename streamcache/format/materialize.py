@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from ..errors import SchemaError, ShardCorruptError
 from ..remote import storage
-from .chunk_install import ONE_THREAD, install_chunks
+from .chunk_install import ONE_THREAD, check_rows, install_chunks, unreadable
 from .columns import to_canonical
 from .schema import Schema
 
@@ -65,16 +65,8 @@ def decode_shard(data: Any, fmt: str, schema: Schema, *, where: str,
     except pa.ArrowKeyError as exc:
         raise SchemaError(f"{where}: {exc}") from exc
     except (pa.ArrowException, OSError, ValueError) as exc:
-        # any pyarrow error: a flipped bit may read as an unknown type or a huge length
-        raise ShardCorruptError(
-            f"{where} is not a readable {fmt} shard ({type(exc).__name__}: {exc}); it is "
-            "truncated or corrupt: re-fetch it, or rewrite it and rebuild the index"
-        ) from exc
-    if expected_rows is not None and table.num_rows != expected_rows:
-        raise ShardCorruptError(
-            f"{where} holds {table.num_rows} rows but the index says {expected_rows}; the "
-            "shard was rewritten after indexing: rebuild the index"
-        )
+        raise unreadable(where, fmt, exc) from exc
+    check_rows(table.num_rows, expected_rows, where)
     _require_columns(schema, table.column_names, where)
     columns = [to_canonical(f, table.column(f.name), where=where) for f in schema]
     return pa.RecordBatch.from_arrays(columns, schema=schema.arrow_schema())
