@@ -40,6 +40,7 @@ import pyarrow.ipc as ipc
 
 from ..errors import SchemaError, ShardCorruptError
 from ..remote import storage
+from .columns import column_buffers
 from .schema import Field, Schema
 
 #: Arrow IPC read options of an install: decoded on the installing thread (a prefetcher runs
@@ -139,37 +140,24 @@ def _scan(reader: Any, fields: list[Field], where: str) -> tuple[int, dict[str, 
     rows = 0
     for chunk in _checked_chunks(reader, reader.num_record_batches, fields, where):
         rows += chunk.num_rows
-        for name in parts:
-            column = chunk.column(name)
-            own = _offsets(column)
-            parts[name].append(own[1:] - own[0] + ends[name])
-            ends[name] += int(own[-1] - own[0])
+        for f in fields:
+            if f.name not in parts:
+                continue
+            own = column_buffers(f, chunk.column(f.name)).offsets
+            assert own is not None  # (a variable field)
+            parts[f.name].append(own[1:] - own[0] + ends[f.name])
+            ends[f.name] += int(own[-1] - own[0])
     return rows, {name: np.concatenate(p) for name, p in parts.items()}
 
 
-def _offsets(column: pa.Array) -> np.ndarray:
-    n = len(column)
-    return np.frombuffer(column.buffers()[1], dtype=np.int64, count=n + 1,
-                         offset=column.offset * 8)
-
-
 def _values(column: pa.Array, field: Field) -> np.ndarray:
-    """The bytes a chunk's column adds to the installed file's values buffer."""
-    unit = _unit(field)
-    if _variable(field):
-        own = _offsets(column)
-        start, stop = int(own[0]), int(own[-1])
-    else:
-        start, stop = column.offset, column.offset + len(column)
-        if pa.types.is_fixed_size_list(column.type):  # (the child holds the values)
-            start, stop = column.values.offset + start * column.type.list_size, \
-                column.values.offset + stop * column.type.list_size
-            unit = int(column.type.value_type.byte_width)
-    last = column.buffers()[-1]
-    if last is None or stop == start:
-        return np.zeros(0, dtype=np.uint8)
-    return np.frombuffer(last, dtype=np.uint8, count=(stop - start) * unit,
-                         offset=start * unit)
+    """The bytes a chunk's column adds to the installed file's values buffer (its views as
+    the reader takes them: columns.column_buffers)."""
+    views = column_buffers(field, column)
+    if views.offsets is None:
+        return views.data
+    first, last = int(views.offsets[0]), int(views.offsets[-1])
+    return views.data[first * field.elem_size:last * field.elem_size]
 
 
 def _write_layout(temp: str, out_schema: pa.Schema, fields: list[Field], rows: int,
