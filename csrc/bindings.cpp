@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "copy.h"
 #include "gather.h"
 #include "scheduler.h"
 #include "seeding.h"
@@ -43,6 +44,7 @@ using Int64s = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device:
 using MutInt64s = nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using MutInt32s = nb::ndarray<int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using MutAny = nb::ndarray<nb::c_contig, nb::device::cpu>;
+using MutBytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 using StatusTuple = std::tuple<int, int64_t, std::string>;
 
@@ -272,6 +274,22 @@ StatusTuple py_gather_var_chunks(const std::vector<ColumnChunks*>& columns, int6
   Status sourced;
   const VarList sources = flat_var(columns, &sourced);
   return gather_var_from(sourced, sources, elem_size, which, rows, out_offsets, out_values);
+}
+
+StatusTuple py_stream_copy(const Bytes& source, MutBytes& out, int64_t threads) {
+  Status s = check_positive(threads, "threads");
+  if (s.ok() && source.size() != out.size()) {
+    s = Status::Error(StatusCode::kInvalid, -1,
+                      "source holds " + std::to_string(source.size()) + " bytes, out " +
+                          std::to_string(out.size()) + ": give buffers of one size");
+  }
+  if (!s.ok()) return to_tuple(s);
+  const uint8_t* src = source.data();
+  uint8_t* dst = out.data();
+  const size_t n = source.size();
+  nb::gil_scoped_release release;
+  s = guarded([&] { return stream_copy(dst, src, n, static_cast<size_t>(threads)); });
+  return to_tuple(s);
 }
 
 StatusTuple py_pad_rows(const Bytes& values, const Int64s& offsets, int64_t elem_size,
@@ -667,6 +685,10 @@ NB_MODULE(_core, m) {
         nb::arg("out").noconvert(),
         "A variable-width batch (values, offsets) as rows of width elements, cut or filled "
         "with pad; returns (code, item, message).");
+  m.def("stream_copy", &py_stream_copy, nb::arg("source").noconvert(),
+        nb::arg("out").noconvert(), nb::arg("threads") = 1,
+        "Copy source into out (same size, not overlapping) on up to threads threads, large "
+        "copies with non-temporal stores; returns (code, item, message).");
   m.def("group_shards", &py_group_shards, nb::arg("shards").noconvert(),
         nb::arg("unique_out").noconvert(), nb::arg("which_out").noconvert(),
         "The distinct shards of a batch in increasing order into unique_out, each row's "

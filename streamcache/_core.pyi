@@ -58,6 +58,11 @@ def pad_rows(values: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='
     A variable-width batch (values, offsets) as rows of width elements, cut or filled with pad; returns (code, item, message).
     """
 
+def stream_copy(source: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)], out: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu')], threads: int = 1) -> tuple[int, int, str]:
+    """
+    Copy source into out (same size, not overlapping) on up to threads threads, large copies with non-temporal stores; returns (code, item, message).
+    """
+
 def group_shards(shards: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], unique_out: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')], which_out: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu')]) -> tuple[int, int, str, int]:
     """
     The distinct shards of a batch in increasing order into unique_out, each row's position among them into which_out; returns (code, item, message, count).

@@ -240,6 +240,23 @@ def pad_rows(values: np.ndarray, offsets: np.ndarray, width: int, pad_value: Any
     raise_error(*status)
 
 
+def stream_copy(source: np.ndarray, out: np.ndarray, threads: int = 1) -> None:
+    """``out[:] = source`` (one-dimensional uint8 arrays of one size, not overlapping), with
+    the GIL released, split over up to ``threads`` threads of the native pool; a large copy
+    uses non-temporal stores (for a destination read again only after it has left the
+    caches, as a checkpoint's staging buffers are: about 1.7x a plain copy).
+
+    Raises:
+        NativeError: an array is not a C-contiguous uint8 vector, ``out`` is not writable,
+            the sizes differ or the buffers overlap.
+    """
+    for name, array in (("source", source), ("out", out)):
+        if (problem := _twin_checks.array_problem(name, array, dtype=np.dtype(np.uint8),
+                                                  writable=name == "out")) is not None:
+            raise NativeError(f"stream_copy: {problem}", CODE_INVALID)
+    raise_error(*_native_backend.active.stream_copy(source, out, int(threads)))
+
+
 def group_shards(shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct shards of a batch in increasing order, and each row's position among them
     (int32): ``numpy.unique(shards, return_inverse=True)``, in a microsecond or two.
@@ -321,6 +338,7 @@ __all__ = [
     "global_rngs",
     "group_shards",
     "set_num_threads",
+    "stream_copy",
     "twin_global_rngs",
     "use",
     "xxh64",

@@ -366,6 +366,24 @@ def pad_rows(values: np.ndarray, offsets: np.ndarray, elem_size: int, width: int
     return OK, -1, ""
 
 
+def stream_copy(source: np.ndarray, out: np.ndarray, threads: int = 1) -> Status:
+    """``out[:] = source`` for one-dimensional uint8 arrays of one size that do not overlap
+    (the native one streams large copies past the caches and splits them over ``threads``)."""
+    for name, array in (("source", source), ("out", out)):
+        if (problem := array_problem(name, array, dtype=np.dtype(np.uint8),
+                                     writable=name == "out")) is not None:
+            return INVALID, -1, problem
+    if threads <= 0:
+        return INVALID, -1, "threads must be positive"
+    if len(source) != len(out):
+        return INVALID, -1, (f"source holds {len(source)} bytes, out {len(out)}: give "
+                             "buffers of one size")
+    if len(source) and np.may_share_memory(source, out):
+        return INVALID, -1, "source and destination overlap: copy into a separate buffer"
+    np.copyto(out, source)
+    return OK, -1, ""
+
+
 def group_shards(shards: np.ndarray, unique_out: np.ndarray,
                  which_out: np.ndarray) -> tuple[int, int, str, int]:
     """The distinct shards in increasing order into ``unique_out``, each row's position among

@@ -15,6 +15,12 @@ Reusing the staged tensors is safe because a save waits for the previous one to 
 writing before it stages (``Checkpointer.save`` calls ``wait`` first), so no writer reads a
 buffer while it is overwritten.
 
+The bytes of a plain contiguous tensor are copied by the native core
+(:func:`~streamcache._native.stream_copy`: non-temporal stores, since the writer reads the
+buffers back only after they have left the caches; the GIL released; the rank's share of the
+cores): 15 ms against torch's 27 ms for 256 MB here, and the training loop's working set stays
+in the caches. Other tensors (strided, conjugate views, small ones) use ``Tensor.copy_``.
+
 Used for CPU states (no GPU, no shared memory for DCP's checkpoint process); the other cases
 keep DCP's stager (pinned and shared memory are its job). Thread safety: one stager per
 Checkpointer, called by one thread at a time (see staging.py).
@@ -28,13 +34,22 @@ from typing import Any
 
 import torch
 
+from .. import _native
+
 _Path = tuple[Any, ...]
+
+NATIVE_COPY_BYTES = 64 << 10  # smaller tensors: Tensor.copy_ (the call costs the same)
 
 
 class HostBuffers:
-    """Copies of a state dict's CPU tensors into buffers reused across saves."""
+    """Copies of a state dict's CPU tensors into buffers reused across saves.
 
-    def __init__(self) -> None:
+    Args:
+        threads: threads a large copy may use (the rank's share of the cores).
+    """
+
+    def __init__(self, threads: int = 1) -> None:
+        self.threads = max(1, threads)
         self._staged: dict[_Path, tuple[tuple[Any, ...], torch.Tensor, torch.Tensor]] = {}
         self._seen: set[_Path] = set()
 
@@ -83,8 +98,26 @@ class HostBuffers:
             found = (signature, staged, buffer)
             self._staged[path] = found
         _, staged, buffer = found
-        buffer.copy_(local)
+        copy_into(buffer, local, self.threads)
         return staged
 
 
-__all__ = ["HostBuffers"]
+def copy_into(buffer: torch.Tensor, tensor: torch.Tensor, threads: int) -> None:
+    """``buffer.copy_(tensor)`` for a CPU ``buffer`` made by ``torch.empty_like(tensor)``;
+    natively where both are plain, contiguous and large."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if (nbytes < NATIVE_COPY_BYTES or type(tensor) is not torch.Tensor
+            or tensor.device.type != "cpu" or tensor.layout != torch.strided
+            or tensor.is_conj() or tensor.is_neg() or not tensor.is_contiguous()
+            or not buffer.is_contiguous() or buffer.dtype != tensor.dtype
+            or buffer.shape != tensor.shape):
+        buffer.copy_(tensor)
+        return
+    _native.stream_copy(_bytes_of(tensor), _bytes_of(buffer), threads)
+
+
+def _bytes_of(tensor: torch.Tensor) -> Any:
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+__all__ = ["HostBuffers", "copy_into"]

@@ -64,8 +64,9 @@ class Staging:
         self._snapshot = DeviceSnapshot() if device_snapshot and on_gpu else None
         # a CPU state is copied into buffers kept with its staged tensors (host_buffers.py);
         # pinned and shared memory are DCP's stager's job
-        self._host = HostBuffers() if not on_gpu and not shared_memory else None
         self.copy_threads = rank_cores()
+        self._host = HostBuffers(self.copy_threads) if not on_gpu and not shared_memory \
+            else None
         self._staged = threading.Event()
         self._staged.set()
         self._hooks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
