@@ -12,6 +12,7 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -331,6 +332,48 @@ def test_skip_if_busy_returns_false_while_a_write_is_in_flight(
         assert ckpt.save(3, state)
         ckpt.wait()
         assert [i.step for i in ckpt.list()] == [1, 3]
+
+
+def test_in_flight_is_true_until_the_save_is_committed_and_never_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    _, _, state = make_state(10)
+    release = threading.Event()
+    original = commit.upload_file
+    fail = [False]
+
+    def slow_upload(target: Any, local_file: str, name: str) -> None:
+        release.wait(30)
+        if fail[0]:
+            raise OSError("the remote refused the upload")
+        original(target, local_file, name)
+
+    monkeypatch.setattr(commit, "upload_file", slow_upload)
+    with Checkpointer(tmp_path / "root", local_dir=tmp_path / "nvme") as ckpt:
+        assert not ckpt.in_flight
+        ckpt.save(1, state)
+        assert ckpt.in_flight and ckpt.latest() is None
+        release.set()
+        deadline = time.monotonic() + 30
+        while ckpt.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not ckpt.in_flight
+        info = ckpt.latest()  # committed by the time in_flight turned False, before wait()
+        assert info is not None and info.step == 1
+        ckpt.wait()
+        release.clear()
+        fail[0] = True
+        ckpt.save(2, state)
+        assert ckpt.in_flight
+        release.set()
+        while ckpt.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not ckpt.in_flight  # a failed save ends too; in_flight itself does not raise
+        with pytest.raises(CheckpointWriteError, match="step 2 was not committed"):
+            ckpt.wait()
+        assert not ckpt.in_flight
 
 
 def test_global_state_must_be_json_and_reserved_keys_rejected(tmp_path: Path) -> None:

@@ -281,6 +281,14 @@ class Checkpointer:
         self._job, self._thread = None, None
         self._finish(job)
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save's background part (staging, writing, commit) still runs: True
+        until :meth:`wait` would return at once. Does not raise a failed save's error
+        (:meth:`wait` and the next :meth:`save` do)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
     def snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
         """Snapshot ``state`` as ``step`` into the memory tier only: no collective, no disk.
 
