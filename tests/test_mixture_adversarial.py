@@ -203,6 +203,28 @@ def test_a_repeat_of_a_large_dataset_past_a_float_is_an_epoch_too_long() -> None
         Source("unused", repeat=1e300).epoch_samples(10**9)
 
 
+def test_an_epoch_of_2_62_samples_is_refused_and_one_fewer_kept() -> None:
+    # (positions stay below 2**62, so that the sum of two stays inside int64)
+    with pytest.raises(ConfigError, match="more than a mixture counts"):
+        Source("unused", samples=2**62).epoch_samples(10)
+    with pytest.raises(ConfigError, match="more than a mixture counts"):
+        Source("unused", repeat=2.0).epoch_samples(2**61)
+    assert Source("unused", samples=2**62 - 1).epoch_samples(10) == 2**62 - 1
+
+
+@pytest.mark.parametrize("path", [["epoch_start"], ["num_samples"], ["phases", 0, "start"],
+                                  ["phases", 0, "counts", 0]])
+def test_a_saved_position_or_count_of_2_62_is_refused(path: list[Any]) -> None:
+    state = _cursor().to_dict()
+    target: Any = state
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = 2**62
+    with pytest.raises(CursorMismatchError, match=r"<= 4611686018427387903, got "
+                                                  "4611686018427387904"):
+        MixtureCursor.load(json.loads(json.dumps(state)), _cursor())
+
+
 @pytest.mark.parametrize("samples", [0, -1, True, 2.5, "3", np.float64(3.0)])
 def test_samples_that_are_no_positive_integer_are_refused(samples: Any) -> None:
     with pytest.raises(ConfigError, match="samples"):

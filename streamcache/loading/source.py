@@ -96,13 +96,13 @@ class Source:
             size = num_samples
         else:  # (a float, inf where the product passes one: refused below, never rounded)
             size = num_samples * float(self.repeat)
-        if size > POSITION_LIMIT:
+        if size >= POSITION_LIMIT:
             asked = f"samples={reprlib.repr(self.samples)}" if self.samples is not None else \
                 f"repeat={self.repeat!r} of its {num_samples:,} samples"
             raise ConfigError(
                 f"Source {self.url if isinstance(self.url, str) else 'DatasetIndex'}: {asked} "
                 f"asks for an epoch of {_rough(size)} samples, more than a mixture counts "
-                f"({POSITION_LIMIT:.3g}); for a source that never ends, use infinite=True "
+                f"(below {POSITION_LIMIT:.3g}); for a source that never ends, use infinite=True "
                 "with its natural epoch")
         return max(1, round(size))
 

@@ -42,8 +42,10 @@ _SOURCE_KEYS = {1: frozenset(_SOURCE_KEYS_ORDER),
                 MIXTURE_CURSOR_VERSION: frozenset({*_SOURCE_KEYS_ORDER, "data"})}
 _PHASE_KEYS = frozenset({"start", "counts", "shares"})
 KIND = "mixture"
-#: Positions and counts in a saved state stay below this (int64 arithmetic never overflows).
+#: Positions and counts in a saved state stay below this (int64 arithmetic never overflows:
+#: the sum of two of them is below 2**63).
 POSITION_LIMIT = 1 << 62
+_LARGEST = POSITION_LIMIT - 1
 #: Phases a saved state may hold (one is added per change of weights within an epoch).
 MAX_PHASES = 1024
 
@@ -62,8 +64,8 @@ class SourceKey:
         if not isinstance(self.dataset_fingerprint, str) or not self.dataset_fingerprint:
             raise PlanError(f"dataset_fingerprint must be a non-empty string, got "
                             f"{self.dataset_fingerprint!r}")
-        check_int("num_samples", self.num_samples, minimum=1, maximum=POSITION_LIMIT)
-        check_int("epoch_samples", self.epoch_samples, minimum=1, maximum=POSITION_LIMIT)
+        check_int("num_samples", self.num_samples, minimum=1, maximum=_LARGEST)
+        check_int("epoch_samples", self.epoch_samples, minimum=1, maximum=_LARGEST)
         if self.data is not None and not isinstance(self.data, DataIdentity):
             raise PlanError(f"data must be a DataIdentity or None, got {self.data!r}")
 
@@ -122,8 +124,8 @@ class MixtureCursor:
     def __post_init__(self) -> None:
         check_seed(self.seed)
         check_int("epoch", self.epoch, minimum=0, maximum=EPOCH_LIMIT - 1)
-        check_int("epoch_start", self.epoch_start, minimum=0, maximum=POSITION_LIMIT)
-        check_int("num_samples", self.num_samples, minimum=1, maximum=POSITION_LIMIT)
+        check_int("epoch_start", self.epoch_start, minimum=0, maximum=_LARGEST)
+        check_int("num_samples", self.num_samples, minimum=1, maximum=_LARGEST)
         check_int("samples_consumed", self.samples_consumed, minimum=0,
                   maximum=self.num_samples)
         if not self.phases or self.phases[0].start > self.epoch_start or any(
@@ -407,8 +409,8 @@ def _phase(value: Any, sources: int) -> Phase:
     if sum(shares) > MAX_PERIOD:
         raise PlanError(f"a phase's shares add up to {sum(shares)}, more than a mixture's "
                         f"longest period ({MAX_PERIOD})")
-    return Phase(check_int("phase start", entry["start"], minimum=0, maximum=POSITION_LIMIT),
-                 _ints(entry["counts"], sources, 0, POSITION_LIMIT), shares)
+    return Phase(check_int("phase start", entry["start"], minimum=0, maximum=_LARGEST),
+                 _ints(entry["counts"], sources, 0, _LARGEST), shares)
 
 
 def _epoch_length(sources: tuple[SourceKey, ...], phase: Phase, epoch: int,
