@@ -124,3 +124,29 @@ def test_reindexing_that_fails_keeps_the_side_file_the_old_index_uses(
         build_index(str(dst))
     monkeypatch.undo()
     assert load_index(str(dst)).num_samples == 40
+
+
+def test_a_shard_that_fails_in_the_background_stops_the_writer_and_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # many shards, the 6th fails while later ones are cut: the failure reaches the caller
+    # (at a later write or at close), nothing is published, every stored shard is removed
+    from streamcache import ShardWriter
+    from streamcache.format import writer as writer_module
+
+    original = writer_module.ShardWriter._encode_and_store
+
+    def store(self: Any, name: str, batch: Any) -> Any:
+        if name.endswith("-00005.arrow"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, name, batch)
+
+    monkeypatch.setattr(writer_module.ShardWriter, "_encode_and_store", store)
+    writer = ShardWriter(str(tmp_path / "out"), shard_size=1)
+    with pytest.raises(OSError, match="No space left"):
+        for i in range(40):
+            writer.write({"x": np.int64(i)})
+        writer.close()
+    writer.abort()  # (a no-op when the failure already stopped it)
+    assert not (tmp_path / "out" / "index.json").exists()
+    left = {p.name for p in (tmp_path / "out").iterdir()} - CONTROL_FILES
+    assert not any(name.endswith(".arrow") for name in left), left

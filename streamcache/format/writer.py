@@ -143,6 +143,9 @@ class ShardWriter:
         self._part_bytes = 0
         self._shards: list[ShardInfo] = []
         self._futures: list[Future[ShardInfo]] = []
+        # submitted and not yet seen finished (at most max_pending after each cut: a check per
+        # shard looks at these only, not at every shard written so far)
+        self._unchecked: list[Future[ShardInfo]] = []
         self._max_pending = max(1, max_pending)
         self._pool = ThreadPoolExecutor(max_workers=self._max_pending,
                                         thread_name_prefix="streamcache-writer")
@@ -260,12 +263,14 @@ class ShardWriter:
         batch = table.combine_chunks().to_batches()[0]
         self._parts, self._part_bytes = [], 0
         name = f"shard-{self.token}-{len(self._futures):05d}.arrow"
-        pending = [f for f in self._futures if not f.done()]
+        pending = [f for f in self._unchecked if not f.done()]
         while len(pending) >= self._max_pending:  # a store that finishes meanwhile is fine
             wait(pending, return_when=FIRST_COMPLETED)
             pending = [f for f in pending if not f.done()]
         self._raise_background_errors()
-        self._futures.append(self._pool.submit(self._encode_and_store, name, batch))
+        future = self._pool.submit(self._encode_and_store, name, batch)
+        self._futures.append(future)
+        self._unchecked.append(future)
 
     def _encode_and_store(self, name: str, batch: pa.RecordBatch) -> ShardInfo:
         path = storage.join(self._root, name)
@@ -316,10 +321,15 @@ class ShardWriter:
         return size, checksum, tail, compression
 
     def _raise_background_errors(self) -> None:
-        for future in self._futures:
-            if future.done() and future.exception() is not None:
+        """Raise the first failure among the stores finished since the last check."""
+        unfinished = []
+        for future in self._unchecked:
+            if not future.done():
+                unfinished.append(future)
+            elif future.exception() is not None:
                 self.abort()
                 raise future.exception()  # type: ignore[misc]
+        self._unchecked = unfinished
 
     def _check_open(self) -> None:
         if self._closed:
