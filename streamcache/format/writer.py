@@ -43,13 +43,14 @@ from ..errors import (
     StreamcacheError,
 )
 from ..remote import storage
-from .checksum import checksum_bytes, checksum_file
-from .chunks import DEFAULT_CHUNK_SIZE, chunk_digest, chunk_rows_for, footer_metadata, tail_size
-from .codec_choice import DEFAULT_MIN_SAVINGS, PLAIN, check_min_savings, compression_pays
+from .checksum import checksum_bytes
+from .chunks import DEFAULT_CHUNK_SIZE, chunk_rows_for
+from .codec_choice import DEFAULT_MIN_SAVINGS, check_min_savings
 from .columns import build_column, field_from_arrow, normalize_value, to_canonical
 from .index import INDEX_NAME, DatasetIndex, ShardInfo, load_index, save_index
 from .lease import WriterLease, new_token
 from .schema import Field, Schema, infer_schema
+from .shard_encode import ShardEncoder
 
 DEFAULT_SHARD_SIZE = 64 << 20
 COMPRESSIONS = ("zstd", "lz4", None)
@@ -128,9 +129,9 @@ class ShardWriter:
         self.schema: Schema | None = Schema.coerce(schema) if schema is not None else None
         self.shard_size = int(shard_size)
         self.compression = compression
-        self._options = ipc.IpcWriteOptions(
+        self._encoder = ShardEncoder(self.chunk_size, compression, ipc.IpcWriteOptions(
             compression=pa.Codec(compression, compression_level) if compression else None,
-        )
+        ), self.compression_min_savings)
         self._storage_options = storage_options
         self._fs, self._root = storage.filesystem(dst, storage_options)
         self.token = new_token()
@@ -143,8 +144,7 @@ class ShardWriter:
         self._part_bytes = 0
         self._shards: list[ShardInfo] = []
         self._futures: list[Future[ShardInfo]] = []
-        # submitted and not yet seen finished (at most max_pending after each cut: a check per
-        # shard looks at these only, not at every shard written so far)
+        # submitted and not yet seen finished (a cut checks these, not every shard written)
         self._unchecked: list[Future[ShardInfo]] = []
         self._max_pending = max(1, max_pending)
         self._pool = ThreadPoolExecutor(max_workers=self._max_pending,
@@ -274,51 +274,19 @@ class ShardWriter:
 
     def _encode_and_store(self, name: str, batch: pa.RecordBatch) -> ShardInfo:
         path = storage.join(self._root, name)
+        assert self.schema is not None
         with storage.destination_errors(self._fs, path):
             if storage.is_local(self._fs):
-                size, checksum, tail, compression = self._store_local(path, batch)
+                size, checksum, tail, compression = self._encoder.store_local(path, batch,
+                                                                              self.schema)
             else:
-                stream, compression = self._encode(pa.BufferOutputStream(), batch)
-                data = stream.getvalue()
-                size, checksum = data.size, checksum_bytes(data)
-                tail = data[data.size - tail_size(data, data.size):].to_pybytes()
-                self._fs.pipe_file(path, data.to_pybytes())
+                data, size, checksum, tail, compression = self._encoder.to_bytes(batch,
+                                                                                 self.schema)
+                self._fs.pipe_file(path, data)
         return ShardInfo(name, "arrow", batch.num_rows, size, checksum, compression,
                          batch.nbytes, chunk_rows_for(batch.num_rows, batch.nbytes,
                                                       self.chunk_size),
                          len(tail), checksum_bytes(tail))
-
-    def _encode(self, sink: Any, batch: pa.RecordBatch) -> tuple[Any, str | None]:
-        """Write ``batch`` as chunks of a fixed row count, their digests in the footer;
-        returns the sink and the compression the shard was stored with."""
-        rows = chunk_rows_for(batch.num_rows, batch.nbytes, self.chunk_size)
-        assert self.schema is not None
-        chunks = [batch.slice(start, rows) for start in range(0, batch.num_rows, rows)]
-        metadata = footer_metadata(rows, [chunk_digest(c, self.schema) for c in chunks])
-        compression = self.compression if compression_pays(
-            chunks, self.compression and self._options, self.compression_min_savings) else None
-        options = self._options if compression else PLAIN
-        with ipc.new_file(sink, batch.schema, options=options, metadata=metadata) as writer:
-            for chunk in chunks:
-                writer.write_batch(chunk)
-        return sink, compression
-
-    def _store_local(self, path: str,
-                     batch: pa.RecordBatch) -> tuple[int, str, bytes, str | None]:
-        """Encode straight into a temporary file, checksum it, fsync, rename into place;
-        returns (bytes, checksum, the file's tail, the compression it was stored with)."""
-        with storage.atomic_path(path) as temp:
-            with pa.OSFile(temp, "wb") as sink:
-                _, compression = self._encode(sink, batch)
-            checksum = checksum_file(temp)
-            size = os.path.getsize(temp)
-            with open(temp, "rb") as file:
-                file.seek(max(0, size - 10))
-                footer = int.from_bytes(file.read(4), "little")  # (then the magic)
-                file.seek(max(0, size - 10 - footer))
-                tail = file.read()
-            tail_size(tail, size)  # it is the end of an Arrow IPC file
-        return size, checksum, tail, compression
 
     def _raise_background_errors(self) -> None:
         """Raise the first failure among the stores finished since the last check."""
