@@ -419,7 +419,10 @@ def run_row(cfg: Config, ranks: int, chaos: bool, mtbf: float, kinds: list[str],
            "0.1", __file__, "--worker", str(cfg_path)]
     if cfg.row.endswith("_warm"):
         cmd = [sys.executable, __file__, "--launch", str(cfg_path), "--ranks", str(ranks)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # the recipe of docs/recovery.md ("Restarts under torchrun"): rank 0 serves a fresh store
+    # each attempt (with the agent's store shared, restarts read dead peers' addresses)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     with open(run_dir / "torchrun.log", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)

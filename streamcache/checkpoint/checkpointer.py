@@ -34,6 +34,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from ..elastic import warn_restart_hazard
 from . import layout
 from .collect import collect
 from .commit import Committer, SaveJob
@@ -152,6 +153,7 @@ class Checkpointer:
         self.if_busy = IfBusy(if_busy)
         self.writer_nice = writer_nice
         self._ranks = Ranks(timeout)
+        warn_restart_hazard()  # (a torchrun setup whose restarts fail to connect)
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
         if self.async_mode is AsyncMode.PROCESS and not self._ranks.distributed:
             raise CheckpointError(
