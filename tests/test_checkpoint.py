@@ -310,20 +310,29 @@ def test_s3_root_through_local_tier(tmp_path: Path, s3_bucket: Any) -> None:
         assert state2["loader"].samples_consumed == 900
 
 
+def _held_uploads(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[bool]]:
+    """Uploads wait for the returned event (and fail while the returned flag is set)."""
+    import threading
+
+    release = threading.Event()
+    original = commit.upload_file
+    fail = [False]
+
+    def held_upload(target: Any, local_file: str, name: str) -> None:
+        release.wait(30)
+        if fail[0]:
+            raise OSError("the remote refused the upload")
+        original(target, local_file, name)
+
+    monkeypatch.setattr(commit, "upload_file", held_upload)
+    return release, fail
+
+
 def test_skip_if_busy_returns_false_while_a_write_is_in_flight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import threading
-
     _, _, state = make_state(10)
-    release = threading.Event()
-    original = commit.upload_file
-
-    def slow_upload(target: Any, local_file: str, name: str) -> None:
-        release.wait(30)
-        original(target, local_file, name)
-
-    monkeypatch.setattr(commit, "upload_file", slow_upload)
+    release, _ = _held_uploads(monkeypatch)
     with Checkpointer(tmp_path / "root", local_dir=tmp_path / "nvme", if_busy="skip") as ckpt:
         assert ckpt.save(1, state)
         assert not ckpt.save(2, state)
@@ -337,20 +346,8 @@ def test_skip_if_busy_returns_false_while_a_write_is_in_flight(
 def test_in_flight_is_true_until_the_save_is_committed_and_never_raises(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import threading
-
     _, _, state = make_state(10)
-    release = threading.Event()
-    original = commit.upload_file
-    fail = [False]
-
-    def slow_upload(target: Any, local_file: str, name: str) -> None:
-        release.wait(30)
-        if fail[0]:
-            raise OSError("the remote refused the upload")
-        original(target, local_file, name)
-
-    monkeypatch.setattr(commit, "upload_file", slow_upload)
+    release, fail = _held_uploads(monkeypatch)
     with Checkpointer(tmp_path / "root", local_dir=tmp_path / "nvme") as ckpt:
         assert not ckpt.in_flight
         ckpt.save(1, state)
