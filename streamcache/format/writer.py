@@ -263,11 +263,10 @@ class ShardWriter:
         batch = table.combine_chunks().to_batches()[0]
         self._parts, self._part_bytes = [], 0
         name = f"shard-{self.token}-{len(self._futures):05d}.arrow"
-        pending = [f for f in self._unchecked if not f.done()]
-        while len(pending) >= self._max_pending:  # a store that finishes meanwhile is fine
-            wait(pending, return_when=FIRST_COMPLETED)
-            pending = [f for f in pending if not f.done()]
-        self._raise_background_errors()
+        self._raise_background_errors()  # (keeps only the stores still running)
+        while len(self._unchecked) >= self._max_pending:
+            wait(self._unchecked, return_when=FIRST_COMPLETED)
+            self._raise_background_errors()
         future = self._pool.submit(self._encode_and_store, name, batch)
         self._futures.append(future)
         self._unchecked.append(future)
