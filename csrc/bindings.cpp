@@ -45,6 +45,7 @@ using MutInt64s = nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cp
 using MutInt32s = nb::ndarray<int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using MutAny = nb::ndarray<nb::c_contig, nb::device::cpu>;
 using MutBytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using MutUint64s = nb::ndarray<uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 using StatusTuple = std::tuple<int, int64_t, std::string>;
 
@@ -276,7 +277,7 @@ StatusTuple py_gather_var_chunks(const std::vector<ColumnChunks*>& columns, int6
   return gather_var_from(sourced, sources, elem_size, which, rows, out_offsets, out_values);
 }
 
-StatusTuple py_stream_copy(const Bytes& source, MutBytes& out, int64_t threads) {
+StatusTuple py_stream_copy(const Bytes& source, MutBytes& out, int64_t threads, bool guard) {
   Status s = check_positive(threads, "threads");
   if (s.ok() && source.size() != out.size()) {
     s = Status::Error(StatusCode::kInvalid, -1,
@@ -288,7 +289,24 @@ StatusTuple py_stream_copy(const Bytes& source, MutBytes& out, int64_t threads) 
   uint8_t* dst = out.data();
   const size_t n = source.size();
   nb::gil_scoped_release release;
-  s = guarded([&] { return stream_copy(dst, src, n, static_cast<size_t>(threads)); });
+  s = guarded([&] { return stream_copy(dst, src, n, static_cast<size_t>(threads), guard); });
+  return to_tuple(s);
+}
+
+StatusTuple py_xxh64_pieces(const Bytes& data, int64_t piece, MutUint64s& out, bool guard) {
+  Status s = check_positive(piece, "piece");
+  const size_t len = data.size();
+  const size_t count = s.ok() ? (len + static_cast<size_t>(piece) - 1) / static_cast<size_t>(piece) : 0;
+  if (s.ok() && out.size() != count) {
+    s = Status::Error(StatusCode::kInvalid, -1,
+                      "out holds " + std::to_string(out.size()) + " digests, the data has " +
+                          std::to_string(count) + " pieces");
+  }
+  if (!s.ok()) return to_tuple(s);
+  const uint8_t* ptr = data.data();
+  uint64_t* digests = out.data();
+  nb::gil_scoped_release release;
+  s = guarded([&] { return xxh64_pieces(ptr, len, static_cast<size_t>(piece), digests, guard); });
   return to_tuple(s);
 }
 
@@ -686,9 +704,15 @@ NB_MODULE(_core, m) {
         "A variable-width batch (values, offsets) as rows of width elements, cut or filled "
         "with pad; returns (code, item, message).");
   m.def("stream_copy", &py_stream_copy, nb::arg("source").noconvert(),
-        nb::arg("out").noconvert(), nb::arg("threads") = 1,
+        nb::arg("out").noconvert(), nb::arg("threads") = 1, nb::arg("guard") = false,
         "Copy source into out (same size, not overlapping) on up to threads threads, large "
-        "copies with non-temporal stores; returns (code, item, message).");
+        "copies with non-temporal stores; guard: out may be a mapped file another process "
+        "truncates (an error, not SIGBUS); returns (code, item, message).");
+  m.def("xxh64_pieces", &py_xxh64_pieces, nb::arg("data").noconvert(), nb::arg("piece"),
+        nb::arg("out").noconvert(), nb::arg("guard") = false,
+        "XXH64 of each piece of piece bytes of data into out (uint64); guard: data may be a "
+        "mapped file another process truncates (an error, not SIGBUS); returns (code, item, "
+        "message).");
   m.def("group_shards", &py_group_shards, nb::arg("shards").noconvert(),
         nb::arg("unique_out").noconvert(), nb::arg("which_out").noconvert(),
         "The distinct shards of a batch in increasing order into unique_out, each row's "

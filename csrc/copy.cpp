@@ -1,9 +1,11 @@
 #include "copy.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <functional>
 
+#include "fault_guard.h"
 #include "thread_pool.h"
 
 #if defined(__SSE2__)
@@ -40,9 +42,40 @@ void copy_part(uint8_t* dst, const uint8_t* src, size_t n) {
   std::memcpy(dst, src, n);
 }
 
+struct Part {
+  uint8_t* dst;
+  const uint8_t* src;
+  size_t n;
+};
+
+// One part, guarded or not; false when the guard caught a fault.
+bool copy_one(const Part& part, bool guard) {
+  if (!guard) {
+    copy_part(part.dst, part.src, part.n);
+    return true;
+  }
+  Part args = part;
+  const bool whole = run_fault_guarded(
+      [](void* p) {
+        const Part* a = static_cast<const Part*>(p);
+        copy_part(a->dst, a->src, a->n);
+      },
+      &args);
+#if defined(__SSE2__)
+  if (!whole) _mm_sfence();  // the jump skipped the part's own fence
+#endif
+  return whole;
+}
+
+Status cut_short() {
+  return Status::Error(StatusCode::kIo, -1,
+                       "the destination's mapped file was cut short while it was written "
+                       "(SIGBUS): another process truncated it");
+}
+
 }  // namespace
 
-Status stream_copy(uint8_t* dst, const uint8_t* src, size_t n, size_t threads) {
+Status stream_copy(uint8_t* dst, const uint8_t* src, size_t n, size_t threads, bool guard) {
   if (n == 0) return Status::Ok();
   const uintptr_t d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
   if (d < s + n && s < d + n) {
@@ -50,18 +83,18 @@ Status stream_copy(uint8_t* dst, const uint8_t* src, size_t n, size_t threads) {
                          "source and destination overlap: copy into a separate buffer");
   }
   const size_t parts = std::max<size_t>(1, std::min(threads, n / kMinPartBytes));
-  if (parts == 1) {
-    copy_part(dst, src, n);
-    return Status::Ok();
-  }
+  if (parts == 1) return copy_one({dst, src, n}, guard) ? Status::Ok() : cut_short();
   const size_t part = (n + parts - 1) / parts;
+  std::atomic<bool> faulted{false};
   global_pool().parallel_for(parts, 1, [&](size_t begin, size_t end) {
     for (size_t p = begin; p < end; ++p) {
       const size_t start = p * part;
-      copy_part(dst + start, src + start, std::min(part, n - start));
+      if (!copy_one({dst + start, src + start, std::min(part, n - start)}, guard)) {
+        faulted.store(true);
+      }
     }
   });
-  return Status::Ok();
+  return faulted.load() ? cut_short() : Status::Ok();
 }
 
 }  // namespace streamcache

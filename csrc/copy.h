@@ -17,6 +17,11 @@ constexpr size_t kStreamCopyBytes = 256 << 10;
 // kStreamCopyBytes up, on x86-64, with non-temporal stores: the destination's lines are
 // not read first and do not evict the caller's working set (about 1.7x a plain copy of a
 // 256 MB state here); elsewhere, and below that size, memcpy.
-Status stream_copy(uint8_t* dst, const uint8_t* src, size_t n, size_t threads);
+//
+// With `guard`, dst may be a shared mapping of a file that another process can cut short: a
+// store past the file's end returns an kIo status instead of killing the process with
+// SIGBUS (fault_guard.h); the destination's bytes are then partly written.
+Status stream_copy(uint8_t* dst, const uint8_t* src, size_t n, size_t threads,
+                   bool guard = false);
 
 }  // namespace streamcache

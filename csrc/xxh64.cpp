@@ -5,6 +5,8 @@
 #include <cstring>
 #include <vector>
 
+#include "fault_guard.h"
+
 namespace streamcache {
 namespace {
 
@@ -121,6 +123,37 @@ uint64_t xxh64(const uint8_t* data, size_t len, uint64_t seed) {
   Xxh64 state(seed);
   state.update(data, len);
   return state.digest();
+}
+
+namespace {
+
+struct Pieces {
+  const uint8_t* data;
+  size_t len;
+  size_t piece;
+  uint64_t* out;
+};
+
+void hash_pieces(void* p) {
+  const Pieces* a = static_cast<const Pieces*>(p);
+  for (size_t start = 0, i = 0; start < a->len; start += a->piece, ++i) {
+    const size_t n = a->len - start < a->piece ? a->len - start : a->piece;
+    a->out[i] = xxh64(a->data + start, n, 0);
+  }
+}
+
+}  // namespace
+
+Status xxh64_pieces(const uint8_t* data, size_t len, size_t piece, uint64_t* out, bool guard) {
+  Pieces args{data, len, piece, out};
+  if (!guard) {
+    hash_pieces(&args);
+    return Status::Ok();
+  }
+  if (run_fault_guarded(hash_pieces, &args)) return Status::Ok();
+  return Status::Error(StatusCode::kIo, -1,
+                       "the mapped file was cut short while it was read (SIGBUS): another "
+                       "process truncated it");
 }
 
 Status xxh64_file(const std::string& path, uint64_t seed, uint64_t* out, uint64_t* bytes_read) {

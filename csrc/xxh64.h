@@ -26,6 +26,12 @@ class Xxh64 {
 
 uint64_t xxh64(const uint8_t* data, size_t len, uint64_t seed = 0);
 
+// The XXH64 (seed 0) of each consecutive piece of `piece` bytes of data (the last one may be
+// shorter) into out, which holds ceil(len / piece) values. With `guard`, data may be a shared
+// mapping of a file another process can cut short: a read past the file's end returns an kIo
+// status instead of killing the process with SIGBUS (fault_guard.h).
+Status xxh64_pieces(const uint8_t* data, size_t len, size_t piece, uint64_t* out, bool guard);
+
 // Hash a whole file, reading it in large blocks. Returns a non-ok status on I/O failure.
 Status xxh64_file(const std::string& path, uint64_t seed, uint64_t* out, uint64_t* bytes_read);
 

@@ -58,9 +58,14 @@ def pad_rows(values: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='
     A variable-width batch (values, offsets) as rows of width elements, cut or filled with pad; returns (code, item, message).
     """
 
-def stream_copy(source: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)], out: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu')], threads: int = 1) -> tuple[int, int, str]:
+def stream_copy(source: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)], out: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu')], threads: int = 1, guard: bool = False) -> tuple[int, int, str]:
     """
-    Copy source into out (same size, not overlapping) on up to threads threads, large copies with non-temporal stores; returns (code, item, message).
+    Copy source into out (same size, not overlapping) on up to threads threads, large copies with non-temporal stores; guard: out may be a mapped file another process truncates (an error, not SIGBUS); returns (code, item, message).
+    """
+
+def xxh64_pieces(data: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)], piece: int, out: Annotated[NDArray[numpy.uint64], dict(shape=(None,), order='C', device='cpu')], guard: bool = False) -> tuple[int, int, str]:
+    """
+    XXH64 of each piece of piece bytes of data into out (uint64); guard: data may be a mapped file another process truncates (an error, not SIGBUS); returns (code, item, message).
     """
 
 def group_shards(shards: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], unique_out: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')], which_out: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu')]) -> tuple[int, int, str, int]:

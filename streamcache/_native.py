@@ -240,21 +240,46 @@ def pad_rows(values: np.ndarray, offsets: np.ndarray, width: int, pad_value: Any
     raise_error(*status)
 
 
-def stream_copy(source: np.ndarray, out: np.ndarray, threads: int = 1) -> None:
+def stream_copy(source: np.ndarray, out: np.ndarray, threads: int = 1,
+                guard: bool = False) -> None:
     """``out[:] = source`` (one-dimensional uint8 arrays of one size, not overlapping), with
     the GIL released, split over up to ``threads`` threads of the native pool; a large copy
     uses non-temporal stores (for a destination read again only after it has left the
     caches, as a checkpoint's staging buffers are: about 1.7x a plain copy).
 
+    ``guard``: ``out`` may be a shared mapping of a file another process can truncate; a
+    store past the file's end then raises instead of killing the process with SIGBUS
+    (the native core only; its pure-Python twin cannot catch the fault).
+
     Raises:
         NativeError: an array is not a C-contiguous uint8 vector, ``out`` is not writable,
-            the sizes differ or the buffers overlap.
+            the sizes differ or the buffers overlap; with ``guard``, ``out``'s file was cut
+            short during the copy (``out`` then holds part of ``source``).
     """
     for name, array in (("source", source), ("out", out)):
         if (problem := _twin_checks.array_problem(name, array, dtype=np.dtype(np.uint8),
                                                   writable=name == "out")) is not None:
             raise NativeError(f"stream_copy: {problem}", CODE_INVALID)
-    raise_error(*_native_backend.active.stream_copy(source, out, int(threads)))
+    raise_error(*_native_backend.active.stream_copy(source, out, int(threads), bool(guard)))
+
+
+def xxh64_pieces(data: np.ndarray, piece: int, guard: bool = False) -> list[int]:
+    """The XXH64 of each consecutive ``piece`` bytes of the uint8 vector ``data`` (the last
+    piece may be shorter), hashed with the GIL released; ``guard`` as in
+    :func:`stream_copy`.
+
+    Raises:
+        NativeError: ``data`` is not a C-contiguous uint8 vector or ``piece`` is not
+            positive; with ``guard``, ``data``'s file was cut short while it was read.
+    """
+    if (problem := _twin_checks.array_problem("data", data, dtype=np.dtype(np.uint8),
+                                              writable=False)) is not None:
+        raise NativeError(f"xxh64_pieces: {problem}", CODE_INVALID)
+    if piece <= 0:
+        raise NativeError("xxh64_pieces: piece must be positive", CODE_INVALID)
+    out = np.empty(-(-len(data) // piece), dtype=np.uint64)
+    raise_error(*_native_backend.active.xxh64_pieces(data, int(piece), out, bool(guard)))
+    return [int(d) for d in out]
 
 
 def group_shards(shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -120,6 +120,23 @@ def xxh64(data: np.ndarray, seed: int = 0) -> int:
     return state.digest()
 
 
+def xxh64_pieces(data: np.ndarray, piece: int, out: np.ndarray, guard: bool = False) -> Status:
+    """The XXH64 of each ``piece`` bytes of ``data`` into ``out`` (uint64); ``guard`` as in
+    :func:`stream_copy` (accepted, does nothing)."""
+    for name, array, dtype, writable in (("data", data, np.dtype(np.uint8), False),
+                                         ("out", out, np.dtype(np.uint64), True)):
+        if (problem := array_problem(name, array, dtype=dtype, writable=writable)) is not None:
+            return INVALID, -1, problem
+    if piece <= 0:
+        return INVALID, -1, "piece must be positive"
+    count = -(-len(data) // piece)
+    if len(out) != count:
+        return INVALID, -1, f"out holds {len(out)} digests, the data has {count} pieces"
+    for i in range(count):
+        out[i] = xxh64(data[i * piece:(i + 1) * piece])
+    return OK, -1, ""
+
+
 def xxh64_file(path: str, seed: int = 0) -> tuple[int, int, str, int, int]:
     state = _Xxh64(seed)
     try:
@@ -366,9 +383,13 @@ def pad_rows(values: np.ndarray, offsets: np.ndarray, elem_size: int, width: int
     return OK, -1, ""
 
 
-def stream_copy(source: np.ndarray, out: np.ndarray, threads: int = 1) -> Status:
+def stream_copy(source: np.ndarray, out: np.ndarray, threads: int = 1,
+                guard: bool = False) -> Status:
     """``out[:] = source`` for one-dimensional uint8 arrays of one size that do not overlap
-    (the native one streams large copies past the caches and splits them over ``threads``)."""
+    (the native one streams large copies past the caches and splits them over ``threads``).
+
+    ``guard`` is accepted and does nothing: Python cannot survive a SIGBUS, so a mapped file
+    truncated under this copy kills the process (only the native one guards)."""
     for name, array in (("source", source), ("out", out)):
         if (problem := array_problem(name, array, dtype=np.dtype(np.uint8),
                                      writable=name == "out")) is not None:

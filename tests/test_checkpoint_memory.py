@@ -265,8 +265,10 @@ def _entries(value: float) -> dict[str, tuple[str, Any]]:
 
 
 def _write(tier: MemoryTier, step: int) -> None:
+    """A snapshot of ``step``, whole (its finishing thread done)."""
     assert tier.write(step, _entries(float(step)), {}, timeline="", started=None,
                       committed=None, root_id=ROOT_ID)
+    assert tier.wait()
 
 
 def _restorable(tier: MemoryTier) -> list[int]:
@@ -459,7 +461,8 @@ def _snapshot_loop(directory: str, rank: int, world: int, barrier: Any, done: An
                    "g": ("global", {"position": step})}
         tier.write(step, entries, {"step": step}, timeline="", started=None, committed=None,
                    root_id=ROOT_ID)
-        done[rank] = step                           # returned: this rank's snapshot is whole
+        tier.wait()                                  # its checksums and header are written
+        done[rank] = step                           # so this rank's snapshot is whole
         barrier.wait()                               # lockstep, as a collective in training
         step += 1
 

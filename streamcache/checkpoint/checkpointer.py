@@ -271,11 +271,14 @@ class Checkpointer:
         return True
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is committed or has failed.
+        """Block until the save in flight (if any) is committed or has failed, and the newest
+        memory-tier snapshot is whole.
 
         Raises:
             CheckpointWriteError: that save failed on some rank; nothing was published.
         """
+        if self._memory is not None:
+            self._memory.wait()
         job, thread = self._job, self._thread
         if job is None or thread is None:
             return
@@ -295,10 +298,13 @@ class Checkpointer:
         """Snapshot ``state`` as ``step`` into the memory tier only: no collective, no disk.
 
         Meant for every step or few (docs/recovery.md): it copies this rank's state into
-        node-local shared memory before it returns (one checksummed copy), and a restart on
-        the same world restores the newest step every rank holds. Disk and ``root`` get only
-        what :meth:`save` writes. All ranks call it at the same steps. Returns False when the
-        memory tier is off or the snapshot did not fit (a warning; the previous one stays).
+        node-local shared memory before it returns (one copy, into a mapping reused from one
+        snapshot to the next); a background thread checksums it and marks it whole a few
+        milliseconds later (a kill before that restores the snapshot before; :meth:`wait`
+        waits for it). A restart on the same world restores the newest step every rank holds.
+        Disk and ``root`` get only what :meth:`save` writes. All ranks call it at the same
+        steps. Returns False when the memory tier is off or the snapshot did not fit (a
+        warning; the previous one stays).
 
         Raises:
             CheckpointError: a value of ``state`` cannot be kept in the memory tier, or

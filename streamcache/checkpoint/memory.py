@@ -2,9 +2,11 @@
 
 A snapshot outlives the process that took it (a file on tmpfs), not the node. Each rank keeps
 two slot files and writes a snapshot into the older one, header last (memory_format.py), so a
-kill at any moment leaves the newer slot whole. Writing costs one pass over the state's bytes
-for the checksum and one copy into the page cache; nothing is fsynced (tmpfs has no disk and
-a process's writes survive its death). Restoring reads and verifies everything before anything
+kill at any moment leaves the newer slot whole. Writing costs one copy into the slot's
+mapping, with non-temporal stores, before :meth:`MemoryTier.write` returns; the checksums,
+the manifest and the header follow on a background thread (the training goes on meanwhile;
+the slot is whole a few milliseconds later). Nothing is fsynced (tmpfs has no disk and a
+process's writes survive its death). Restoring reads and verifies everything before anything
 is applied.
 
 Where (``MemoryOptions.directory``, ``/dev/shm`` by default)::
@@ -25,7 +27,8 @@ disk tiers.
 The slot files' format is memory_format.py's; opening them safely and the checksummed reads
 and writes of their bytes, memory_files.py's; a restore's checks, memory_restore.py's.
 
-Thread safety: one training thread per MemoryTier.
+Thread safety: one training thread per MemoryTier (and the tier's own finishing thread, which
+every method waits for).
 """
 
 from __future__ import annotations
@@ -36,22 +39,26 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..errors import NativeError
 from .errors import CheckpointError
 from .memory_files import (
     ReadHandle,
+    SlotMap,
+    copy_tensor,
     digest,
     file_problem,
+    piece_digests,
     private_dir,
     pwrite_all,
     read_manifest,
     read_tensors,
-    write_tensor,
 )
 from .memory_format import (
     FORMAT_VERSION,
@@ -82,6 +89,7 @@ from .memory_format import (
     tensor_record,
     unpack_header,
 )
+from .staging import rank_cores
 
 log = logging.getLogger("streamcache.checkpoint")
 
@@ -136,6 +144,9 @@ class MemoryTier:
                                    folder_name(root_url, job_id))
         self._dir_fd = private_dir(self.folder)
         self._seqs: list[int | None] = [None] * SLOTS  # the valid slots' sequence numbers
+        self._maps = [SlotMap() for _ in range(SLOTS)]
+        self._finishing: threading.Thread | None = None  # the snapshot being finished
+        self._kept = True  # whether the last finished snapshot was kept
         self._warned = False
         for slot in range(SLOTS):
             self._seqs[slot] = self._header_seq(slot)
@@ -154,12 +165,19 @@ class MemoryTier:
         ``root_id`` the root's id (layout.ensure_root_id): what a restore checks that the
         snapshot continues (memory_format.usable).
 
+        The tensors are copied into the slot before this returns (the training may change
+        them from then on). Their checksums, the manifest and the header are written by a
+        background thread, a few milliseconds later: until then the slot is not whole, and a
+        kill restores the snapshot before (as a kill inside the copy would). :meth:`wait`
+        waits for it; every other method does.
+
         Returns False (after a warning) when the slot does not fit: the state is larger than
         ``max_bytes`` or the tier's filesystem is full; the newer slot is then untouched.
 
         Raises:
             CheckpointError: a value cannot be kept in the memory tier (names it).
         """
+        self.wait()
         tensors: list[torch.Tensor] = []
         try:
             encoded = {k: {K_KIND: kind, K_TREE: encode_tree(v, tensors)}
@@ -182,33 +200,73 @@ class MemoryTier:
             return self._skip(step, f"cannot open {self.slot_name(slot)}: {exc}")
         try:
             os.pwrite(fd, bytes(HEADER_SIZE), 0)  # the slot is not whole from here on
+            if os.fstat(fd).st_size < HEADER_SIZE + data_len:
+                os.posix_fallocate(fd, 0, HEADER_SIZE + data_len)  # ENOSPC here, not a fault
+            data = self._maps[slot].array(fd, HEADER_SIZE + data_len)[HEADER_SIZE:]
+            threads = rank_cores()
             for tensor, record in zip(tensors, records, strict=True):
-                record["digests"] = write_tensor(fd, tensor, HEADER_SIZE + record["offset"])
-            manifest = json.dumps({
-                K_VERSION: FORMAT_VERSION, K_ROOT: self.root_url, K_RANK: self.rank,
-                K_WORLD: self.world_size, K_STEP: step, K_TIMELINE: timeline,
-                K_STARTED: started, K_COMMITTED: committed, K_ROOT_ID: root_id,
-                K_ENTRIES: encoded,
-                K_TENSORS: records, K_RNG: rng_state}, separators=(",", ":")).encode()
-            m_off = HEADER_SIZE + data_len
+                at = record["offset"]
+                copy_tensor(data[at: at + record["nbytes"]], tensor, threads)
+        except (OSError, NativeError) as exc:
+            os.close(fd)
+            return self._failed(step, slot, exc)
+        except BaseException:
+            os.close(fd)
+            raise
+        doc = {K_VERSION: FORMAT_VERSION, K_ROOT: self.root_url, K_RANK: self.rank,
+               K_WORLD: self.world_size, K_STEP: step, K_TIMELINE: timeline,
+               K_STARTED: started, K_COMMITTED: committed, K_ROOT_ID: root_id,
+               K_ENTRIES: encoded, K_TENSORS: records, K_RNG: rng_state}
+        finish = threading.Thread(target=self._finish, args=(slot, fd, seq, data, doc),
+                                  name="streamcache-snapshot", daemon=True)
+        self._finishing = finish
+        finish.start()
+        return True
+
+    def wait(self) -> bool:
+        """Wait until the snapshot being finished (if any) is whole or was given up; False
+        when it was given up (a warning said why)."""
+        finish, self._finishing = self._finishing, None
+        if finish is not None:
+            finish.join()
+        kept, self._kept = self._kept, True
+        return kept
+
+    def _finish(self, slot: int, fd: int, seq: int, data: Any, doc: dict[str, Any]) -> None:
+        """Checksum the copied tensors, then write the manifest and, last, the header."""
+        step = doc[K_STEP]
+        try:
+            for record in doc[K_TENSORS]:
+                at = record["offset"]
+                record["digests"] = piece_digests(data[at: at + record["nbytes"]])
+            manifest = json.dumps(doc, separators=(",", ":")).encode()
+            m_off = HEADER_SIZE + len(data)
             needed = m_off + len(manifest)
             if self.options.max_bytes is not None and needed > self.options.max_bytes:
-                return self._skip(step, f"a slot of {needed} bytes exceeds max_bytes="
-                                        f"{self.options.max_bytes}")
+                self._kept = self._skip(step, f"a slot of {needed} bytes exceeds max_bytes="
+                                              f"{self.options.max_bytes}")
+                return
             if os.fstat(fd).st_size < needed:
-                os.posix_fallocate(fd, 0, needed)  # ENOSPC here, never a fault later
+                os.posix_fallocate(fd, 0, needed)
             pwrite_all(fd, manifest, m_off)
-            header = Header(seq, step, data_len, m_off, len(manifest), digest(manifest))
+            header = Header(seq, step, len(data), m_off, len(manifest), digest(manifest))
             pwrite_all(fd, pack_header(header, digest), 0)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                return self._skip(step, f"{self.options.directory} is full ({exc.strerror})")
-            raise CheckpointError(f"memory tier: writing {self.slot_name(slot)} failed: {exc}"
-                                  ) from exc
+            self._seqs[slot] = seq
+        except (OSError, NativeError) as exc:
+            self._kept = self._failed(step, slot, exc)
+        except BaseException as exc:  # never silent: a thread's error has no caller
+            log.error("memory tier: snapshot of step %d failed: %r", step, exc)
+            self._kept = False
         finally:
             os.close(fd)
-        self._seqs[slot] = seq
-        return True
+
+    def _failed(self, step: int, slot: int, exc: BaseException) -> bool:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            return self._skip(step, f"{self.options.directory} is full ({exc.strerror})")
+        if isinstance(exc, NativeError):  # its file was truncated under the copy
+            return self._skip(step, f"{self.slot_name(slot)}: {exc}")
+        raise CheckpointError(f"memory tier: writing {self.slot_name(slot)} failed: {exc}"
+                              ) from exc
 
     def _target_slot(self) -> int:
         """The slot to overwrite: an invalid one, else the one with the older snapshot."""
@@ -246,6 +304,7 @@ class MemoryTier:
 
     def scan(self) -> list[tuple[int, SlotSummary]]:
         """(slot, summary) of each whole, valid slot of this rank; problems are logged."""
+        self.wait()
         found = []
         for slot in range(SLOTS):
             try:
@@ -319,6 +378,7 @@ class MemoryTier:
             self._invalidate(slot)
 
     def _invalidate(self, slot: int) -> None:
+        self.wait()
         self._seqs[slot] = None
         try:
             fd = os.open(self.slot_name(slot), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -333,6 +393,7 @@ class MemoryTier:
 
     def remove(self) -> None:
         """Delete this rank's slots (a clean finish), and the root's folder once empty."""
+        self.wait()
         for slot in range(SLOTS):
             try:
                 os.unlink(self.slot_name(slot), dir_fd=self._dir_fd)
@@ -359,6 +420,10 @@ class MemoryTier:
                     os.rmdir(folder)
 
     def close(self) -> None:
+        """Finish the snapshot in flight, then release the slots' mappings and the folder."""
+        self.wait()
+        for slot_map in self._maps:
+            slot_map.close()
         if self._dir_fd >= 0:
             os.close(self._dir_fd)
             self._dir_fd = -1
