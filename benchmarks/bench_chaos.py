@@ -10,16 +10,19 @@ with the engine under test:
   restarts the interrupted epoch from its beginning (what a plain DataLoader can do).
 - ``streamcache_torchrun``: StreamDataset/StreamLoader + Checkpointer (async, local root)
   every ``--save-every`` steps; torchrun restarts every process.
-- ``streamcache_nvrx``: the same under NVIDIA Resiliency Extension's in-process restart
-  (``nvidia_resiliency_ext.inprocess.Wrapper``, inside torchrun), with the Checkpointer's
+- ``streamcache_torchrun_warm``: the same, launched by torchrun's engine through its Python
+  API (``torch.distributed.launcher.api.elastic_launch``, the agent torchrun runs) with
+  ``start_method="forkserver"`` and torch, ``torch._dynamo`` (which constructing any torch
+  optimizer imports: 1.1 s), DCP and streamcache preloaded in the forkserver: the processes
+  torchrun restarts after a SIGKILL start with those imports done (docs/recovery.md).
+- ``streamcache_nvrx``: the torchrun row under NVIDIA Resiliency Extension's in-process
+  restart (``nvidia_resiliency_ext.inprocess.Wrapper``, inside torchrun), with the Checkpointer's
   memory tier: a snapshot every ``--snapshot-every`` steps besides the disk saves. A raised
   fault restarts the training function in the surviving processes (model, optimizer, loader
   and imports kept); a SIGKILL still restarts every process through torchrun, which then
   restores from the memory tier.
-- ``streamcache_nvrx_warm``: the same, launched by torchrun's engine through its Python API
-  (``torch.distributed.launcher.api.elastic_launch``, the agent torchrun runs) with
-  ``start_method="forkserver"`` and torch, streamcache and NVRx preloaded in the forkserver:
-  the processes torchrun restarts after a SIGKILL start with those imports done.
+- ``streamcache_nvrx_warm``: the NVRx row, launched as the torchrun_warm row is (NVRx
+  preloaded too).
 
 Per row it reports goodput (the final step reached in T / the steps the same row makes in T
 without faults), restart time (fault to the first new step on every rank) p50/p95 per kind
@@ -40,8 +43,9 @@ engineers' work throughout): goodput 33% (dataloader_dcp), 48% (streamcache_torc
 (streamcache_nvrx), 66% (streamcache_nvrx_warm); raised-fault restarts 25-33 s, SIGKILL
 restarts 20.5 s (torchrun) and 11.4 s (warm); 0 samples re-read and every batch equal to the
 clean run's on the streamcache rows; snapshot 0.046-0.049 s per 0.135-0.146 s step. Quiet
-run of the torchrun row with the restart recipe (2026-12-05, SIGKILLs only, T = 150 s):
-goodput 92.7%, SIGKILL restarts 3.3 s p50.
+runs of the torchrun rows with the restart recipe (2026-12-05, SIGKILLs only, T = 150 s):
+goodput 87.5-92.7% and SIGKILL restarts 3.3-3.9 s p50 (torchrun), 99.4% and 0.47 s
+(torchrun_warm).
 """
 
 from __future__ import annotations
@@ -64,9 +68,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROWS = ("dataloader_dcp", "streamcache_torchrun", "streamcache_nvrx", "streamcache_nvrx_warm")
-# modules a restarted process of the _warm row finds imported (forked from torch elastic's
+ROWS = ("dataloader_dcp", "streamcache_torchrun", "streamcache_torchrun_warm",
+        "streamcache_nvrx", "streamcache_nvrx_warm")
+# modules a restarted process of the _warm rows finds imported (forked from torch elastic's
 # forkserver, which imported them once)
+# (a module that is not installed, NVRx on the torchrun_warm row's machine, is skipped)
 WARM_MODULES = ["__main__", "torch", "torch._dynamo", "torch.optim", "torch.nn.parallel",
                 "torch.distributed.checkpoint", "streamcache.loading.loader",
                 "streamcache.checkpoint", "nvidia_resiliency_ext.inprocess"]
@@ -142,11 +148,28 @@ class StepLog:
             raise RuntimeError(f"injected fault at step {step} on rank {self.rank}")
 
 
-def phase(cfg: Config, name: str) -> None:
+def phase(cfg: Config, name: str, when: float | None = None) -> None:
     """When a process reached ``name`` (where a restart's time goes)."""
     rank = os.environ.get("RANK", "?")
     with open(Path(cfg.run_dir) / f"phases-rank{rank}.jsonl", "a") as out:
-        out.write(json.dumps({"t": time.time(), "pid": os.getpid(), "phase": name}) + "\n")
+        out.write(json.dumps({"t": time.time() if when is None else when, "pid": os.getpid(),
+                              "phase": name}) + "\n")
+
+
+def _process_started() -> float | None:
+    """When this process was created, as a ``time.time()`` value (the kernel's record, in
+    1/CLK_TCK s of the boot-time clock), or None."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# the phases of a restarted process, in order (docs/recovery.md: where a restart goes)
+PHASES = ("exec", "process", "torch imported", "streamcache imported", "loader made",
+          "group made", "checkpointer made", "restored")
 
 
 def _train_step(ddp: Any, optimizer: Any, x: Any, y: Any, log: StepLog, step: int) -> None:
@@ -226,6 +249,7 @@ def run_streamcache(cfg: Config, model: Any, optimizer: Any, log: StepLog, loade
                       job_id="bench-chaos") as ckpt:
         phase(cfg, "checkpointer made")
         step = ckpt.load(state) or 0
+        phase(cfg, "restored")
         log.event("resumed", s=step)
         try:
             step = _loop(cfg, ddp, optimizer, log, loader, ckpt, state, step, memory,
@@ -274,8 +298,13 @@ def worker(cfg: Config) -> None:
     # (a Python-level handler would run only when the collective times out)
     log_handler = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    started = _process_started()
+    if started is not None:
+        phase(cfg, "exec", started)
     phase(cfg, "process")
     import torch
+
+    phase(cfg, "torch imported")
 
     torch.set_num_threads(1)
     model, optimizer = _model()
@@ -286,13 +315,16 @@ def worker(cfg: Config) -> None:
         return
     from streamcache import StreamDataset, StreamLoader
 
+    phase(cfg, "streamcache imported")
     dataset = StreamDataset(str(Path(cfg.data_dir) / "ds"), batch_size=BATCH, seed=cfg.seed,
                             infinite=True)
     loader = StreamLoader(dataset)
-    if cfg.row == "streamcache_torchrun":
+    if cfg.row.startswith("streamcache_torchrun"):
         import torch.distributed as dist
 
+        phase(cfg, "loader made")
         dist.init_process_group("gloo")
+        phase(cfg, "group made")
         run_streamcache(cfg, model, optimizer, StepLog(cfg, rank, f"{os.getpid()}"), loader,
                         memory=False)
         return
@@ -399,18 +431,21 @@ class RowResult:
     snapshot_s: float | None = None
 
 
-def read_logs(run_dir: Path, ranks: int) -> list[list[dict[str, Any]]]:
+def read_logs(run_dir: Path, ranks: int, stem: str = "log") -> list[list[dict[str, Any]]]:
+    """Each rank's JSON lines: ``log`` (steps and events) or ``phases``."""
     logs = []
     for rank in range(ranks):
-        path = run_dir / f"log-rank{rank}.jsonl"
+        path = run_dir / f"{stem}-rank{rank}.jsonl"
         lines = path.read_text().splitlines() if path.exists() else []
         logs.append([json.loads(line) for line in lines if line.endswith("}")])
     return logs
 
 
 def run_row(cfg: Config, ranks: int, chaos: bool, mtbf: float, kinds: list[str],
-            seed: int) -> tuple[list[list[dict[str, Any]]], list[Fault], float]:
-    """Run one row for ``cfg.seconds`` (after its first step); the logs, faults, start."""
+            seed: int) -> tuple[list[list[dict[str, Any]]], list[Fault], float,
+                                list[list[dict[str, Any]]]]:
+    """Run one row for ``cfg.seconds`` (after its first step); the logs, faults, start and
+    the processes' phases."""
     run_dir = Path(cfg.run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -449,7 +484,7 @@ def run_row(cfg: Config, ranks: int, chaos: bool, mtbf: float, kinds: list[str],
     finally:
         _stop(proc)
         _remove_snapshots()
-    return read_logs(run_dir, ranks), faults, start
+    return read_logs(run_dir, ranks), faults, start, read_logs(run_dir, ranks, "phases")
 
 
 def _remove_snapshots() -> None:
@@ -522,9 +557,25 @@ def _restart_time(logs: list[list[dict[str, Any]]], fault: Fault) -> float | Non
     return latest - when
 
 
+def _breakdown(logs: list[list[dict[str, Any]]], phases: list[list[dict[str, Any]]],
+               fault: Fault, restart: float) -> dict[str, float]:
+    """Seconds from the fault to each phase of the restarted processes (the last rank to
+    reach it: the job waits for it), and to the first step."""
+    when = _fault_time(logs, fault)
+    out: dict[str, float] = {}
+    for name in PHASES:
+        reached = [min((e["t"] for e in rank if e["phase"] == name and e["t"] > when),
+                       default=None) for rank in phases]
+        if reached and all(t is not None for t in reached):
+            out[name] = max(t for t in reached if t is not None) - when
+    out["first step"] = restart
+    return out
+
+
 def analyze(row: str, chaos: bool, logs: list[list[dict[str, Any]]], faults: list[Fault],
             start: float, seconds: float, clean: dict[int, list[int]] | None,
-            steps_per_epoch: int) -> tuple[RowResult, dict[int, list[int]]]:
+            steps_per_epoch: int, phases: list[list[dict[str, Any]]] | None = None,
+            ) -> tuple[RowResult, dict[int, list[int]]]:
     end = start + seconds
     result = RowResult(row, chaos)
     trajectory: dict[int, list[int]] = {}
@@ -560,9 +611,12 @@ def analyze(row: str, chaos: bool, logs: list[list[dict[str, Any]]], faults: lis
     result.snapshot_s = statistics.median(costs) if costs else None
     for fault in faults:
         restart = _restart_time(logs, fault)
-        result.faults.append({**asdict(fault), "restart_s": restart})
+        entry: dict[str, Any] = {**asdict(fault), "restart_s": restart}
         if restart is not None:
             result.restart_s.setdefault(fault.kind, []).append(restart)
+            if phases is not None:
+                entry["phases_s"] = _breakdown(logs, phases, fault, restart)
+        result.faults.append(entry)
     return result, trajectory
 
 
@@ -689,9 +743,10 @@ def _run_pair(args: argparse.Namespace, row: str, tmp: Path, data_dir: Path, kin
     for chaos in (False, True):
         cfg = Config(row, str(tmp / f"{row}-{int(chaos)}"), str(data_dir), args.seconds,
                      args.save_every, args.snapshot_every, args.seed)
-        logs, faults, start = run_row(cfg, args.ranks, chaos, args.mtbf, kinds, args.seed)
+        logs, faults, start, phases = run_row(cfg, args.ranks, chaos, args.mtbf, kinds,
+                                              args.seed)
         result, traj = analyze(row, chaos, logs, faults, start, args.seconds, clean_traj,
-                               steps_per_epoch)
+                               steps_per_epoch, phases)
         if not chaos:
             clean_traj, clean_steps = traj, result.steps
     return _summary(result, clean_steps)
@@ -711,6 +766,11 @@ def _summary(result: RowResult, clean_steps: int) -> dict[str, Any]:
     for kind, values in result.restart_s.items():
         summary[f"restart_{kind}_p50_s"] = statistics.median(values)
         summary[f"restart_{kind}_p95_s"] = _pct(values, 0.95)
+        breakdowns = [f["phases_s"] for f in result.faults
+                      if f["kind"] == kind and "phases_s" in f]
+        names = [n for n in (*PHASES, "first step") if any(n in b for b in breakdowns)]
+        summary[f"phases_{kind}_p50_s"] = {
+            n: statistics.median(b[n] for b in breakdowns if n in b) for n in names}
     return summary
 
 
@@ -730,6 +790,14 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         print(f"| {r['row']} | {r['goodput']:.1%} ({r['steps']}/{r['clean_steps']}) | "
               f"{r['faults']} | {pair('raise')} | {pair('kill')} | {r['steps_redone']} | "
               f"{r['samples_reread']} | {r['batches_equal']} | {r['step_s']:.3f} | {snap} |")
+    print("\nWhere a restart goes: seconds from the fault to each phase of the restarted "
+          "processes (the last rank to reach it), medians over the row's faults of a kind")
+    for r in rows:
+        for key, phases in r.items():
+            if key.startswith("phases_") and phases:
+                kind = key.split("_")[1]
+                print(f"{r['row']} ({kind}): " + ", ".join(f"{n} {t:.2f}"
+                                                           for n, t in phases.items()))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -102,3 +103,64 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+_WARM_WORKER = textwrap.dedent('''
+    import datetime, os, signal, sys
+    from pathlib import Path
+
+    def main(out: str) -> None:
+        # forked from the server that imported these once: a restart does not import them
+        preloaded = all(name in sys.modules for name in ("torch._dynamo", "streamcache.checkpoint"))
+        import torch, torch.distributed as dist
+        from streamcache import Checkpointer
+
+        folder = Path(out)
+        rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+        with Checkpointer(folder / "root") as ckpt:
+            value = torch.ones(1)
+            dist.all_reduce(value)
+            if attempt < 2 and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # the agent restarts both processes
+            dist.all_reduce(value)
+            (folder / f"done-{rank}-{attempt}").write_text(f"{float(value)} {preloaded}")
+''')
+
+_WARM_LAUNCH = textwrap.dedent('''
+    import multiprocessing, os, sys, uuid
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import warm_worker
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if __name__ == "__main__":
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        multiprocessing.set_forkserver_preload(
+            ["warm_worker", "torch", "torch._dynamo", "torch.optim", "torch.nn.parallel",
+             "torch.distributed.checkpoint", "streamcache.loading.loader",
+             "streamcache.checkpoint"])
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2,
+                              run_id=str(uuid.uuid4()), rdzv_backend="c10d",
+                              rdzv_endpoint="localhost:0", max_restarts=2,
+                              monitor_interval=0.1, start_method="forkserver")
+        elastic_launch(config, entrypoint=warm_worker.main)(sys.argv[1])
+''')
+
+
+def test_the_warm_recipe_restarts_killed_ranks_from_preloaded_processes(tmp_path: Path) -> None:
+    """docs/recovery.md "Warm restarts": torchrun's engine through its Python API, workers
+    forked from a forkserver that imported torch, torch._dynamo, DCP and streamcache once."""
+    (tmp_path / "warm_worker.py").write_text(_WARM_WORKER)
+    (tmp_path / "launch.py").write_text(_WARM_LAUNCH)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "RANK"))}
+    # (a short TMPDIR: the forkserver's socket path must fit AF_UNIX's 108 bytes)
+    with tempfile.TemporaryDirectory(prefix="sc") as temp:
+        environ.update(OMP_NUM_THREADS="1", TMPDIR=temp)
+        run = subprocess.run([sys.executable, str(tmp_path / "launch.py"), str(tmp_path)],
+                             env=environ, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    done = sorted(p.name for p in tmp_path.glob("done-*"))
+    assert done == ["done-0-2", "done-1-2"], run.stderr[-3000:]  # both kills restarted
+    assert (tmp_path / "done-0-2").read_text() == "4.0 True"  # summed, and preloaded
+    assert (tmp_path / "done-1-2").read_text() == "4.0 True"
+    assert "135712" not in run.stderr
