@@ -9,6 +9,7 @@ file is cut right before they touch it: the fault, the guard and the recovery ar
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -213,4 +214,24 @@ def test_the_training_may_change_the_tensors_once_write_returns(tmp_path: Path) 
     entries["w"][1]["a"].fill_(-1.0)  # the next optimizer step, at once
     assert tier.wait()
     assert _whole_steps(tmp_path) == [5]
+    tier.close()
+
+
+def test_an_io_error_while_finishing_is_reported_and_the_previous_snapshot_stays(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    tier = _tier(tmp_path)
+    assert _snapshot(tier, 1) == (True, True)
+
+    def failing(*args: Any) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(memory, "pwrite_all", failing)  # the manifest's write, on the thread
+    with caplog.at_level(logging.WARNING, "streamcache.checkpoint"):
+        assert _snapshot(tier, 2) == (True, False)
+    assert "writing" in caplog.text and "Input/output error" in caplog.text
+    monkeypatch.undo()
+    assert _whole_steps(tmp_path) == [1]
+    assert _snapshot(tier, 3) == (True, True)
+    assert _whole_steps(tmp_path) == [1, 3]
     tier.close()

@@ -253,7 +253,11 @@ class MemoryTier:
             pwrite_all(fd, pack_header(header, digest), 0)
             self._seqs[slot] = seq
         except (OSError, NativeError) as exc:
-            self._kept = self._failed(step, slot, exc)
+            try:
+                self._kept = self._failed(step, slot, exc)
+            except CheckpointError as error:  # not a full disk: say so, the other slot stays
+                log.error("%s (the previous snapshot and the disk tiers are intact)", str(error))
+                self._kept = False
         except BaseException as exc:  # never silent: a thread's error has no caller
             log.error("memory tier: snapshot of step %d failed: %r", step, exc)
             self._kept = False

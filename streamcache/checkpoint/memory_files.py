@@ -5,6 +5,7 @@ tier, memory.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -120,9 +121,11 @@ class SlotMap:
         return self._array[:size]
 
     def close(self) -> None:
-        self._array, self._file = None, None  # no view of the map may outlive this
+        self._array, self._file = None, None
         if self._map is not None:
-            self._map.close()
+            # a view that still lives (a traceback's frame) keeps it mapped until it goes
+            with contextlib.suppress(BufferError):
+                self._map.close()
             self._map = None
 
 
