@@ -343,6 +343,7 @@ def launch_warm(cfg_path: str, ranks: int) -> None:
     import multiprocessing
     import uuid
 
+    import torch._dynamo  # noqa: F401  (the agent formats a dead worker's traceback with it)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     multiprocessing.set_forkserver_preload(WARM_MODULES)

@@ -130,6 +130,7 @@ _WARM_WORKER = textwrap.dedent('''
 _WARM_LAUNCH = textwrap.dedent('''
     import multiprocessing, os, sys, uuid
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch._dynamo  # the agent formats a dead worker's traceback with it
     import warm_worker
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
