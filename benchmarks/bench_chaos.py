@@ -561,12 +561,13 @@ def _restart_time(logs: list[list[dict[str, Any]]], fault: Fault) -> float | Non
 def _breakdown(logs: list[list[dict[str, Any]]], phases: list[list[dict[str, Any]]],
                fault: Fault, restart: float) -> dict[str, float]:
     """Seconds from the fault to each phase of the restarted processes (the last rank to
-    reach it: the job waits for it), and to the first step."""
+    reach it: the job waits for it), and to the first step. A phase not passed again before
+    that step (an in-process restart keeps its process and imports) is left out."""
     when = _fault_time(logs, fault)
     out: dict[str, float] = {}
     for name in PHASES:
-        reached = [min((e["t"] for e in rank if e["phase"] == name and e["t"] > when),
-                       default=None) for rank in phases]
+        reached = [min((e["t"] for e in rank if e["phase"] == name
+                        and when < e["t"] <= when + restart), default=None) for rank in phases]
         if reached and all(t is not None for t in reached):
             out[name] = max(t for t in reached if t is not None) - when
     out["first step"] = restart
