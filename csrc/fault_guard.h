@@ -10,9 +10,10 @@ namespace streamcache {
 // file's end (SIGBUS): fn was then left where it faulted. fn must hold nothing that needs a
 // destructor or an unlock (it is left by a jump): plain loops over raw memory only.
 //
-// The first call installs a process-wide SIGBUS handler that hands every fault outside a
-// guarded call to the handler installed before it (or to the default action: the process
-// dies, as without the guard).
+// Each call makes sure a process-wide SIGBUS handler is installed (again, where something
+// replaced it since: the replacement then counts as the handler before it). The handler hands
+// every fault outside a guarded call to the handler installed before it, or to the default
+// action (the process dies, as without the guard).
 bool run_fault_guarded(void (*fn)(void*), void* arg);
 
 }  // namespace streamcache

@@ -235,3 +235,28 @@ def test_an_io_error_while_finishing_is_reported_and_the_previous_snapshot_stays
     assert _snapshot(tier, 3) == (True, True)
     assert _whole_steps(tmp_path) == [1, 3]
     tier.close()
+
+
+_REPLACED = textwrap.dedent("""
+    import mmap, os, signal, sys
+    import numpy as np
+    from streamcache import _native
+    from streamcache.errors import NativeError
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+    os.posix_fallocate(fd, 0, 1 << 20)
+    array = np.frombuffer(mmap.mmap(fd, 1 << 20), dtype=np.uint8)
+    _native.stream_copy(np.ones(1 << 20, np.uint8), array, guard=True)  # the handler is in
+    signal.signal(signal.SIGBUS, signal.SIG_DFL)  # a library resets SIGBUS behind its back
+    os.ftruncate(fd, 0)
+    try:
+        _native.stream_copy(np.ones(1 << 20, np.uint8), array, guard=True)
+    except NativeError as exc:
+        print("caught:", exc, flush=True)
+""")
+
+
+def test_the_guard_holds_after_something_resets_the_sigbus_handler(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-c", _REPLACED, str(tmp_path / "f")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr)
+    assert "caught: the destination's mapped file was cut short" in result.stdout
