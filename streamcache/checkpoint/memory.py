@@ -171,8 +171,10 @@ class MemoryTier:
         kill restores the snapshot before (as a kill inside the copy would). :meth:`wait`
         waits for it; every other method does.
 
-        Returns False (after a warning) when the slot does not fit: the state is larger than
-        ``max_bytes`` or the tier's filesystem is full; the newer slot is then untouched.
+        Returns False (after a warning) when the snapshot is not taken: the state is larger
+        than ``max_bytes``, the tier's filesystem is full, or another process truncated the
+        slot file during the copy; the newer slot is then untouched. What goes wrong while
+        the snapshot is finished, :meth:`wait` reports.
 
         Raises:
             CheckpointError: a value cannot be kept in the memory tier (names it).
