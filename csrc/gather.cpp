@@ -89,6 +89,49 @@ Status too_small(size_t out_size, size_t n, size_t row_bytes) {
                            " bytes");
 }
 
+// A batch's rows lie scattered over shards far larger than the caches, so each row's first
+// touch waits on memory and a page walk, one row after another. Touching the row
+// kPrefetchAhead places further on before copying this one overlaps those waits: a gather of
+// 256 rows of 1 KB from warm 64 MB shards took 35 us instead of 51 (prefetch is a hint: it
+// never faults, on a truncated mapping either). Only a row's first kPrefetchBytes: past them
+// the processor's own stream prefetcher follows a long row.
+constexpr size_t kPrefetchAhead = 4;
+constexpr size_t kPrefetchBytes = 2048;
+constexpr size_t kLine = 64;
+
+inline void prefetch(const uint8_t* p, size_t bytes) {
+  const size_t n = std::min(bytes, kPrefetchBytes);
+  for (size_t off = 0; off < n; off += kLine) __builtin_prefetch(p + off);
+}
+
+// Prefetch fixed-width row rows[j] of sources[which[j]] where it exists.
+inline void prefetch_fixed(const SpanList& sources, size_t stride, int32_t shard, int64_t row) {
+  if (shard < 0 || static_cast<size_t>(shard) >= sources.size() || row < 0) return;
+  const Span& src = sources[static_cast<size_t>(shard)];
+  if (static_cast<uint64_t>(row) >= src.size / stride) return;
+  prefetch(src.data + static_cast<size_t>(row) * stride, stride);
+}
+
+// Prefetch what reading row `row` of sources[shard] touches first: its two offsets, or (with
+// `values`, once the offsets are at hand) its elements.
+inline void prefetch_var(const VarList& sources, size_t elem_size, int32_t shard, int64_t row,
+                         bool values) {
+  if (shard < 0 || static_cast<size_t>(shard) >= sources.size() || row < 0) return;
+  const VarSource& src = sources[static_cast<size_t>(shard)];
+  if (static_cast<uint64_t>(row) + 1 >= src.offsets.size / 8) return;
+  if (!values) {
+    __builtin_prefetch(src.offsets.data + static_cast<size_t>(row) * 8);
+    return;
+  }
+  int64_t begin = 0, end = 0;
+  std::memcpy(&begin, src.offsets.data + static_cast<size_t>(row) * 8, 8);
+  std::memcpy(&end, src.offsets.data + static_cast<size_t>(row) * 8 + 8, 8);
+  const int64_t n_elems = static_cast<int64_t>(src.values.size / elem_size);
+  if (begin < 0 || end < begin || end > n_elems) return;  // the copy refuses it
+  prefetch(src.values.data + static_cast<size_t>(begin) * elem_size,
+           static_cast<size_t>(end - begin) * elem_size);
+}
+
 Status check_shard(size_t i, int32_t shard, size_t n_sources) {
   if (shard < 0 || static_cast<size_t>(shard) >= n_sources) {
     return Status::Error(StatusCode::kOutOfRange, static_cast<int64_t>(i),
@@ -109,6 +152,9 @@ Status gather_fixed(const SpanList& sources, size_t stride, const int32_t* which
   FirstError error;
   auto body = [&](size_t begin, size_t end) {
     for (size_t i = begin; i < end && !error.before(i); ++i) {
+      if (i + kPrefetchAhead < end) {
+        prefetch_fixed(sources, stride, which[i + kPrefetchAhead], rows[i + kPrefetchAhead]);
+      }
       Status s = check_shard(i, which[i], sources.size());
       if (!s.ok()) return error.set(std::move(s));
       const Span& src = sources[static_cast<size_t>(which[i])];
@@ -137,6 +183,9 @@ Status var_offsets(const VarList& sources, size_t elem_size, const int32_t* whic
   int64_t running = 0;
   out_offsets[0] = 0;
   for (size_t i = 0; i < n; ++i) {
+    if (i + kPrefetchAhead < n) {
+      prefetch_var(sources, elem_size, which[i + kPrefetchAhead], rows[i + kPrefetchAhead], false);
+    }
     Status s = check_shard(i, which[i], sources.size());
     if (!s.ok()) return s;
     int64_t begin = 0, end = 0;
@@ -179,6 +228,10 @@ Status gather_var(const VarList& sources, size_t elem_size, const int32_t* which
                 std::to_string(dst_begin) + ", " + std::to_string(dst_end) +
                 "] is not a non-decreasing range inside [0, " + std::to_string(last) + "]"));
       }
+      if (i + kPrefetchAhead < end) {
+        prefetch_var(sources, elem_size, which[i + kPrefetchAhead], rows[i + kPrefetchAhead],
+                     true);
+      }
       Status s = check_shard(i, which[i], sources.size());
       if (!s.ok()) return error.set(std::move(s));
       const VarSource& src = sources[static_cast<size_t>(which[i])];
@@ -213,6 +266,10 @@ Status gather_var_rows(const VarList& sources, size_t elem_size,
   FirstError error;
   auto body = [&](size_t begin, size_t end) {
     for (size_t i = begin; i < end && !error.before(i); ++i) {
+      if (i + kPrefetchAhead < end) {
+        prefetch_var(sources, elem_size, which[i + kPrefetchAhead], rows[i + kPrefetchAhead],
+                     true);
+      }
       Status s = check_shard(i, which[i], sources.size());
       if (!s.ok()) return error.set(std::move(s));
       const VarSource& src = sources[static_cast<size_t>(which[i])];
