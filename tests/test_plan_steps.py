@@ -8,6 +8,7 @@ steps; with the same global batch, the global batches do not depend on the world
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 from collections.abc import Callable
@@ -312,6 +313,36 @@ def test_an_exhausted_segment_has_no_steps_and_rolls_over() -> None:
     segment = cursor.segment(2, 1, "pad")
     assert segment.num_steps == 0
     assert cursor.advanced(segment, 0) == new_cursor([5], epoch=3)
+
+
+@given(rows=st.lists(st.integers(1, 40), min_size=1, max_size=4), batch=st.integers(1, 9),
+       start=st.integers(0, 200), steps=st.integers(0, 30))
+@settings(max_examples=60, deadline=None)
+def test_an_advanced_cursor_is_the_one_built_and_checked_anew(rows: list[int], batch: int,
+                                                              start: int, steps: int) -> None:
+    """advanced() moves a cursor inside its epoch without re-checking its other fields: the
+    result must be the cursor a checked construction gives (equal, same hash, same state)."""
+    consumed = start % (sum(rows) + 1)
+    cursor = new_cursor(rows, samples_consumed=consumed, epoch=1)
+    segment = cursor.segment(batch, 1, "drop")
+    done = min(steps, segment.num_steps)
+    after = cursor.advanced(segment, done)
+    if done == segment.num_steps:
+        built = dataclasses.replace(cursor, epoch=2, samples_consumed=0)
+    else:
+        built = dataclasses.replace(cursor, samples_consumed=consumed + done * batch)
+    assert after == built and hash(after) == hash(built) and type(after) is Cursor
+    assert after.to_dict() == built.to_dict() == Cursor.from_dict(after.to_dict()).to_dict()
+    assert cursor.samples_consumed == consumed  # the original is unchanged
+
+
+def test_a_cursor_is_not_moved_outside_its_epoch() -> None:
+    from streamcache.plan.cursor import moved_within_epoch
+
+    cursor = new_cursor([5])
+    for bad in (-1, 6):
+        with pytest.raises(StreamcacheError, match="samples_consumed must be in"):
+            moved_within_epoch(cursor, bad)
 
 
 # --------------------------------------------------------------------------- assignment hook

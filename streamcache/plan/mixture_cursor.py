@@ -24,6 +24,7 @@ from .cursor import (
     ResumeCheck,
     check_versioned_state,
     identity_problems,
+    moved_within_epoch,
 )
 from .mixture import EpochPlan, Phase
 from .quota import quota
@@ -195,7 +196,7 @@ class MixtureCursor:
         consumed = segment.samples_consumed_after(steps_done)
         if steps_done == segment.num_steps:
             return self._next_epoch(consumed)
-        return dataclasses.replace(self, samples_consumed=consumed)
+        return moved_within_epoch(self, consumed)
 
     def _next_epoch(self, consumed: int | None = None) -> MixtureCursor:
         """The next epoch's start once ``consumed`` positions of this one are read (default:
