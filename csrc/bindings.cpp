@@ -721,6 +721,11 @@ NB_MODULE(_core, m) {
         "Size of the native thread pool (0 = hardware concurrency).");
   m.def("get_num_threads", []() { return global_pool_size(); },
         "Size of the native thread pool (the caller's thread counts as one).");
+  m.def("set_gather_threads", [](size_t n) { set_gather_threads(n); }, nb::arg("threads"),
+        "Gathers called from this thread split over at most this many threads (0 = the "
+        "pool's size, 1 = never split).");
+  m.def("get_gather_threads", []() { return gather_threads(); },
+        "This thread's gather split limit (0 = the pool's size).");
   m.def("_test_pool_job", &py_test_pool_job, nb::arg("n"), nb::arg("throw_at"),
         nb::arg("block_at"), "(tests) A pool job that throws or blocks: (items visited, error).");
   m.def("_set_test_gate", &py_set_test_gate, nb::arg("open"),

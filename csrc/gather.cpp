@@ -12,6 +12,8 @@
 namespace streamcache {
 namespace {
 
+thread_local size_t t_gather_threads = 0;  // see set_gather_threads
+
 // Below this many bytes a batch is copied on the calling thread: waking the pool costs more.
 constexpr size_t kParallelBytes = 1 << 20;
 // Above it, threads claim chunks of about this many bytes.
@@ -143,6 +145,9 @@ Status check_shard(size_t i, int32_t shard, size_t n_sources) {
 
 }  // namespace
 
+void set_gather_threads(size_t threads) { t_gather_threads = threads; }
+size_t gather_threads() { return t_gather_threads; }
+
 Status gather_fixed(const SpanList& sources, size_t stride, const int32_t* which,
                     const int64_t* rows, size_t n, uint8_t* out, size_t out_size) {
   if (stride == 0) return Status::Error(StatusCode::kInvalid, -1, "stride must be positive");
@@ -170,7 +175,7 @@ Status gather_fixed(const SpanList& sources, size_t stride, const int32_t* which
   if (n * stride < kParallelBytes) {
     body(0, n);
   } else {
-    global_pool().parallel_for(n, rows_per_chunk(n, n * stride), body);
+    global_pool().parallel_for(n, rows_per_chunk(n, n * stride), body, t_gather_threads);
   }
   return error.take();
 }
@@ -253,7 +258,8 @@ Status gather_var(const VarList& sources, size_t elem_size, const int32_t* which
   if (total_bytes < kParallelBytes) {
     body(0, n);
   } else {
-    global_pool().parallel_for(n, rows_per_chunk(n, total_bytes), body);
+    global_pool().parallel_for(n, rows_per_chunk(n, total_bytes), body,
+                               t_gather_threads);
   }
   return error.take();
 }
@@ -290,7 +296,7 @@ Status gather_var_rows(const VarList& sources, size_t elem_size,
     body(0, n);
   } else {
     global_pool().parallel_for(n, rows_per_chunk(n, static_cast<size_t>(last) * elem_size),
-                               body);
+                               body, t_gather_threads);
   }
   return error.take();
 }

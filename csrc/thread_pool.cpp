@@ -73,11 +73,12 @@ void ThreadPool::worker_loop() {
 }
 
 void ThreadPool::parallel_for(size_t n, size_t grain,
-                              const std::function<void(size_t, size_t)>& fn) {
+                              const std::function<void(size_t, size_t)>& fn, size_t max_threads) {
   if (n == 0) return;
   grain = std::max<size_t>(grain, 1);
-  size_t chunks = std::min(size() * kChunksPerThread, (n + grain - 1) / grain);
-  if (chunks <= 1) {
+  const size_t threads = max_threads > 0 ? std::min(max_threads, size()) : size();
+  size_t chunks = std::min(threads * kChunksPerThread, (n + grain - 1) / grain);
+  if (threads <= 1 || chunks <= 1) {
     fn(0, n);
     return;
   }
@@ -88,9 +89,15 @@ void ThreadPool::parallel_for(size_t n, size_t grain,
   job->chunks = (n + job->per - 1) / job->per;  // every chunk non-empty
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (size_t c = 1; c < job->chunks; ++c) queue_.push_back(job);
+    // one helper per other thread allowed (each claims chunks until none is left)
+    const size_t helpers = std::min(job->chunks, threads) - 1;
+    for (size_t h = 0; h < helpers; ++h) queue_.push_back(job);
+    if (helpers == 1) {
+      wake_.notify_one();
+    } else {
+      wake_.notify_all();
+    }
   }
-  wake_.notify_all();
   job->help();
   std::unique_lock<std::mutex> lock(job->mutex);
   job->finished.wait(lock, [&job] { return job->done == job->chunks; });

@@ -35,7 +35,9 @@ class ThreadPool {
   // and a worker the OS leaves unscheduled (a loaded machine) holds up one small chunk. Returns when every chunk of *this* call is done
   // (concurrent calls do not wait for each other). An exception thrown by fn in any thread is
   // rethrown here, after every chunk has finished; the chunks not yet started are skipped.
-  void parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn);
+  // `max_threads` > 0: at most that many threads (the caller's included) work on it.
+  void parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn,
+                    size_t max_threads = 0);
 
   struct Job;  // one parallel_for call: its chunks, completion count and first exception
 

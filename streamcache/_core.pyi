@@ -79,6 +79,14 @@ def set_num_threads(threads: int) -> None:
 def get_num_threads() -> int:
     """Size of the native thread pool (the caller's thread counts as one)."""
 
+def set_gather_threads(threads: int) -> None:
+    """
+    Gathers called from this thread split over at most this many threads (0 = the pool's size, 1 = never split).
+    """
+
+def get_gather_threads() -> int:
+    """This thread's gather split limit (0 = the pool's size)."""
+
 class Scheduler:
     """
     Prefetch queue, in-flight budget, shard states and waits (csrc/scheduler.h).

@@ -342,6 +342,20 @@ def get_num_threads() -> int:
     return int(_native_backend.active.get_num_threads())
 
 
+def set_gather_threads(threads: int) -> None:
+    """Gathers called from *this thread* split a large copy over at most ``threads`` threads
+    of the native pool, this one included (0: the pool's size, the default; 1: never split).
+    For a thread among others that keep every core busy: there a split only adds wake-ups."""
+    if int(threads) < 0:
+        raise ValueError(f"threads must be >= 0, got {threads}")
+    _native_backend.active.set_gather_threads(int(threads))
+
+
+def get_gather_threads() -> int:
+    """This thread's limit set by :func:`set_gather_threads` (0: the pool's size)."""
+    return int(_native_backend.active.get_gather_threads())
+
+
 __all__ = [
     "CODE_CORRUPT",
     "CODE_INTERNAL",
@@ -359,9 +373,11 @@ __all__ = [
     "gather_fixed_chunks",
     "gather_var",
     "gather_var_chunks",
+    "get_gather_threads",
     "get_num_threads",
     "global_rngs",
     "group_shards",
+    "set_gather_threads",
     "set_num_threads",
     "stream_copy",
     "twin_global_rngs",

@@ -11,6 +11,7 @@ The argument checks are in ``streamcache._twin_checks``, the scheduler twin in
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -431,3 +432,14 @@ def set_num_threads(threads: int) -> None:
 
 def get_num_threads() -> int:
     return _num_threads
+
+
+_gather_limit = threading.local()  # the twin gathers on the calling thread: kept, not used
+
+
+def set_gather_threads(threads: int) -> None:
+    _gather_limit.threads = max(0, threads)
+
+
+def get_gather_threads() -> int:
+    return int(getattr(_gather_limit, "threads", 0))

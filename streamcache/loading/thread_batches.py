@@ -5,11 +5,13 @@ training loop, and the loop takes them in step order."""
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from concurrent.futures import CancelledError
 from typing import Any
 
+from .. import _native
 from ..format.reader import gather_into
 from ..plan import RankBatch
 from .dataset import StreamDataset
@@ -36,6 +38,7 @@ class _Producer:
 
     def _run(self) -> None:
         owner = self._owner
+        _native.set_gather_threads(owner.gather_width)  # (this thread's own setting)
         try:
             for ref, part in self._steps:
                 with self._changed:
@@ -97,6 +100,7 @@ class ThreadBatches:
         self.dataset = dataset
         threads = max(1, threads)
         self.depth = max(1, -(-depth // threads))  # ready batches per thread: ~depth in all
+        self.gather_width = gather_width(threads)
         self.stopped = False
         self._counters = counters
         self._pin = pin
@@ -148,6 +152,16 @@ class ThreadBatches:
         self.stop()
         for producer in self._producers:
             producer.join()
+
+
+def gather_width(readers: int) -> int:
+    """How many threads one of ``readers`` reader threads may split a large gather over:
+    itself, plus its share of the cores that the loop and the readers leave free (1 where
+    they keep every core busy: on 2 cores a split only added wake-ups, 27% fewer 100 KB
+    samples a second with the default two readers)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    return 1 + max(0, cores - readers - 1) // max(1, readers)
 
 
 class _Arrays:
