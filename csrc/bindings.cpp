@@ -718,7 +718,7 @@ NB_MODULE(_core, m) {
         "The distinct shards of a batch in increasing order into unique_out, each row's "
         "position among them into which_out; returns (code, item, message, count).");
   m.def("set_num_threads", [](size_t n) { set_global_pool_size(n); }, nb::arg("threads"),
-        "Size of the native thread pool (0 = hardware concurrency).");
+        "Size of the native thread pool (0 = the cores this process may run on).");
   m.def("get_num_threads", []() { return global_pool_size(); },
         "Size of the native thread pool (the caller's thread counts as one).");
   m.def("set_gather_threads", [](size_t n) { set_gather_threads(n); }, nb::arg("threads"),

@@ -1,6 +1,7 @@
 #include "thread_pool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -121,9 +122,31 @@ struct ForkGuard {
   }
 } g_fork_guard;
 
+// The cores this process may run on (its affinity mask: a rank pinned to a node's share, a
+// container's CPU set), not every core of the machine.
+size_t usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    const int count = CPU_COUNT(&set);
+    if (count > 0) return static_cast<size_t>(count);
+  }
+  return std::max<unsigned>(1, std::thread::hardware_concurrency());
+}
+
+// Read once per process (a forked child reads its own): a pool is rebuilt when its size
+// changes, so a mask changed later (by another library) does not abandon pools.
+size_t g_cores = 0;
+pid_t g_cores_pid = 0;
+
 size_t effective_size() {
   if (g_requested > 0) return g_requested;
-  return std::max<unsigned>(1, std::thread::hardware_concurrency());
+  const pid_t pid = getpid();
+  if (g_cores == 0 || g_cores_pid != pid) {
+    g_cores = usable_cores();
+    g_cores_pid = pid;
+  }
+  return g_cores;
 }
 
 }  // namespace

@@ -56,7 +56,7 @@ class ThreadPool {
 // The process-wide pool (fork-aware). Thread safety: callable from any thread.
 ThreadPool& global_pool();
 
-// Set the size of the process-wide pool (0 = hardware concurrency). Takes effect for the
+// Set the size of the process-wide pool (0 = the cores of the process's affinity mask). Takes effect for the
 // next job; a running job finishes on the old pool.
 void set_global_pool_size(size_t threads);
 size_t global_pool_size();

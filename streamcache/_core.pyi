@@ -74,7 +74,9 @@ def group_shards(shards: Annotated[NDArray[numpy.int64], dict(shape=(None,), ord
     """
 
 def set_num_threads(threads: int) -> None:
-    """Size of the native thread pool (0 = hardware concurrency)."""
+    """
+    Size of the native thread pool (0 = the cores this process may run on).
+    """
 
 def get_num_threads() -> int:
     """Size of the native thread pool (the caller's thread counts as one)."""

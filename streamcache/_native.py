@@ -334,7 +334,8 @@ class Xxh64:
 
 
 def set_num_threads(threads: int) -> None:
-    """Size of the native thread pool (0 = one per core). No effect on the twin."""
+    """Size of the native thread pool (0 = one per core this process may run on: its affinity
+    mask, read once per process). No effect on the twin."""
     _native_backend.active.set_num_threads(int(threads))
 
 

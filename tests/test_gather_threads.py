@@ -6,6 +6,9 @@ the readers keep every core busy."""
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -113,3 +116,21 @@ def test_a_loader_s_reader_threads_carry_the_limit(monkeypatch: pytest.MonkeyPat
     assert seen and all(name.startswith("streamcache-loader-") and limit == 5
                         for name, limit in seen)
     assert _native.get_gather_threads() == 0
+
+
+@pytest.mark.skipif("native" not in BACKENDS or not hasattr(os, "sched_setaffinity"),
+                    reason="the native core's pool, on Linux")
+def test_the_pool_counts_the_cores_the_process_may_run_on() -> None:
+    """A process pinned to one core (a rank given its share of a node, a container's CPU set)
+    gets a pool of one thread, not one per core of the machine."""
+    def pool_size(pin: bool) -> list[str]:
+        script = ("import os\n"
+                  + ("os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n" if pin else "")
+                  + "from streamcache import _native\n"
+                  + "print(_native.backend_name(), _native.get_num_threads())")
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             check=True, timeout=120)
+        return out.stdout.split()
+
+    assert pool_size(True) == ["native", "1"]
+    assert pool_size(False) == ["native", str(len(os.sched_getaffinity(0)))]
