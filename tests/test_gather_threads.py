@@ -129,7 +129,8 @@ def test_the_pool_counts_the_cores_the_process_may_run_on() -> None:
                   + "from streamcache import _native\n"
                   + "print(_native.backend_name(), _native.get_num_threads())")
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                             check=True, timeout=120)
+                             check=True, timeout=120,
+                             env={**os.environ, "STREAMCACHE_NATIVE": "1"})
         return out.stdout.split()
 
     assert pool_size(True) == ["native", "1"]
