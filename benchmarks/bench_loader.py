@@ -18,7 +18,8 @@ Cases (each in a fresh process, interleaved, --repeats times; shuffled, one epoc
   dataloader-wN   torch DataLoader(map-style memmap Dataset, shuffle=True, num_workers=N);
                   for images each sample is its bytes (default_collate keeps the list)
                   for seqs and varseqs each sample is its tokens, padded by pad_sequence
-  streamcache-wN  StreamLoader(StreamDataset(...), num_workers=N); images as lists of bytes
+  streamcache-wN  StreamLoader(StreamDataset(...), num_workers=N), every other option at
+                  its default (before 2026-12-06: prefetch=4); images as lists of bytes
                   (ragged="padded"), sequences padded; streamcache-offsets-w0: one tensor
                   plus offsets
   gather-limit    one process copies the same shuffled (sorted) batches from the memmap into
@@ -480,7 +481,7 @@ def run_case(case: str, data: str) -> dict[str, Any]:
         dataset = StreamDataset(os.path.join(DATA, data), batch_size=batch, rank=0,
                                 world_size=1, seed=int(time.time()), transform=transform,
                                 ragged=ragged, cache_dir=CACHE)  # type: ignore[arg-type]
-        with StreamLoader(dataset, num_workers=workers, prefetch=4) as loader:
+        with StreamLoader(dataset, num_workers=workers) as loader:  # the defaults
             for _ in range(EPOCHS[data] if case != "warm" else 1):
                 for out in loader:  # (iterating again continues with the next epoch)
                     first_batch = first_batch or time.perf_counter() - started
