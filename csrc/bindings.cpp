@@ -139,30 +139,6 @@ class ColumnChunks {
       if (!s.ok()) throw std::invalid_argument(s.message);
     }
   }
-  // Replace chunk i's buffers: a shard opened lazily (format/lazy_chunks.py) fills each chunk
-  // when a read first needs it, over an empty placeholder. Called with the GIL held, before
-  // any gather that reads chunk i; a gather of other chunks may run meanwhile on another
-  // thread, and reads only other elements (the vectors never grow). `offsets` is empty for a
-  // fixed-width column.
-  void set(size_t i, Bytes values, Int64s offsets) {
-    if (i >= values_.size()) {
-      throw std::out_of_range("chunk " + std::to_string(i) + " of " +
-                              std::to_string(values_.size()));
-    }
-    if (has_offsets() != (offsets.size() > 0)) {
-      throw std::invalid_argument(has_offsets() ? "a variable-width column's chunk needs offsets"
-                                                : "a fixed-width column's chunk has no offsets");
-    }
-    if (has_offsets()) {
-      Status s;
-      std::vector<VarSource> one = var_sources({values}, {offsets}, &s);
-      if (!s.ok()) throw std::invalid_argument(s.message);
-      var_[i] = one[0];
-      offsets_[i] = std::move(offsets);
-    }
-    spans_[i] = spans_of({values})[0];
-    values_[i] = std::move(values);
-  }
   size_t size() const { return values_.size(); }
   bool has_offsets() const { return !offsets_.empty(); }
   const std::vector<Span>& spans() const { return spans_; }
@@ -707,10 +683,7 @@ NB_MODULE(_core, m) {
                            "One shard's column: the buffers of each of its record batches.")
       .def(nb::init<std::vector<Bytes>, std::vector<Int64s>>(), nb::arg("values").noconvert(),
            nb::arg("offsets").noconvert())
-      .def("__len__", &ColumnChunks::size)
-      .def("set", &ColumnChunks::set, nb::arg("i"), nb::arg("values").noconvert(),
-           nb::arg("offsets").noconvert(),
-           "Replace chunk i's buffers (offsets: empty for a fixed-width column).");
+      .def("__len__", &ColumnChunks::size);
   m.def("gather_fixed_chunks", &py_gather_fixed_chunks, nb::arg("columns"), nb::arg("stride"),
         nb::arg("which").noconvert(), nb::arg("rows").noconvert(), nb::arg("out").noconvert(),
         "gather_fixed over ColumnChunks: which[i] numbers the columns' chunks one after "

@@ -39,9 +39,6 @@ class ColumnChunks:
 
     def __len__(self) -> int: ...
 
-    def set(self, i: int, values: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)], offsets: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)]) -> None:
-        """Replace chunk i's buffers (offsets: empty for a fixed-width column)."""
-
 def gather_fixed_chunks(columns: Sequence[ColumnChunks], stride: int, which: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu', writable=False)], rows: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], out: Annotated[NDArray, dict(order='C', device='cpu')]) -> tuple[int, int, str]:
     """
     gather_fixed over ColumnChunks: which[i] numbers the columns' chunks one after another; returns (code, item, message).

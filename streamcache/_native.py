@@ -15,7 +15,6 @@ The implementations and which one is in use are ``_native_backend.py``'s (:func:
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -153,14 +152,13 @@ class ColumnChunks:
     Thread safety: any thread may use it (two threads converting it at once both succeed).
     """
 
-    __slots__ = ("_handles", "_lock", "offsets", "values")
+    __slots__ = ("_handles", "offsets", "values")
 
     def __init__(self, values: Sequence[np.ndarray],
                  offsets: Sequence[np.ndarray] | None = None) -> None:
         self.values = list(values)
         self.offsets = list(offsets) if offsets is not None else []
         self._handles: dict[int, Any] = {}
-        self._lock = threading.Lock()  # a handle made and a chunk set, one at a time
 
     def __len__(self) -> int:
         return len(self.values)
@@ -170,29 +168,8 @@ class ColumnChunks:
         backend = _native_backend.active
         handle = self._handles.get(id(backend))
         if handle is None:
-            with self._lock:
-                handle = self._handles.get(id(backend))
-                if handle is None:
-                    handle = self._handles[id(backend)] = backend.ColumnChunks(self.values,
-                                                                               self.offsets)
+            handle = self._handles[id(backend)] = backend.ColumnChunks(self.values, self.offsets)
         return handle
-
-    def set(self, i: int, values: np.ndarray, offsets: np.ndarray | None = None) -> None:
-        """Replace chunk ``i``'s buffers (a shard opened lazily fills its chunks as reads
-        first need them): here and in every handle made so far. Call it before any gather
-        that reads chunk ``i``; gathers of other chunks may run meanwhile."""
-        none = np.empty(0, dtype=np.int64)
-        with self._lock:
-            if not 0 <= i < len(self.values):
-                raise IndexError(f"chunk {i} of {len(self.values)}")
-            if bool(self.offsets) != (offsets is not None):
-                raise ValueError("a variable-width column's chunk needs offsets" if self.offsets
-                                 else "a fixed-width column's chunk has no offsets")
-            for handle in self._handles.values():
-                handle.set(i, values, none if offsets is None else offsets)
-            self.values[i] = values
-            if offsets is not None:
-                self.offsets[i] = offsets
 
 
 def gather_fixed_chunks(columns: Sequence[ColumnChunks], stride: int, which: np.ndarray,

@@ -5,12 +5,13 @@ with ``STREAMCACHE_NATIVE=0``. Functions return errors as values, exactly as the
 ``(code, item, message)`` tuples, with the codes of ``csrc/status.h``.
 
 The argument checks are in ``streamcache._twin_checks``, the scheduler twin in
-``streamcache._twin_scheduler``, the thread settings in ``streamcache._twin_pool``.
+``streamcache._twin_scheduler``.
 """
 
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,10 +28,6 @@ from ._twin_checks import (
     check_var_args,
     check_var_request,
 )
-from ._twin_pool import get_gather_threads as get_gather_threads
-from ._twin_pool import get_num_threads as get_num_threads
-from ._twin_pool import set_gather_threads as set_gather_threads
-from ._twin_pool import set_num_threads as set_num_threads
 from ._twin_rngs import GlobalRngs as GlobalRngs  # the Backend protocol's GlobalRngs
 from ._twin_scheduler import Scheduler as Scheduler  # the Backend protocol's Scheduler
 
@@ -40,6 +37,7 @@ _P2 = 0xC2B2AE3D27D4EB4F
 _P3 = 0x165667B19E3779F9
 _P4 = 0x85EBCA77C2B2AE63
 _P5 = 0x27D4EB2F165667C5
+_num_threads = 1
 
 
 def _rotl(x: int, r: int) -> int:
@@ -302,13 +300,6 @@ class ColumnChunks:
     def __len__(self) -> int:
         return len(self.values)
 
-    def set(self, i: int, values: np.ndarray, offsets: np.ndarray) -> None:
-        """Replace chunk ``i``'s buffers (``offsets`` empty for a fixed-width column; the
-        caller, _native.ColumnChunks.set, checked both)."""
-        if self.offsets:
-            self.offsets[i] = offsets
-        self.values[i] = values
-
 
 def _flat_offsets(columns: Sequence[ColumnChunks]) -> list[np.ndarray] | Status:
     for i, column in enumerate(columns):
@@ -432,3 +423,23 @@ def group_shards(shards: np.ndarray, unique_out: np.ndarray,
     unique_out[:len(unique)] = unique
     which_out[:] = which
     return OK, -1, "", len(unique)
+
+
+def set_num_threads(threads: int) -> None:
+    global _num_threads
+    _num_threads = max(1, threads)
+
+
+def get_num_threads() -> int:
+    return _num_threads
+
+
+_gather_limit = threading.local()  # the twin gathers on the calling thread: kept, not used
+
+
+def set_gather_threads(threads: int) -> None:
+    _gather_limit.threads = max(0, threads)
+
+
+def get_gather_threads() -> int:
+    return int(getattr(_gather_limit, "threads", 0))

@@ -22,7 +22,6 @@ from .. import _native
 from ..errors import SchemaError, ShardCorruptError
 from .buffers import POOL, BufferPool, settle_allocator
 from .columns import ColumnBuffers, chunk_buffers
-from .lazy_chunks import ChunkTable, LazyChunks, chunk_layout, corrupt_shard_error
 from .materialize import COPY_OF_KEY
 from .schema import Field, Schema
 
@@ -149,16 +148,12 @@ class ShardReader:
     #: each field's views, one per record batch (None: a reader built otherwise, whose one
     #: batch is in ``_buffers``)
     _views: dict[str, list[ColumnBuffers]] | None = None
-    #: a chunked file opened lazily (its chunks parsed as reads need them), else None
-    _lazy: LazyChunks | None = None
 
     def __init__(self, path: str, schema: Schema, *, expected_rows: int | None = None,
-                 copy_of: str | None = None, chunk_rows: int | None = None) -> None:
+                 copy_of: str | None = None) -> None:
         """``copy_of``: what the file must record it is a copy of (materialize.COPY_OF_KEY),
         for a cache entry whose copies are stamped; a file that records another entry or
-        nothing is a :class:`ShardCorruptError` (another entry's file under this name).
-        ``chunk_rows`` (the index's, with ``expected_rows``): a file of that many chunks is
-        opened lazily, each chunk parsed when a read first needs it (lazy_chunks.py)."""
+        nothing is a :class:`ShardCorruptError` (another entry's file under this name)."""
         self.path = path
         self.schema = schema
         self._copy_of = copy_of
@@ -170,9 +165,6 @@ class ShardReader:
         except (pa.ArrowException, OSError) as exc:
             raise corrupt_shard_error(path, exc) from exc
         try:
-            if expected_rows is not None and chunk_rows and self._open_lazily(expected_rows,
-                                                                              chunk_rows):
-                return
             batches = self._read_batches()
             self.num_rows = sum(batch.num_rows for batch in batches)
             if expected_rows is not None and self.num_rows != expected_rows:
@@ -188,25 +180,6 @@ class ShardReader:
         else:
             self._chunks = ChunkTable([batch.num_rows for batch in batches])
             self._batch = pa.Table.from_batches(batches)  # (zero-copy; for inspection)
-
-    def _open_lazily(self, rows: int, chunk_rows: int) -> bool:
-        """Read the footer only, where the file holds the index's chunk layout."""
-        try:
-            reader = ipc.open_file(self._mmap)
-            layout = chunk_layout(rows, chunk_rows, reader.num_record_batches)
-            if layout is None:
-                return False
-            if self._copy_of is not None:
-                self._check_copy_of(reader.schema.metadata or {})
-            lazy = LazyChunks(self.path, reader, self.schema, layout)
-        except (SchemaError, ShardCorruptError):
-            raise
-        except (pa.ArrowException, OSError, ValueError) as exc:
-            raise corrupt_shard_error(self.path, exc) from exc
-        self.num_rows = rows
-        self._lazy = lazy
-        self._chunks = ChunkTable(layout)
-        return True
 
     def _read_batches(self) -> list[pa.RecordBatch]:
         """The shard's record batches, each checked whole: offsets in order and inside their
@@ -260,8 +233,6 @@ class ShardReader:
     def column_chunks(self, name: str) -> _native.ColumnChunks:
         """The column's buffers, one per record batch, as the native gather takes them (made
         on first use, then kept: a batch converts one object per shard, not per chunk)."""
-        if self._lazy is not None:
-            return self._lazy.column_chunks(name)
         columns = self.__dict__.setdefault("_columns", {})
         found = columns.get(name)
         if found is None:
@@ -287,7 +258,7 @@ class ShardReader:
 
     def close(self) -> None:
         self._buffers.clear()
-        self._chunks = self._views = self._lazy = None
+        self._chunks = self._views = None
         self.__dict__.pop("_columns", None)
         self._mmap.close()
 
@@ -296,6 +267,36 @@ class ShardReader:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class ChunkTable:
+    """Where each chunk of a shard of several record batches starts (``count`` of them).
+    ``fixed_rows``: the rows of every chunk but the last when they are all equal and the last
+    is not longer (how ShardWriter cuts), else 0 (found by binary search).
+
+    Thread safety: immutable.
+    """
+
+    def __init__(self, rows: list[int]) -> None:
+        self.count = len(rows)
+        self.starts = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(rows, out=self.starts[1:])
+        first = rows[0]
+        uniform = first > 0 and all(r == first for r in rows[:-1]) and rows[-1] <= first
+        self.fixed_rows = first if uniform else 0
+
+    def locate(self, rows: np.ndarray) -> np.ndarray:
+        """The chunk of each row (rows inside the shard)."""
+        if self.fixed_rows:
+            return rows // self.fixed_rows
+        return np.searchsorted(self.starts, rows, side="right") - 1
+
+
+def corrupt_shard_error(path: str, exc: BaseException) -> ShardCorruptError:
+    """The error for a local shard that cannot be read (``exc`` says why)."""
+    return ShardCorruptError(
+        f"{path} is not a readable local shard ({type(exc).__name__}: {exc}); it is "
+        "truncated or corrupt: delete it so that it is fetched again")
 
 
 def first_row(field: Field, value: Any) -> Any:
@@ -376,9 +377,6 @@ def locate_in_chunks(shards: Sequence[ShardReader], which: np.ndarray, rows: np.
         found = np.clip(table.locate(rows[mine]), 0, table.count - 1)
         chunk[mine] = found
         local[mine] = rows[mine] - table.starts[found]
-    for i, shard in enumerate(shards):  # chunks of a lazily opened file, parsed if new
-        if shard._lazy is not None and not shard._lazy.complete:
-            shard._lazy.ensure(chunk[which == i])
     flat = base[which] + chunk
     return flat.astype(np.int32), local
 

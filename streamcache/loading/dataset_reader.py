@@ -271,11 +271,11 @@ class DatasetReader:
         return reader
 
     def _open(self, shard: int) -> ShardReader:
-        entry = self.index.shards[shard]
+        rows = self.index.shards[shard].rows
         for attempt in (1, 2):  # evicted by another process between handed out and mapped
-            try:  # (a file read where it lies, in the index's chunks, is opened lazily)
+            try:
                 return ShardReader(self.store.local_path(shard), self.schema,
-                                   expected_rows=entry.rows, chunk_rows=entry.chunk_rows)
+                                   expected_rows=rows)
             except (FileNotFoundError, FetchError) as error:
                 if isinstance(error, FetchError) and self._own_store:
                     # a local file of the wrong size, as DatasetReader has always said
