@@ -59,7 +59,7 @@ using VarList = SourceList<VarSource>;
 // Gathers called from this thread split a large copy over at most `threads` threads of the
 // process-wide pool, the calling thread included (0, the default: the pool's size; 1: never).
 // A loader whose reader threads already keep every core busy sets 1 on each of them: there a
-// split only adds wake-ups (100 KB rows, batches of 32, 2 cores: 27% fewer samples a second).
+// split only adds wake-ups (100 KB rows, batches of 32, 2 cores: 18% fewer samples a second).
 void set_gather_threads(size_t threads);
 size_t gather_threads();
 
