@@ -14,6 +14,14 @@ import os
 _token: tuple[int, str] | None = None
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask (a rank pinned to its share of a
+    node, a container's CPU set) where the OS has one, else every core."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:

@@ -85,7 +85,7 @@ def test_large_gathers_give_the_same_bytes_at_any_limit(backend: str, limit: int
 ])
 def test_reader_threads_split_only_over_the_cores_left_free(
         monkeypatch: pytest.MonkeyPatch, cores: int, readers: int, width: int) -> None:
-    monkeypatch.setattr(thread_batches.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     assert thread_batches.gather_width(readers) == width
 
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from ..processes import usable_cores
 from .host_buffers import HostBuffers
 from .state import ModelState, ModuleEntry, OptimizerEntry
 
@@ -182,8 +183,7 @@ def rank_cores() -> int:
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         ranks = 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // ranks)
+    return max(1, usable_cores() // ranks)
 
 
 class DeviceSnapshot:

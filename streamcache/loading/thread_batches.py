@@ -5,7 +5,6 @@ training loop, and the loop takes them in step order."""
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
 from concurrent.futures import CancelledError
@@ -14,6 +13,7 @@ from typing import Any
 from .. import _native
 from ..format.reader import gather_into
 from ..plan import RankBatch
+from ..processes import usable_cores
 from .dataset import StreamDataset
 from .pinning import pinned, pinned_pool
 from .schedule import Schedule, StepRef
@@ -159,9 +159,7 @@ def gather_width(readers: int) -> int:
     itself, plus its share of the cores that the loop and the readers leave free (1 where
     they keep every core busy: on 2 cores a split only added wake-ups, 18% fewer 100 KB
     samples a second with the default two readers)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        (os.cpu_count() or 1)
-    return 1 + max(0, cores - readers - 1) // max(1, readers)
+    return 1 + max(0, usable_cores() - readers - 1) // max(1, readers)
 
 
 class _Arrays:
