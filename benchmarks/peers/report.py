@@ -125,9 +125,10 @@ def section(results: dict[str, Any]) -> str:
         BEGIN,
         "## Peer comparison",
         "",
-        f"Measured {results['date']} on a shared {results['cpus']}-core machine (load average "
-        f"{load[0][0]:.1f} before, {load[1][0]:.1f} after; other engineers' tests were running, "
-        "so rates are noisy: medians of the repeats, cases interleaved).",
+        f"Measured {results['date']} on a {results['cpus']}-core machine (load average "
+        f"{load[0][0]:.1f} before, {load[1][0]:.1f} after; "
+        f"{results.get('machine') or 'what else ran was not recorded'}; medians of the "
+        "repeats, cases interleaved).",
         f"Command: `/tmp/peers-venv/bin/{results['command']}` ({results['repeats']} repeats, "
         f"{results['wall_s'] / 60:.1f} min); setup in `benchmarks/peers/README.md`.",
         f"streamcache commit {v.get('streamcache commit')}; torch {v['torch']}, "

@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--live", action="store_true",
                         help="measure the working tree through the editable install instead "
                              "of a snapshot of the HEAD commit")
+    parser.add_argument("--machine", default="",
+                        help="what else ran on the machine (written beside the load average)")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--build", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -375,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                "load_after": load_after, "wall_s": time.time() - started,
                "datasets": {d: {"samples": num_samples(d), "batch": DATASETS[d][2],
                                 "sample_bytes": _sample_bytes(d)} for d in DATASETS},
-               "runs": runs, "elastic": elastic_runs, "cpus": os.cpu_count()}
+               "runs": runs, "elastic": elastic_runs, "cpus": os.cpu_count(),
+               "machine": args.machine}
     if args.merge:
         results = merged(results)
     os.makedirs(OUT, exist_ok=True)
