@@ -368,24 +368,31 @@ def nvrx_worker(cfg: Config, rank: int, model: Any, optimizer: Any, loader: Any)
                           use_libuv=True)
     fast = datetime.timedelta(milliseconds=50)
 
+    from streamcache.gloo_links import GlooLinks
+
+    links = [GlooLinks()]  # the training group's connections, shut down by the failing rank
+
     def train(call_wrapper: Any = None) -> None:
         assert call_wrapper is not None
         iteration = call_wrapper.iteration
         phase(cfg, f"train {iteration}")
         log = StepLog(cfg, rank, f"{os.getpid()}:{iteration}")
-        dist.init_process_group("gloo", store=dist.PrefixStore(str(iteration), store),
-                                rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]),
-                                timeout=datetime.timedelta(seconds=30))
+        with GlooLinks.track(keep_ports=[port + 1, port + 2]) as links[0]:
+            dist.init_process_group("gloo", store=dist.PrefixStore(str(iteration), store),
+                                    rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]),
+                                    timeout=datetime.timedelta(seconds=30))
         phase(cfg, "group made")
         run_streamcache(cfg, model, optimizer, log, loader, memory=True)
 
     class AbortGloo(inprocess.abort.Abort):
         """NVRx aborts NCCL communicators; a gloo collective blocked on a rank that raised
-        waits for its timeout unless the connections are closed: abort every gloo group
-        first (the peers' blocked collectives then fail at once), then NVRx destroys them."""
+        waits for its timeout unless the connections close (gloo's abort does not close
+        them): shut down the group's connections (the peers' blocked collectives then fail
+        at once), abort every gloo group, then NVRx destroys them."""
 
         def __call__(self, state: Any) -> Any:
+            links[0].shutdown()
             if dist.is_initialized():
                 c10d = dist.distributed_c10d
                 for group in list(c10d._world.pg_names):

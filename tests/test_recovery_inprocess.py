@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import pytest
 from dist import RankGroup
 
 from streamcache import ShardWriter, StreamDataset, StreamLoader
+from streamcache.gloo_links import GlooLinks
 
 inprocess = pytest.importorskip("nvidia_resiliency_ext.inprocess")
 
@@ -52,6 +54,7 @@ def _train_under_nvrx(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     seen: list[tuple[int, int, list[int]]] = []  # (iteration, step, ids)
     resumed: list[int] = []
     errors: list[str] = []
+    failed_at: list[float] = []  # when each fault was raised or seen, time.time()
 
     def abort_groups() -> None:  # close gloo connections: peers stop waiting at once
         if dist.is_initialized():
@@ -66,13 +69,18 @@ def _train_under_nvrx(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 
     def train(call_wrapper: Any = None) -> None:
         iteration = call_wrapper.iteration
-        dist.init_process_group("gloo", store=dist.PrefixStore(str(iteration), store),
-                                rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=20))
+        # the connections of the training group and of the Checkpointer's groups, which the
+        # rank that fails shuts down (the stores' connections are kept)
+        with GlooLinks.track(keep_ports=[port + 1, port + 2]) as links:
+            dist.init_process_group("gloo", store=dist.PrefixStore(str(iteration), store),
+                                    rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=20))
+            checkpointer = Checkpointer(f"{tmp}/root",
+                                        memory=MemoryOptions(directory=f"{tmp}/shm"),
+                                        job_id="test")
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         state = {"train": ModelState(model, optimizer), "loader": loader}
-        with Checkpointer(f"{tmp}/root", memory=MemoryOptions(directory=f"{tmp}/shm"),
-                          job_id="test") as ckpt:
+        with checkpointer as ckpt:
             step = ckpt.load(state) or 0
             resumed.append(step)
             try:
@@ -90,8 +98,10 @@ def _train_under_nvrx(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
                     if step == STEPS:
                         break
             except BaseException as exc:
+                failed_at.append(time.time())
                 errors.append(f"{type(exc).__name__}: {exc}"[:300])
-                abort_groups()  # the peer's blocked collective fails now, not at its timeout
+                links.shutdown()  # the peer's blocked collective fails now, not at its timeout
+                abort_groups()
                 raise
         dist.destroy_process_group()
 
@@ -106,7 +116,7 @@ def _train_under_nvrx(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     loader_threads = sum(t.name.startswith("streamcache-loader") for t in threading.enumerate())
     loader.close()
     return {"seen": seen, "resumed": resumed, "loader_threads": loader_threads, "errors": errors,
-            "weights": [p.detach().clone() for p in model.parameters()]}
+            "failed_at": failed_at, "weights": [p.detach().clone() for p in model.parameters()]}
 
 
 @pytest.mark.slow  # two spawned ranks, NVRx's monitor processes and a restart: 20-60 s here
@@ -139,9 +149,11 @@ def test_a_raised_fault_restarts_in_process_from_the_memory_tier_with_the_same_b
         assert value["loader_threads"] <= 2                   # no stale reader threads
         assert len(value["errors"]) == 1                      # one fault, seen once per rank
     assert "a fault inside the step" in results[1].value["errors"][0]
-    # Not asserted: how the survivor's blocked collective ended. It should fail on the
-    # connection the failed rank aborted; here it still waits for the group's timeout (20 s),
-    # see docs/recovery.md.
+    # The survivor's blocked collective ends on the connection the failed rank shut down
+    # (GlooLinks), not at the group's 20 s timeout.
+    survivor = results[0].value
+    assert "closed" in survivor["errors"][0].lower(), survivor["errors"]
+    assert survivor["failed_at"][0] - results[1].value["failed_at"][0] < 5.0
     assert final == expected
     everything = [i for ids in final.values() for i in ids]
     assert len(everything) == len(set(everything))            # no sample twice
