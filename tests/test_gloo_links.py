@@ -98,3 +98,58 @@ def test_nothing_tracked_means_nothing_shut() -> None:
     with GlooLinks.track() as links:
         pass
     assert links.inodes == set()
+
+
+def _listener() -> socket.socket:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    return server
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc (Linux)")
+def test_only_connections_made_in_the_block_and_not_to_kept_ports_are_tracked() -> None:
+    outside_server, kept_server, server = _listener(), _listener(), _listener()
+    outside = socket.create_connection(outside_server.getsockname())  # before the block
+    kept_port = kept_server.getsockname()[1]
+    try:
+        with GlooLinks.track(keep_ports=[kept_port]) as links:
+            mine = socket.create_connection(server.getsockname())
+            kept = socket.create_connection(kept_server.getsockname())
+            listening = _listener()  # a listening socket is not a connection
+        peer, _ = server.accept()
+        assert len(links.inodes) == 1
+        assert links.shutdown() == 1
+        assert peer.recv(1) == b""  # the other end sees the end at once
+        outside.sendall(b"x")  # untouched: made before the block
+        kept.sendall(b"x")  # untouched: to a kept port
+        accepted = [outside_server.accept()[0], kept_server.accept()[0]]
+        assert [a.recv(1) for a in accepted] == [b"x", b"x"]
+        for s in (mine, kept, listening, peer, *accepted):
+            s.close()
+    finally:
+        for s in (outside, outside_server, kept_server, server):
+            s.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc (Linux)")
+def test_a_descriptor_number_reused_by_another_connection_is_not_shut_down() -> None:
+    """The group's connections are known by inode: after one is closed, another socket that
+    gets its descriptor number is someone else's (a loader's, a store's)."""
+    server = _listener()
+    try:
+        with GlooLinks.track() as links:
+            first = socket.create_connection(server.getsockname())
+        fd = first.fileno()
+        server.accept()[0].close()
+        first.close()
+        second = socket.create_connection(server.getsockname())
+        assert second.fileno() == fd  # (the lowest free number: the same)
+        peer, _ = server.accept()
+        assert links.shutdown() == 0
+        second.sendall(b"y")
+        assert peer.recv(1) == b"y"
+        second.close()
+        peer.close()
+    finally:
+        server.close()
