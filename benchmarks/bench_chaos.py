@@ -236,17 +236,24 @@ def run_dataloader_dcp(cfg: Config, model: Any, optimizer: Any, log: StepLog) ->
 
 
 def run_streamcache(cfg: Config, model: Any, optimizer: Any, log: StepLog, loader: Any,
-                    memory: bool) -> None:
+                    memory: bool, links: Any = None) -> None:
+    """``links``: the training group's GlooLinks (under NVRx), which the Checkpointer's own
+    gloo groups' connections join, so that the failing rank shuts those down too."""
     import torch
     import torch.nn.functional
 
     from streamcache.checkpoint import Checkpointer, ModelState
+    from streamcache.gloo_links import GlooLinks
 
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     state = {"train": ModelState(model, optimizer), "loader": loader}
     snap_costs: list[float] = []
-    with Checkpointer(Path(cfg.run_dir) / "ckpt", keep_last=2, memory=memory,
-                      job_id="bench-chaos") as ckpt:
+    with GlooLinks.track(keep_ports=links.keep_ports if links else ()) as own:
+        checkpointer = Checkpointer(Path(cfg.run_dir) / "ckpt", keep_last=2, memory=memory,
+                                    job_id="bench-chaos")
+    if links is not None:
+        links.inodes |= own.inodes
+    with checkpointer as ckpt:
         phase(cfg, "checkpointer made")
         step = ckpt.load(state) or 0
         phase(cfg, "restored")
@@ -256,6 +263,8 @@ def run_streamcache(cfg: Config, model: Any, optimizer: Any, log: StepLog, loade
                          snap_costs)
         except BaseException:
             if memory:  # under NVRx: the peers' blocked collectives fail now, not at timeout
+                if links is not None:
+                    links.shutdown()
                 abort_gloo_groups()
             raise
 
@@ -383,7 +392,7 @@ def nvrx_worker(cfg: Config, rank: int, model: Any, optimizer: Any, loader: Any)
                                     world_size=int(os.environ["WORLD_SIZE"]),
                                     timeout=datetime.timedelta(seconds=30))
         phase(cfg, "group made")
-        run_streamcache(cfg, model, optimizer, log, loader, memory=True)
+        run_streamcache(cfg, model, optimizer, log, loader, memory=True, links=links[0])
 
     class AbortGloo(inprocess.abort.Abort):
         """NVRx aborts NCCL communicators; a gloo collective blocked on a rank that raised
