@@ -349,18 +349,26 @@ def worker_entry(cfg_path: str) -> None:
 def launch_warm(cfg_path: str, ranks: int) -> None:
     """torchrun's agent through its Python API, its workers forked from a preloaded
     forkserver (``--launch``; the driver runs this in place of the torchrun command)."""
+    elastic_launch_warm(worker_entry, (cfg_path,), ranks, WARM_MODULES)
+
+
+def elastic_launch_warm(entrypoint: Any, args: tuple[Any, ...], ranks: int,
+                        modules: list[str]) -> None:
+    """Run ``entrypoint(*args)`` in ``ranks`` workers under torchrun's agent (its Python
+    API, the same agent and restart policy as the command), the workers forked from a
+    forkserver that imported ``modules`` once (docs/recovery.md, "Warm restarts")."""
     import multiprocessing
     import uuid
 
     import torch._dynamo  # noqa: F401  (the agent formats a dead worker's traceback with it)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    multiprocessing.set_forkserver_preload(WARM_MODULES)
+    multiprocessing.set_forkserver_preload(modules)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks,
                           run_id=str(uuid.uuid4()), rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=1000,
                           monitor_interval=0.1, start_method="forkserver")
-    elastic_launch(config, entrypoint=worker_entry)(cfg_path)
+    elastic_launch(config, entrypoint=entrypoint)(*args)
 
 
 def nvrx_worker(cfg: Config, rank: int, model: Any, optimizer: Any, loader: Any) -> None:
@@ -402,11 +410,7 @@ def nvrx_worker(cfg: Config, rank: int, model: Any, optimizer: Any, loader: Any)
 
         def __call__(self, state: Any) -> Any:
             links[0].shutdown()
-            if dist.is_initialized():
-                c10d = dist.distributed_c10d
-                for group in list(c10d._world.pg_names):
-                    with contextlib.suppress(Exception):
-                        c10d._abort_process_group(group)
+            abort_gloo_groups()
             return state
 
     # NVRx passes its CallWrapper to the parameter annotated with that class (an object, not

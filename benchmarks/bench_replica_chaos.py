@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_chaos import BATCH, _model, _process_started, make_data
+from bench_chaos import BATCH, _model, _process_started, elastic_launch_warm, make_data
 
 SEED = 0
 # what a warm launch's forkserver imports once (a restarted worker is forked with them done)
@@ -166,20 +166,8 @@ def worker_entry(cfg_path: str, group: int) -> None:
 
 def launch_warm(cfg_path: str, group: int) -> None:
     """One replica group's torchrun agent through its Python API, its worker forked from a
-    forkserver that imported torch, torchft and streamcache (docs/recovery.md, "Warm
-    restarts"); the same agent and restart policy as the ``torchrun`` command."""
-    import multiprocessing
-    import uuid
-
-    import torch._dynamo  # noqa: F401  (the agent formats a dead worker's traceback with it)
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    multiprocessing.set_forkserver_preload(WARM_MODULES)
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1,
-                          run_id=str(uuid.uuid4()), rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", max_restarts=1000,
-                          monitor_interval=0.1, start_method="forkserver")
-    elastic_launch(config, entrypoint=worker_entry)(cfg_path, group)
+    forkserver that imported torch, torchft and streamcache."""
+    elastic_launch_warm(worker_entry, (cfg_path, group), 1, WARM_MODULES)
 
 
 # ---------------------------------------------------------------- the driver
