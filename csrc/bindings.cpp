@@ -30,6 +30,7 @@
 #include "gather.h"
 #include "scheduler.h"
 #include "seeding.h"
+#include "split.h"
 #include "thread_pool.h"
 #include "xxh64.h"
 
@@ -46,6 +47,7 @@ using MutInt32s = nb::ndarray<int32_t, nb::ndim<1>, nb::c_contig, nb::device::cp
 using MutAny = nb::ndarray<nb::c_contig, nb::device::cpu>;
 using MutBytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using MutUint64s = nb::ndarray<uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Uint64s = nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 using StatusTuple = std::tuple<int, int64_t, std::string>;
 
@@ -333,6 +335,25 @@ StatusTuple py_pad_rows(const Bytes& values, const Int64s& offsets, int64_t elem
     return pad_rows(values_ptr, values_size, static_cast<size_t>(elem_size), offsets_ptr, n,
                     static_cast<size_t>(width), pad_ptr, out_ptr, out_size);
   });
+  return to_tuple(s);
+}
+
+StatusTuple py_paid_moves(MutInt64s& nodes, const Int64s& candidate, const Uint64s& hashed,
+                          const Int64s& surplus, int64_t width, int64_t count,
+                          int priority_bits) {
+  Status s = paid_moves_sizes(nodes.size(), candidate.size(), hashed.size(), surplus.size(),
+                              width, count);
+  if (!s.ok()) return to_tuple(s);
+  int64_t* slots = nodes.data();
+  const int64_t* cand = candidate.data();
+  const uint64_t* hashes = hashed.data();
+  const int64_t* need = surplus.data();
+  const size_t m = candidate.size();
+  const size_t per = static_cast<size_t>(count);
+  const size_t steps = surplus.size() / per;
+  nb::gil_scoped_release release;
+  s = paid_moves(slots, steps, static_cast<size_t>(width), per, cand, hashes, m, need,
+                 priority_bits);
   return to_tuple(s);
 }
 
@@ -717,6 +738,12 @@ NB_MODULE(_core, m) {
         nb::arg("unique_out").noconvert(), nb::arg("which_out").noconvert(),
         "The distinct shards of a batch in increasing order into unique_out, each row's "
         "position among them into which_out; returns (code, item, message, count).");
+  m.def("paid_moves", &py_paid_moves, nb::arg("nodes").noconvert(),
+        nb::arg("candidate").noconvert(), nb::arg("hashed").noconvert(),
+        nb::arg("surplus").noconvert(), nb::arg("width"), nb::arg("count"),
+        nb::arg("priority_bits"),
+        "The multi-node split's paid moves (csrc/split.h): nodes (steps * width) updated in "
+        "place; returns (code, item, message).");
   m.def("set_num_threads", [](size_t n) { set_global_pool_size(n); }, nb::arg("threads"),
         "Size of the native thread pool (0 = the cores this process may run on).");
   m.def("get_num_threads", []() { return global_pool_size(); },

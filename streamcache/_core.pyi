@@ -73,6 +73,11 @@ def group_shards(shards: Annotated[NDArray[numpy.int64], dict(shape=(None,), ord
     The distinct shards of a batch in increasing order into unique_out, each row's position among them into which_out; returns (code, item, message, count).
     """
 
+def paid_moves(nodes: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')], candidate: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], hashed: Annotated[NDArray[numpy.uint64], dict(shape=(None,), order='C', device='cpu', writable=False)], surplus: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], width: int, count: int, priority_bits: int) -> tuple[int, int, str]:
+    """
+    The multi-node split's paid moves (csrc/split.h): nodes (steps * width) updated in place; returns (code, item, message).
+    """
+
 def set_num_threads(threads: int) -> None:
     """
     Size of the native thread pool (0 = the cores this process may run on).

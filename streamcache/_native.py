@@ -300,6 +300,36 @@ def group_shards(shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return unique[:count], which
 
 
+def paid_moves(nodes: np.ndarray, candidate: np.ndarray, hashed: np.ndarray,
+               surplus: np.ndarray, width: int, priority_bits: int) -> None:
+    """The multi-node split's paid moves (``csrc/split.h``): in every step (``width`` slots of
+    ``nodes``, each slot's node, updated in place), each node with a surplus
+    (``surplus``: ``(steps, nodes)``) releases that many of its ``candidate`` slots (strictly
+    ascending), those of the lowest priority (the top ``priority_bits`` bits of ``hashed``)
+    first, then by slot; each goes to its chunk's backup node while that one is short, the
+    rest fill the step's remaining shortfalls in node order.
+
+    Raises:
+        NativeError: arrays of the wrong dtype or layout, sizes that disagree, or an
+            impossible request (slots out of order, a step that does not balance); ``nodes``
+            is then unchanged.
+    """
+    surplus = np.ascontiguousarray(surplus, dtype=np.int64)
+    if surplus.ndim != 2:
+        raise NativeError(f"paid_moves: surplus must be (steps, nodes), got shape "
+                          f"{surplus.shape}", CODE_INVALID)
+    count = surplus.shape[1]
+    try:
+        status = _native_backend.active.paid_moves(nodes, candidate, hashed, surplus.ravel(),
+                                                   int(width), int(count), int(priority_bits))
+    except TypeError as exc:
+        refused(exc, _twin_checks.first_problem("paid_moves", (
+            ("nodes", nodes, np.dtype(np.int64), True),
+            ("candidate", candidate, np.dtype(np.int64), False),
+            ("hashed", hashed, np.dtype(np.uint64), False))))
+    raise_error(*status)
+
+
 def global_rngs(python_random: Any, numpy_random_state: Any,
                 torch_state: np.ndarray) -> GlobalRngsImpl:
     """The active backend's ``GlobalRngs`` over these generators (see csrc/bindings.cpp; the
@@ -378,6 +408,7 @@ __all__ = [
     "get_num_threads",
     "global_rngs",
     "group_shards",
+    "paid_moves",
     "set_gather_threads",
     "set_num_threads",
     "stream_copy",

@@ -5,7 +5,7 @@ with ``STREAMCACHE_NATIVE=0``. Functions return errors as values, exactly as the
 ``(code, item, message)`` tuples, with the codes of ``csrc/status.h``.
 
 The argument checks are in ``streamcache._twin_checks``, the scheduler twin in
-``streamcache._twin_scheduler``.
+``streamcache._twin_scheduler``, the split's paid moves in ``streamcache._twin_split``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from ._twin_checks import (
 )
 from ._twin_rngs import GlobalRngs as GlobalRngs  # the Backend protocol's GlobalRngs
 from ._twin_scheduler import Scheduler as Scheduler  # the Backend protocol's Scheduler
+from ._twin_split import paid_moves as paid_moves  # the Backend protocol's paid_moves
 
 _MASK = (1 << 64) - 1
 _P1 = 0x9E3779B185EBCA87

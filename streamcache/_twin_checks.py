@@ -46,7 +46,7 @@ def array_problem_status(function: str, name: str, array: object,
     return None if problem is None else (INVALID, -1, f"{function}: {problem}")
 
 
-def _first_problem(function: str, arrays: Sequence[Array]) -> Status | None:
+def first_problem(function: str, arrays: Sequence[Array]) -> Status | None:
     for name, array, dtype, writable in arrays:
         problem = array_problem(name, array, dtype, writable=writable)
         if problem is not None:
@@ -68,7 +68,7 @@ def check_fixed_args(sources: Sequence[object], stride: int, which: object, rows
     """The array checks of ``gather_fixed`` (``out`` may have any dtype and shape)."""
     arrays = [*_each("sources", sources, _U8), ("which", which, _I32, False),
               ("rows", rows, _I64, False)]
-    if (err := _first_problem("gather_fixed", arrays)) is not None:
+    if (err := first_problem("gather_fixed", arrays)) is not None:
         return err
     problem = array_problem("out", out, writable=True, one_d=False)
     return None if problem is None else (INVALID, -1, f"gather_fixed: {problem}")
@@ -81,7 +81,7 @@ def check_var_args(function: str, values: Sequence[object], offsets: Sequence[ob
     arrays = [*_each("values", values, _U8), *_each("offsets", offsets, _I64),
               ("which", which, _I32, False), ("rows", rows, _I64, False),
               ("out_offsets", out_offsets, _I64, out_values is None)]
-    if (err := _first_problem(function, arrays)) is not None:
+    if (err := first_problem(function, arrays)) is not None:
         return err
     if out_values is None:
         return None

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .. import _native
 from ._util import PlanError, check_int
 from .bijection import MASK64, counter_hash, derive_key
 from .flows import flexible_moves
@@ -44,11 +45,12 @@ from .owners import (
     shard_offsets,
     typical_chunk_rows,
 )
-from .release import PRIORITY_BITS, released_samples
 from .split_lookup import ShardOffsets, StepFacts
 from .units import UnitLayout
 
 TAG_RELEASE = 6  # domain tag of the chunk priorities
+#: Bits of a chunk priority that are ranked (the top bits of its 64-bit hash).
+PRIORITY_BITS = 20
 _WEYL_SIZE = 1 << 32
 _WEYL_MASK = np.uint64(_WEYL_SIZE - 1)
 _GOLDEN = np.uint64(0x9E3779B9)  # 2**32 / golden ratio: the Weyl sequence's step
@@ -279,13 +281,13 @@ class LocalityAssignment:
         shards, rows = shards.ravel(), rows.ravel()
         facts = StepFacts(self.layout, shards, rows)
         nodes = self._sample_nodes(shards, rows, facts)
-        step_of = np.arange(shards.size, dtype=np.int64) // width
-        surplus = np.bincount(nodes + step_of * count, minlength=steps * count).reshape(
+        first_group = np.repeat(np.arange(0, steps * count, count, dtype=np.int64), width)
+        surplus = np.bincount(nodes + first_group, minlength=steps * count).reshape(
             steps, count) - targets
         if surplus.any() and self.dual > 0:
-            self._move_flexible(shards, facts, nodes, surplus, step_of)
+            self._move_flexible(shards, facts, nodes, surplus, width)
         if surplus.any():
-            self._move_paid(facts, nodes, surplus, step_of, width)
+            self._move_paid(facts, nodes, surplus, first_group, width)
         return nodes.reshape(steps, width)
 
     def _sample_nodes(self, shards: np.ndarray, rows: np.ndarray,
@@ -296,7 +298,7 @@ class LocalityAssignment:
         return nodes
 
     def _move_flexible(self, shards: np.ndarray, facts: StepFacts, nodes: np.ndarray,
-                       surplus: np.ndarray, step_of: np.ndarray) -> None:
+                       surplus: np.ndarray, width: int) -> None:
         """Move samples of pieces held by two nodes from owner to backup where that balances
         the step (:func:`~streamcache.plan.flows.flexible_moves`); ``nodes`` and ``surplus``
         are updated."""
@@ -307,54 +309,32 @@ class LocalityAssignment:
         owners = nodes[dual]
         backups = self._backup(shards[dual], piece[dual], owners)
         priority = counter_hash(self._release_key, facts.chunk_keys(dual))
-        moved = dual[flexible_moves(step_of[dual], owners, backups,
+        moved = dual[flexible_moves(dual // width, owners, backups,
                                     (priority >> np.uint64(64 - PRIORITY_BITS)).astype(
                                         np.int64), surplus)]
         count = self.num_nodes
-        surplus -= np.bincount(step_of[moved] * count + nodes[moved],
+        moved_group = moved // width * count
+        surplus -= np.bincount(moved_group + nodes[moved],
                                minlength=surplus.size).reshape(surplus.shape)
         nodes[moved] = backups[np.searchsorted(dual, moved)]
-        surplus += np.bincount(step_of[moved] * count + nodes[moved],
+        surplus += np.bincount(moved_group + nodes[moved],
                                minlength=surplus.size).reshape(surplus.shape)
 
     def _move_paid(self, facts: StepFacts, nodes: np.ndarray, surplus: np.ndarray,
-                   step_of: np.ndarray, width: int) -> None:
+                   first_group: np.ndarray, width: int) -> None:
         """Balance what is left: each node with a surplus gives the samples of its lowest
-        chunk priority (:func:`~streamcache.plan.release.released_samples`) to their chunk's
-        backup while it is short, else to the lowest node still short (:meth:`_receivers`).
-        ``nodes`` is updated."""
-        count = self.num_nodes
-        candidate = np.flatnonzero(surplus.ravel()[step_of * count + nodes] > 0)
+        chunk priority (a hash of the chunk, the same in every step) to their chunk's backup
+        while it is short, else to the lowest node still short (``_native.paid_moves``, in
+        native code: a few passes over each step's slots). ``nodes`` is updated;
+        ``first_group`` is each slot's step times the node count."""
+        candidate = np.flatnonzero(surplus.ravel()[first_group + nodes] > 0)
         hashed = counter_hash(self._release_key, facts.chunk_keys(candidate))
-        released, hashed = released_samples(candidate, nodes[candidate], hashed, width, surplus)
-        nodes[released] = self._receivers(nodes[released], hashed, step_of[released],
-                                          np.maximum(0, -surplus))
+        _native.paid_moves(nodes, candidate, hashed, surplus, width, PRIORITY_BITS)
 
     def _chunk_keys(self, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Each row's chunk unit, or its piece unit in a shard that is not cut (its shard
         without a layout): what a sample's release priority is a hash of."""
         return StepFacts(self.layout, shards, rows).chunk_keys()
-
-    def _receivers(self, owners: np.ndarray, hashed: np.ndarray, steps: np.ndarray,
-                   deficit: np.ndarray) -> np.ndarray:
-        """The node each released sample (given in (step, slot) order) goes to: its chunk's
-        backup (another node, from the chunk's hash) while that node is short in that step,
-        in slot order; the rest fill the step's remaining deficits in node order."""
-        count = self.num_nodes
-        backup = (owners + 1 + (hashed % np.uint64(count - 1)).astype(np.int64)) % count
-        group = steps * count + backup
-        order = np.argsort(group, kind="stable")
-        grouped = group[order]
-        accept_sorted = np.arange(grouped.size) - np.searchsorted(grouped, grouped) < \
-            deficit.ravel()[grouped]
-        accept = np.empty(grouped.size, dtype=bool)
-        accept[order] = accept_sorted
-        receiver = np.empty(owners.size, dtype=np.int64)
-        receiver[accept] = backup[accept]
-        room = deficit.ravel() - np.bincount(group[accept], minlength=deficit.size)
-        # (the rest, in (step, slot) order, meet each step's remaining room in node order)
-        receiver[~accept] = np.repeat(np.tile(np.arange(count), deficit.shape[0]), room)
-        return receiver
 
 
 def _samples_of_batches(order: ShardPositions, firsts: np.ndarray, length: int,

@@ -107,16 +107,22 @@ class StepFacts:
             return
         keys = shards
         if shards.size > DISTINCT_AT:  # (many steps at once: each shard looked up once)
-            keys, self.where = distinct_values(shards, layout.num_shards)
+            keys, where = distinct_values(shards, layout.num_shards)
+            # (gathers by intp indices are 2-3x faster than by the table's int32 ones)
+            self.where = where.astype(np.intp)
         self.keys, self.values = keys, layout.lookup(keys, fields)
 
     def per_sample(self, values: np.ndarray, which: np.ndarray | None = None) -> np.ndarray:
         """``values`` (of :attr:`keys`) at each sample (of ``which``)."""
+        at = self._at(which)
+        return values if at is None else np.take(values, at)
+
+    def _at(self, which: np.ndarray | None) -> np.ndarray | None:
+        """Where the values of each sample (of ``which``) are (None: at the sample)."""
         self._look_up()
-        at = self.where if which is None or self.where is None else self.where[which]
-        if at is None:
-            return values if which is None else values[which]
-        return values[at]
+        if self.where is None:
+            return which
+        return self.where if which is None else np.take(self.where, which)
 
     def offsets(self, offsets: ShardOffsets) -> np.ndarray:
         """Each sample's shard offset."""
@@ -140,10 +146,11 @@ class StepFacts:
         """The chunk keys of the samples ``which`` (all by default)."""
         if self.layout is None:
             return self.shards if which is None else self.shards[which]
-        rows = self.rows if which is None else self.rows[which]
-        self._look_up()
-        return self.per_sample(self.values[1], which) + rows // self.per_sample(
-            self.values[2], which)
+        rows = self.rows if which is None else np.take(self.rows, which)
+        at = self._at(which)
+        keys, key_rows = (self.values[1], self.values[2]) if at is None else (
+            np.take(self.values[1], at), np.take(self.values[2], at))
+        return keys + rows // key_rows
 
 
 __all__ = ["OFFSET_SLOTS", "ShardOffsets", "StepFacts"]

@@ -244,7 +244,7 @@ class EpochSegment:
             raise PlanError(f"the order has {order.num_samples} samples but the segment "
                             f"{self.num_samples}")
         if not isinstance(assignment, ContiguousAssignment):
-            return self._assigned_batches(order, steps, rank, assignment)
+            return self._assigned_batches(order, steps, full, rank, assignment)
         width = self.per_rank
         firsts = (self.start + rank * width
                   + np.asarray(full, dtype=np.int64) * self.global_batch)
@@ -255,12 +255,12 @@ class EpochSegment:
         return [batches[step] if step in batches else self.rank_batch(order, step, rank)
                 for step in steps]
 
-    def _assigned_batches(self, order: EpochOrder, steps: list[int], rank: int,
-                          assignment: RankAssignment) -> list[RankBatch]:
-        """:meth:`rank_batch` of several steps with one lookup of all their samples (the
-        assignment decides each step's slots on its own, or the whole steps together where it
-        has ``batches_many``)."""
-        together = self._assigned_together(order, steps, rank, assignment)
+    def _assigned_batches(self, order: EpochOrder, steps: list[int], full: list[int],
+                          rank: int, assignment: RankAssignment) -> list[RankBatch]:
+        """:meth:`rank_batch` of several steps (``full``: those of them that are whole
+        batches) with one lookup of all their samples (the assignment decides each step's
+        slots on its own, or the whole steps together where it has ``batches_many``)."""
+        together = self._assigned_together(order, full, rank, assignment)
         if together:  # (the whole steps came with their samples; the others, one by one)
             return [together[step] if step in together else
                     self.rank_batch(order, step, rank, assignment) for step in steps]
@@ -272,17 +272,17 @@ class EpochSegment:
         return [RankBatch(step, *(a[bounds[i]:bounds[i + 1]] for a in arrays))
                 for i, step in enumerate(steps)]
 
-    def _assigned_together(self, order: EpochOrder, steps: list[int], rank: int,
+    def _assigned_together(self, order: EpochOrder, full: list[int], rank: int,
                            assignment: RankAssignment) -> dict[int, RankBatch]:
-        """The rank's batches of the whole steps among ``steps``, from the assignment's
+        """The rank's batches of the whole steps ``full``, from the assignment's
         ``batches_many`` (one call for all of them: slots, and the ids, shards and rows the
         assignment read to choose them), checked; {} where it has none."""
         many = getattr(assignment, "batches_many", None)
-        full = [step for step in steps if self._is_full(step)]
         if many is None or len(full) < 2:
             return {}
         sizes = self.part_sizes(full[0])
-        firsts = np.array([self.step_span(step)[0] for step in full], dtype=np.int64)
+        # (a whole step's span starts here: step_span's first, without a check per step)
+        firsts = self.start + np.asarray(full, dtype=np.int64) * self.global_batch
         slots, ids, shards, rows = (np.asarray(a, dtype=np.int64) for a in many(
             order, firsts, sizes, rank))
         shape = (len(full), sizes[rank])
