@@ -478,9 +478,11 @@ def run_row(cfg: Config, ranks: int, chaos: bool, mtbf: float, kinds: list[str],
     if cfg.row.endswith("_warm"):
         cmd = [sys.executable, __file__, "--launch", str(cfg_path), "--ranks", str(ranks)]
     # the recipe of docs/recovery.md ("Restarts under torchrun"): rank 0 serves a fresh store
-    # each attempt (with the agent's store shared, restarts read dead peers' addresses)
+    # each attempt (with the agent's store shared, restarts read dead peers' addresses); and
+    # no reverse name lookup in a timed-out store wait's warning (it stalled NVRx restarts
+    # for the resolver's timeout)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TORCH_CPP_LOG_LEVEL="ERROR")
     with open(run_dir / "torchrun.log", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)

@@ -121,7 +121,9 @@ def _train_under_nvrx(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 
 @pytest.mark.slow  # two spawned ranks, NVRx's monitor processes and a restart: 20-60 s here
 def test_a_raised_fault_restarts_in_process_from_the_memory_tier_with_the_same_batches(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # docs/recovery.md's recipe: no reverse name lookup in the store's timeout warnings
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "ERROR")
     _dataset(tmp_path / "data")
     (tmp_path / "shm").mkdir()
     with RankGroup(_train_under_nvrx, 2, args=(str(tmp_path),), backend=None,
