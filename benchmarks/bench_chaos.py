@@ -481,8 +481,11 @@ def run_row(cfg: Config, ranks: int, chaos: bool, mtbf: float, kinds: list[str],
     # each attempt (with the agent's store shared, restarts read dead peers' addresses); and
     # no reverse name lookup in a timed-out store wait's warning (it stalled NVRx restarts
     # for the resolver's timeout)
+    # (TMPDIR: the agent's torchelastic_* log folders go with the run's folder)
+    (run_dir / "tmp").mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TORCH_CPP_LOG_LEVEL="ERROR")
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TORCH_CPP_LOG_LEVEL="ERROR",
+               TMPDIR=str(run_dir / "tmp"))
     with open(run_dir / "torchrun.log", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)

@@ -209,7 +209,9 @@ def run(cfg_args: argparse.Namespace, data_dir: Path, run_dir: Path,
     # (TORCH_CPP_LOG_LEVEL: docs/recovery.md; a timed-out store wait's warning costs a reverse
     # name lookup, which can stall a restart for the resolver's timeout)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TORCH_CPP_LOG_LEVEL="ERROR")
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TORCH_CPP_LOG_LEVEL="ERROR",
+               TMPDIR=str(run_dir / "tmp"))  # (the agents' torchelastic_* folders go with it)
+    (run_dir / "tmp").mkdir()
     procs = []
     for g in range(cfg.groups):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
