@@ -314,13 +314,14 @@ def paid_moves(nodes: np.ndarray, candidate: np.ndarray, hashed: np.ndarray,
             impossible request (slots out of order, a step that does not balance); ``nodes``
             is then unchanged.
     """
-    surplus = np.ascontiguousarray(surplus, dtype=np.int64)
-    if surplus.ndim != 2:
-        raise NativeError(f"paid_moves: surplus must be (steps, nodes), got shape "
-                          f"{surplus.shape}", CODE_INVALID)
+    if not isinstance(surplus, np.ndarray) or surplus.ndim != 2 or surplus.dtype != np.int64:
+        shape = getattr(surplus, "shape", None)
+        raise NativeError(f"paid_moves: surplus must be an int64 array (steps, nodes), got "
+                          f"{getattr(surplus, 'dtype', type(surplus).__name__)} of shape "
+                          f"{shape}", CODE_INVALID)
     count = surplus.shape[1]
     try:
-        status = _native_backend.active.paid_moves(nodes, candidate, hashed, surplus.ravel(),
+        status = _native_backend.active.paid_moves(nodes, candidate, hashed, surplus.reshape(-1),
                                                    int(width), int(count), int(priority_bits))
     except TypeError as exc:
         refused(exc, _twin_checks.first_problem("paid_moves", (

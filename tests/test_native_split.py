@@ -121,7 +121,8 @@ def test_paid_moves_small_case(backend: str) -> None:
     (lambda n, c, h, s: (n, c.astype(np.uint64), h, s), "candidate must have dtype int64"),
     (lambda n, c, h, s: (n, c, h.astype(np.int64), s), "hashed must have dtype uint64"),
     (lambda n, c, h, s: (np.repeat(n, 2)[::2], c, h, s), "nodes must be C-contiguous"),
-    (lambda n, c, h, s: (n, c, h, s.ravel()), "surplus must be \\(steps, nodes\\)"),
+    (lambda n, c, h, s: (n, c, h, s.ravel()), "surplus must be an int64 array \\(steps, nodes\\)"),
+    (lambda n, c, h, s: (n, c, h, s.astype(np.float64)), "surplus must be an int64 array"),
 ])
 def test_paid_moves_refuse_without_writing(backend: str, change, message: str) -> None:
     nodes, candidate, hashed, surplus = change(*_request())
