@@ -39,8 +39,8 @@ import hashlib
 import json
 import logging
 import os
-import threading
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,7 +145,8 @@ class MemoryTier:
         self._dir_fd = private_dir(self.folder)
         self._seqs: list[int | None] = [None] * SLOTS  # the valid slots' sequence numbers
         self._maps = [SlotMap() for _ in range(SLOTS)]
-        self._finishing: threading.Thread | None = None  # the snapshot being finished
+        self._finishing: Future[None] | None = None  # the snapshot being finished
+        self._finisher: tuple[int, ThreadPoolExecutor] | None = None  # (pid, its thread)
         self._kept = True  # whether the last finished snapshot was kept
         self._warned = False
         for slot in range(SLOTS):
@@ -219,18 +220,24 @@ class MemoryTier:
                K_WORLD: self.world_size, K_STEP: step, K_TIMELINE: timeline,
                K_STARTED: started, K_COMMITTED: committed, K_ROOT_ID: root_id,
                K_ENTRIES: encoded, K_TENSORS: records, K_RNG: rng_state}
-        finish = threading.Thread(target=self._finish, args=(slot, fd, seq, data, doc),
-                                  name="streamcache-snapshot", daemon=True)
-        self._finishing = finish
-        finish.start()
+        self._finishing = self._finishing_thread().submit(self._finish, slot, fd, seq, data, doc)
         return True
+
+    def _finishing_thread(self) -> ThreadPoolExecutor:
+        """The thread that finishes snapshots, kept between them (starting one per snapshot
+        made the call wait for it to start: about 1 ms, more on busy cores); a forked child
+        makes its own (the parent's thread is not in it)."""
+        if self._finisher is None or self._finisher[0] != os.getpid():
+            self._finisher = (os.getpid(), ThreadPoolExecutor(
+                1, thread_name_prefix="streamcache-snapshot"))
+        return self._finisher[1]
 
     def wait(self) -> bool:
         """Wait until the snapshot being finished (if any) is whole or was given up; False
         when it was given up (a warning said why)."""
         finish, self._finishing = self._finishing, None
         if finish is not None:
-            finish.join()
+            finish.result()  # (_finish reports its own errors; it never raises)
         kept, self._kept = self._kept, True
         return kept
 
@@ -428,6 +435,9 @@ class MemoryTier:
     def close(self) -> None:
         """Finish the snapshot in flight, then release the slots' mappings and the folder."""
         self.wait()
+        finisher, self._finisher = self._finisher, None
+        if finisher is not None and finisher[0] == os.getpid():
+            finisher[1].shutdown()
         for slot_map in self._maps:
             slot_map.close()
         if self._dir_fd >= 0:
