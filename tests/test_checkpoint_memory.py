@@ -271,6 +271,30 @@ def _write(tier: MemoryTier, step: int) -> None:
     assert tier.wait()
 
 
+def test_a_forked_child_finishes_its_snapshots_with_a_thread_of_its_own(tmp_path: Path) -> None:
+    # The tier keeps its finishing thread between snapshots; a child forked after the parent
+    # made it (a DataLoader worker, NVRx's monitor process) does not have that thread, and a
+    # snapshot handed to it would never finish.
+    tier = _tier(tmp_path)
+    _write(tier, 1)  # the parent's finishing thread exists from here on
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.alarm(20)  # (a snapshot waiting for the parent's thread: killed here)
+            # numpy builds the tensor: no torch kernel runs in a forked child
+            entries = {"w": ("stateful", {"a": torch.from_numpy(np.full(1000, 2.0, np.float32))})}
+            ok = tier.write(2, entries, {}, timeline="", started=None, committed=None,
+                            root_id=ROOT_ID)
+            code = 0 if ok and tier.wait() else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    _write(tier, 3)  # the parent's own thread still finishes the parent's snapshots
+    tier.close()
+
+
 def _restorable(tier: MemoryTier) -> list[int]:
     """Steps whose slots scan and verify whole."""
     steps = []
