@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -271,12 +272,20 @@ def _write(tier: MemoryTier, step: int) -> None:
     assert tier.wait()
 
 
-def test_a_forked_child_finishes_its_snapshots_with_a_thread_of_its_own(tmp_path: Path) -> None:
+def test_a_forked_child_finishes_its_snapshots_with_a_thread_of_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The tier keeps its finishing thread between snapshots; a child forked after the parent
-    # made it (a DataLoader worker, NVRx's monitor process) does not have that thread, and a
-    # snapshot handed to it would never finish.
+    # made it (a DataLoader worker, NVRx's monitor process) does not have that thread: a
+    # snapshot handed to it would never finish, and one the parent's thread was finishing
+    # when the child was forked is not the child's to wait for.
     tier = _tier(tmp_path)
     _write(tier, 1)  # the parent's finishing thread exists from here on
+    finishing = threading.Event()
+    finish = tier._finish
+    monkeypatch.setattr(tier, "_finish", lambda *args: (finishing.wait(30), finish(*args)))
+    assert tier.write(2, _entries(2.0), {}, timeline="", started=None, committed=None,
+                      root_id=ROOT_ID)  # still being finished when the child is forked
+    monkeypatch.undo()
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -284,14 +293,16 @@ def test_a_forked_child_finishes_its_snapshots_with_a_thread_of_its_own(tmp_path
             signal.alarm(20)  # (a snapshot waiting for the parent's thread: killed here)
             # numpy builds the tensor: no torch kernel runs in a forked child
             entries = {"w": ("stateful", {"a": torch.from_numpy(np.full(1000, 2.0, np.float32))})}
-            ok = tier.write(2, entries, {}, timeline="", started=None, committed=None,
+            ok = tier.write(3, entries, {}, timeline="", started=None, committed=None,
                             root_id=ROOT_ID)
             code = 0 if ok and tier.wait() else 3
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
+    finishing.set()
     assert os.waitstatus_to_exitcode(status) == 0
-    _write(tier, 3)  # the parent's own thread still finishes the parent's snapshots
+    assert tier.wait()  # the parent's snapshot of step 2, finished by the parent's thread
+    _write(tier, 4)  # the parent's own thread still finishes the parent's snapshots
     tier.close()
 
 

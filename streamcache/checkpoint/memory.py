@@ -236,7 +236,10 @@ class MemoryTier:
         """Wait until the snapshot being finished (if any) is whole or was given up; False
         when it was given up (a warning said why)."""
         finish, self._finishing = self._finishing, None
-        if finish is not None:
+        # (in a child forked while the parent's thread finished one, that snapshot is the
+        # parent's: the child has no thread to wait for)
+        if finish is not None and self._finisher is not None and \
+                self._finisher[0] == os.getpid():
             finish.result()  # (_finish reports its own errors; it never raises)
         kept, self._kept = self._kept, True
         return kept
