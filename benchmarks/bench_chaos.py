@@ -462,6 +462,18 @@ def read_logs(run_dir: Path, ranks: int, stem: str = "log") -> list[list[dict[st
     return logs
 
 
+def launch_env(run_dir: Path, **extra: str) -> dict[str, str]:
+    """The environment of a row's launcher and workers: docs/recovery.md's recipe (rank 0
+    serves a fresh store each attempt, since with the agent's store shared restarts read dead
+    peers' addresses; no reverse name lookup in a timed-out store wait's warning, which
+    stalled NVRx restarts for the resolver's timeout), one thread per rank, and a TMPDIR in
+    the run's folder (the agents' torchelastic_* log folders go with it)."""
+    (run_dir / "tmp").mkdir(exist_ok=True)
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TORCH_CPP_LOG_LEVEL="ERROR",
+                TMPDIR=str(run_dir / "tmp"), **extra)
+
+
 def run_row(cfg: Config, ranks: int, chaos: bool, mtbf: float, kinds: list[str],
             seed: int) -> tuple[list[list[dict[str, Any]]], list[Fault], float,
                                 list[list[dict[str, Any]]]]:
@@ -477,17 +489,8 @@ def run_row(cfg: Config, ranks: int, chaos: bool, mtbf: float, kinds: list[str],
            "0.1", __file__, "--worker", str(cfg_path)]
     if cfg.row.endswith("_warm"):
         cmd = [sys.executable, __file__, "--launch", str(cfg_path), "--ranks", str(ranks)]
-    # the recipe of docs/recovery.md ("Restarts under torchrun"): rank 0 serves a fresh store
-    # each attempt (with the agent's store shared, restarts read dead peers' addresses); and
-    # no reverse name lookup in a timed-out store wait's warning (it stalled NVRx restarts
-    # for the resolver's timeout)
-    # (TMPDIR: the agent's torchelastic_* log folders go with the run's folder)
-    (run_dir / "tmp").mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TORCH_CPP_LOG_LEVEL="ERROR",
-               TMPDIR=str(run_dir / "tmp"))
     with open(run_dir / "torchrun.log", "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=launch_env(run_dir),
                                 start_new_session=True)
     faults: list[Fault] = []
     try:

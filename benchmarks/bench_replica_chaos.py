@@ -52,7 +52,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_chaos import BATCH, _model, _process_started, elastic_launch_warm, make_data
+from bench_chaos import (
+    BATCH,
+    _model,
+    _process_started,
+    elastic_launch_warm,
+    launch_env,
+    make_data,
+)
 
 SEED = 0
 # what a warm launch's forkserver imports once (a restarted worker is forked with them done)
@@ -206,12 +213,7 @@ def run(cfg_args: argparse.Namespace, data_dir: Path, run_dir: Path,
     cfg = Config(str(run_dir), str(data_dir), lighthouse.address(), cfg_args.groups,
                  cfg_args.min_replicas)
     (run_dir / "config.json").write_text(json.dumps(asdict(cfg)))
-    # (TORCH_CPP_LOG_LEVEL: docs/recovery.md; a timed-out store wait's warning costs a reverse
-    # name lookup, which can stall a restart for the resolver's timeout)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TORCH_CPP_LOG_LEVEL="ERROR",
-               TMPDIR=str(run_dir / "tmp"))  # (the agents' torchelastic_* folders go with it)
-    (run_dir / "tmp").mkdir()
+    env = launch_env(run_dir, GLOO_SOCKET_IFNAME="lo")
     procs = []
     for g in range(cfg.groups):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
