@@ -357,6 +357,60 @@ StatusTuple py_paid_moves(MutInt64s& nodes, const Int64s& candidate, const Uint6
   return to_tuple(s);
 }
 
+StatusTuple py_owner_nodes(const Int64s& at, const Int64s& rows, const Int64s& offsets,
+                           const Int64s& piece_rows, const Int64s& targets, int64_t width,
+                           MutInt64s& nodes, MutInt64s& piece, MutInt64s& surplus) {
+  const size_t total = at.size(), count = targets.size();
+  Status s = Status::Ok();
+  if (width < 0) {
+    s = Status::Error(StatusCode::kInvalid, -1, "width must not be negative");
+  } else if (rows.size() != total || nodes.size() != total || piece.size() != total) {
+    s = Status::Error(StatusCode::kInvalid, -1,
+                      "at, rows, nodes and piece must hold one entry per slot");
+  } else if (offsets.size() != piece_rows.size()) {
+    s = Status::Error(StatusCode::kInvalid, -1,
+                      "offsets and piece_rows must hold one entry per value");
+  } else if (count == 0) {
+    s = Status::Error(StatusCode::kInvalid, -1, "count must be at least 1");
+  } else if (total != 0 && (width == 0 || total % static_cast<size_t>(width) != 0)) {
+    s = Status::Error(StatusCode::kInvalid, -1,
+                      std::to_string(total) + " slots are not whole steps of " +
+                          std::to_string(width));
+  } else if (surplus.size() != (width == 0 ? 0 : total / static_cast<size_t>(width)) * count) {
+    s = Status::Error(StatusCode::kInvalid, -1, "surplus must hold steps * count entries");
+  }
+  if (!s.ok()) return to_tuple(s);
+  nb::gil_scoped_release release;
+  s = owner_nodes(at.data(), rows.data(), total, offsets.data(), piece_rows.data(),
+                  offsets.size(), targets.data(), count, static_cast<size_t>(width),
+                  nodes.data(), piece.data(), surplus.data());
+  return to_tuple(s);
+}
+
+StatusTuple py_release_moves(MutInt64s& nodes, const Int64s& surplus, const Int64s& at,
+                             const Int64s& rows, const Int64s& key_base, const Int64s& key_rows,
+                             uint64_t release_key, int64_t width, int64_t count,
+                             int priority_bits) {
+  Status s = Status::Ok();
+  if (count < 1) {
+    s = Status::Error(StatusCode::kInvalid, -1, "count must be at least 1");
+  } else if (at.size() != nodes.size() || rows.size() != nodes.size()) {
+    s = Status::Error(StatusCode::kInvalid, -1, "at and rows must hold one entry per slot");
+  } else if (key_base.size() != key_rows.size()) {
+    s = Status::Error(StatusCode::kInvalid, -1,
+                      "key_base and key_rows must hold one entry per value");
+  } else {  // (the paid moves' own sizes: nodes = steps * width)
+    s = paid_moves_sizes(nodes.size(), 0, 0, surplus.size(), width, count);
+  }
+  if (!s.ok()) return to_tuple(s);
+  const size_t per = static_cast<size_t>(count);
+  nb::gil_scoped_release release;
+  s = release_moves(nodes.data(), surplus.size() / per, static_cast<size_t>(width), per,
+                    surplus.data(), at.data(), rows.data(), key_base.data(), key_rows.data(),
+                    key_base.size(), release_key, priority_bits);
+  return to_tuple(s);
+}
+
 // Keeps the GIL (an exception to the rule): the job takes a microsecond or two, less than
 // releasing and taking back the GIL would cost.
 std::tuple<int, int64_t, std::string, int64_t> py_group_shards(const Int64s& shards,
@@ -744,6 +798,18 @@ NB_MODULE(_core, m) {
         nb::arg("priority_bits"),
         "The multi-node split's paid moves (csrc/split.h): nodes (steps * width) updated in "
         "place; returns (code, item, message).");
+  m.def("owner_nodes", &py_owner_nodes, nb::arg("at").noconvert(), nb::arg("rows").noconvert(),
+        nb::arg("offsets").noconvert(), nb::arg("piece_rows").noconvert(),
+        nb::arg("targets").noconvert(), nb::arg("width"), nb::arg("nodes").noconvert(),
+        nb::arg("piece").noconvert(), nb::arg("surplus").noconvert(),
+        "Each slot's piece, node before balancing and each step's surplus (csrc/split.h) "
+        "into nodes, piece and surplus; returns (code, item, message).");
+  m.def("release_moves", &py_release_moves, nb::arg("nodes").noconvert(),
+        nb::arg("surplus").noconvert(), nb::arg("at").noconvert(), nb::arg("rows").noconvert(),
+        nb::arg("key_base").noconvert(), nb::arg("key_rows").noconvert(),
+        nb::arg("release_key"), nb::arg("width"), nb::arg("count"), nb::arg("priority_bits"),
+        "The paid moves of the slots on nodes with a surplus, hashed by their chunk keys "
+        "(csrc/split.h): nodes updated in place; returns (code, item, message).");
   m.def("set_num_threads", [](size_t n) { set_global_pool_size(n); }, nb::arg("threads"),
         "Size of the native thread pool (0 = the cores this process may run on).");
   m.def("get_num_threads", []() { return global_pool_size(); },

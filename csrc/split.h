@@ -1,5 +1,6 @@
-// The multi-node split's paid moves (streamcache/plan/locality.py): which samples a node with
-// a surplus gives away in each step, and which node takes each of them.
+// The multi-node split (streamcache/plan/locality.py) in native code: each slot's node before a
+// step is balanced (its piece's owner), and the paid moves: which samples a node with a
+// surplus gives away in each step, and which node takes each of them.
 #pragma once
 
 #include <cstddef>
@@ -32,5 +33,30 @@ Status paid_moves_sizes(size_t nodes, size_t candidates, size_t hashes, size_t s
 Status paid_moves(int64_t* nodes, size_t steps, size_t width, size_t count,
                   const int64_t* candidate, const uint64_t* hashed, size_t m,
                   const int64_t* surplus, int priority_bits);
+
+// Each slot's piece, its node before the steps are balanced (its piece's owner) and each
+// step's surplus. With v = at[i] (a slot's entry in the value tables, of `values` entries):
+//   piece[i] = rows[i] / piece_rows[v],  nodes[i] = (offsets[v] + piece[i]) % count,
+//   surplus[s * count + n] = (slots of step s on node n) - targets[n],
+// for the `total` slots, steps of `width` slots (total a multiple of width; width >= 1 unless
+// total is 0). Refused (kInvalid, item: the slot) where at[i] is not below `values`,
+// rows[i] < 0, piece_rows[v] < 1 or offsets[v] is outside [0, count); the outputs may then be
+// partly written.
+Status owner_nodes(const int64_t* at, const int64_t* rows, size_t total, const int64_t* offsets,
+                   const int64_t* piece_rows, size_t values, const int64_t* targets,
+                   size_t count, size_t width, int64_t* nodes, int64_t* piece,
+                   int64_t* surplus);
+
+// The paid moves whose candidates are every slot on a node with a surplus in its step and
+// whose hashes are those slots' chunk release hashes: with v = at[slot],
+//   key = key_base[v] + rows[slot] / key_rows[v],
+//   hash = mix64(release_key + (key + 1) * 0x9E3779B97F4A7C15)  (bijection.counter_hash),
+// then paid_moves (its rule and checks). Refused, with `nodes` unchanged, where a slot's
+// node is outside [0, count), a candidate's at is not below `values`, its row < 0 or its
+// key_rows < 1 (item: the slot), or paid_moves refuses.
+Status release_moves(int64_t* nodes, size_t steps, size_t width, size_t count,
+                     const int64_t* surplus, const int64_t* at, const int64_t* rows,
+                     const int64_t* key_base, const int64_t* key_rows, size_t values,
+                     uint64_t release_key, int priority_bits);
 
 }  // namespace streamcache

@@ -78,6 +78,16 @@ def paid_moves(nodes: Annotated[NDArray[numpy.int64], dict(shape=(None,), order=
     The multi-node split's paid moves (csrc/split.h): nodes (steps * width) updated in place; returns (code, item, message).
     """
 
+def owner_nodes(at: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], rows: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], offsets: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], piece_rows: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], targets: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], width: int, nodes: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')], piece: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')], surplus: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')]) -> tuple[int, int, str]:
+    """
+    Each slot's piece, node before balancing and each step's surplus (csrc/split.h) into nodes, piece and surplus; returns (code, item, message).
+    """
+
+def release_moves(nodes: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')], surplus: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], at: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], rows: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], key_base: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], key_rows: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], release_key: int, width: int, count: int, priority_bits: int) -> tuple[int, int, str]:
+    """
+    The paid moves of the slots on nodes with a surplus, hashed by their chunk keys (csrc/split.h): nodes updated in place; returns (code, item, message).
+    """
+
 def set_num_threads(threads: int) -> None:
     """
     Size of the native thread pool (0 = the cores this process may run on).

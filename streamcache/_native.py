@@ -9,7 +9,7 @@ for the whole job.
 
 The implementations and which one is in use are ``_native_backend.py``'s (:func:`use`,
 :func:`backend_name` and the error codes are also this module's); the prefetch scheduler is
-``_native_scheduler.py``.
+``_native_scheduler.py``; the multi-node split's kernels, ``_native_split.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from ._native_backend import (
     refused,
     use,
 )
+from ._native_split import owner_nodes, paid_moves, release_moves
 from .errors import NativeError
 
 
@@ -300,37 +301,6 @@ def group_shards(shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return unique[:count], which
 
 
-def paid_moves(nodes: np.ndarray, candidate: np.ndarray, hashed: np.ndarray,
-               surplus: np.ndarray, width: int, priority_bits: int) -> None:
-    """The multi-node split's paid moves (``csrc/split.h``): in every step (``width`` slots of
-    ``nodes``, each slot's node, updated in place), each node with a surplus
-    (``surplus``: ``(steps, nodes)``) releases that many of its ``candidate`` slots (strictly
-    ascending), those of the lowest priority (the top ``priority_bits`` bits of ``hashed``)
-    first, then by slot; each goes to its chunk's backup node while that one is short, the
-    rest fill the step's remaining shortfalls in node order.
-
-    Raises:
-        NativeError: arrays of the wrong dtype or layout, sizes that disagree, or an
-            impossible request (slots out of order, a step that does not balance); ``nodes``
-            is then unchanged.
-    """
-    if not isinstance(surplus, np.ndarray) or surplus.ndim != 2 or surplus.dtype != np.int64:
-        shape = getattr(surplus, "shape", None)
-        raise NativeError(f"paid_moves: surplus must be an int64 array (steps, nodes), got "
-                          f"{getattr(surplus, 'dtype', type(surplus).__name__)} of shape "
-                          f"{shape}", CODE_INVALID)
-    count = surplus.shape[1]
-    try:
-        status = _native_backend.active.paid_moves(nodes, candidate, hashed, surplus.reshape(-1),
-                                                   int(width), int(count), int(priority_bits))
-    except TypeError as exc:
-        refused(exc, _twin_checks.first_problem("paid_moves", (
-            ("nodes", nodes, np.dtype(np.int64), True),
-            ("candidate", candidate, np.dtype(np.int64), False),
-            ("hashed", hashed, np.dtype(np.uint64), False))))
-    raise_error(*status)
-
-
 def global_rngs(python_random: Any, numpy_random_state: Any,
                 torch_state: np.ndarray) -> GlobalRngsImpl:
     """The active backend's ``GlobalRngs`` over these generators (see csrc/bindings.cpp; the
@@ -409,7 +379,9 @@ __all__ = [
     "get_num_threads",
     "global_rngs",
     "group_shards",
+    "owner_nodes",
     "paid_moves",
+    "release_moves",
     "set_gather_threads",
     "set_num_threads",
     "stream_copy",

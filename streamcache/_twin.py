@@ -30,7 +30,9 @@ from ._twin_checks import (
 )
 from ._twin_rngs import GlobalRngs as GlobalRngs  # the Backend protocol's GlobalRngs
 from ._twin_scheduler import Scheduler as Scheduler  # the Backend protocol's Scheduler
-from ._twin_split import paid_moves as paid_moves  # the Backend protocol's paid_moves
+from ._twin_split import owner_nodes as owner_nodes  # the Backend protocol's split kernels
+from ._twin_split import paid_moves as paid_moves
+from ._twin_split import release_moves as release_moves
 
 _MASK = (1 << 64) - 1
 _P1 = 0x9E3779B185EBCA87

@@ -187,7 +187,7 @@ class LocalityAssignment:
         if self.num_nodes == 1 or shards.size == 0:
             return np.zeros(shards.shape, dtype=np.int64)
         facts = StepFacts(self.layout, shards.ravel(), rows.ravel())
-        return self._sample_nodes(facts.shards, facts.rows, facts).reshape(shards.shape)
+        return self._sample_nodes(facts).reshape(shards.shape)
 
     def backups(self, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The node that also holds the piece of each (shard, row), -1 where only its owner
@@ -197,7 +197,7 @@ class LocalityAssignment:
         if self.dual == 0 or shards.size == 0:
             return np.full(shards.shape, -1, dtype=np.int64)
         facts = StepFacts(self.layout, shards.ravel(), rows.ravel())
-        return self._backups(facts, self._sample_nodes(facts.shards, facts.rows, facts)
+        return self._backups(facts, self._sample_nodes(facts)
                              ).reshape(shards.shape)
 
     def holds(self, shards: np.ndarray, rows: np.ndarray, node: int) -> np.ndarray:
@@ -208,7 +208,7 @@ class LocalityAssignment:
         if self.dual == 0 or shards.size == 0:
             return self.owners(shards, rows) == node
         facts = StepFacts(self.layout, shards.ravel(), rows.ravel())
-        owners = self._sample_nodes(facts.shards, facts.rows, facts)
+        owners = self._sample_nodes(facts)
         held = (owners == node) | (self._backups(facts, owners) == node)
         return held.reshape(shards.shape)
 
@@ -280,22 +280,28 @@ class LocalityAssignment:
         steps, width = shards.shape
         shards, rows = shards.ravel(), rows.ravel()
         facts = StepFacts(self.layout, shards, rows)
-        nodes = self._sample_nodes(shards, rows, facts)
-        first_group = np.repeat(np.arange(0, steps * count, count, dtype=np.int64), width)
-        surplus = np.bincount(nodes + first_group, minlength=steps * count).reshape(
-            steps, count) - targets
+        nodes, surplus = self._owners(facts, targets, width)
         if surplus.any() and self.dual > 0:
             self._move_flexible(shards, facts, nodes, surplus, width)
         if surplus.any():
-            self._move_paid(facts, nodes, surplus, first_group, width)
+            self._move_paid(facts, nodes, surplus, width)
         return nodes.reshape(steps, width)
 
-    def _sample_nodes(self, shards: np.ndarray, rows: np.ndarray,
-                      facts: StepFacts) -> np.ndarray:
+    def _owners(self, facts: StepFacts, targets: np.ndarray,
+                width: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each sample's node before its step is balanced (its piece's owner; flat), and each
+        step's surplus against ``targets`` (``_native.owner_nodes``, native code: one pass)."""
+        at = facts.entries()
+        offsets, piece_rows = facts.owner_tables(self._offsets)
+        nodes, piece, surplus = _native.owner_nodes(at, facts.rows, offsets, piece_rows,
+                                                    targets, width)
+        facts.known_piece(piece)
+        return nodes, surplus
+
+    def _sample_nodes(self, facts: StepFacts) -> np.ndarray:
         """Each sample's node before the step is balanced: its piece's owner (flat arrays)."""
-        nodes = facts.offsets(self._offsets) + facts.piece()
-        nodes %= self.num_nodes
-        return nodes
+        return self._owners(facts, np.zeros(self.num_nodes, dtype=np.int64),
+                            facts.shards.size)[0]
 
     def _move_flexible(self, shards: np.ndarray, facts: StepFacts, nodes: np.ndarray,
                        surplus: np.ndarray, width: int) -> None:
@@ -321,15 +327,14 @@ class LocalityAssignment:
                                minlength=surplus.size).reshape(surplus.shape)
 
     def _move_paid(self, facts: StepFacts, nodes: np.ndarray, surplus: np.ndarray,
-                   first_group: np.ndarray, width: int) -> None:
+                   width: int) -> None:
         """Balance what is left: each node with a surplus gives the samples of its lowest
         chunk priority (a hash of the chunk, the same in every step) to their chunk's backup
-        while it is short, else to the lowest node still short (``_native.paid_moves``, in
-        native code: a few passes over each step's slots). ``nodes`` is updated;
-        ``first_group`` is each slot's step times the node count."""
-        candidate = np.flatnonzero(surplus.ravel()[first_group + nodes] > 0)
-        hashed = counter_hash(self._release_key, facts.chunk_keys(candidate))
-        _native.paid_moves(nodes, candidate, hashed, surplus, width, PRIORITY_BITS)
+        while it is short, else to the lowest node still short (``_native.release_moves``, in
+        native code: a few passes over each step's slots). ``nodes`` is updated."""
+        base, key_rows = facts.chunk_tables()
+        _native.release_moves(nodes, surplus, facts.entries(), facts.rows, base, key_rows,
+                              self._release_key, width, PRIORITY_BITS)
 
     def _chunk_keys(self, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Each row's chunk unit, or its piece unit in a shard that is not cut (its shard

@@ -95,9 +95,16 @@ class PartitionAssignment(LocalityAssignment):
         ids = self.counts.offsets[shards] + rows
         return partition_of_ids(ids, self.counts.total, self.partitions) // self._per_node
 
-    def _sample_nodes(self, shards: np.ndarray, rows: np.ndarray,
-                      facts: Any) -> np.ndarray:
-        """Each sample's node: its owner. With global batches that are multiples of the
-        partitions every step is balanced already; a step that is not (a partial last batch)
-        is balanced by the base class's fewest moves (no piece is held twice here)."""
-        return self.owners(shards, rows)
+    def _owners(self, facts: Any, targets: np.ndarray,
+                width: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each sample's node: its owner, and each step's surplus. With global batches that
+        are multiples of the partitions every step is balanced already; a step that is not (a
+        partial last batch) is balanced by the base class's fewest moves (no piece is held
+        twice here)."""
+        nodes = self.owners(facts.shards, facts.rows)
+        count = self.num_nodes
+        steps = nodes.size // width if width else 0
+        first_group = np.repeat(np.arange(0, steps * count, count, dtype=np.int64), width)
+        surplus = np.bincount(nodes + first_group, minlength=steps * count).reshape(
+            steps, count) - targets
+        return nodes, surplus

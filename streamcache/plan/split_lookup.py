@@ -20,6 +20,8 @@ from .units import UnitLayout
 
 #: Shards whose offsets a split keeps (direct-mapped: shard ``k`` in slot ``k % SLOTS``).
 OFFSET_SLOTS = 1 << 14
+#: The rows of a piece or chunk key where a shard is one (no row reaches it).
+_WHOLE = np.iinfo(np.int64).max
 
 
 class ShardOffsets:
@@ -91,6 +93,7 @@ class StepFacts:
         self.where: np.ndarray | None = None
         self.values: list[np.ndarray] = []
         self._piece: np.ndarray | None = None
+        self._entries: np.ndarray | None = None
 
     def _look_up(self) -> None:
         """Look the samples' shards up (once, when first needed: a balanced step of canonical
@@ -124,13 +127,40 @@ class StepFacts:
             return which
         return self.where if which is None else np.take(self.where, which)
 
-    def offsets(self, offsets: ShardOffsets) -> np.ndarray:
-        """Each sample's shard offset."""
+    def entries(self) -> np.ndarray:
+        """Each sample's entry in the looked-up tables (int64): of :meth:`owner_tables` and
+        :meth:`chunk_tables`."""
+        self._look_up()
+        if self.where is not None:
+            return self.where
+        if self._entries is None:
+            self._entries = np.arange(self.shards.size, dtype=np.int64)
+        return self._entries
+
+    def owner_tables(self, offsets: ShardOffsets) -> tuple[np.ndarray, np.ndarray]:
+        """The shard offsets and piece rows of the looked-up tables (a shard without a layout
+        is one piece): what ``_native.owner_nodes`` reads at :meth:`entries`."""
         self._look_up()
         if self.keys is None:
             assert self.layout is not None
-            return self.per_sample(offsets.every(self.layout.num_shards))
-        return self.per_sample(offsets(self.keys))
+            table = offsets.every(self.layout.num_shards)
+        else:
+            table = offsets(self.keys)
+        if self.layout is None:
+            return table, np.full(table.size, _WHOLE, dtype=np.int64)
+        return table, self.values[0]
+
+    def chunk_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """The chunk key bases and key rows of the looked-up tables (a sample's chunk key is
+        ``base + row // key_rows``; without a layout, its shard)."""
+        self._look_up()
+        if self.layout is None:
+            return self.shards, np.full(self.shards.size, _WHOLE, dtype=np.int64)
+        return self.values[1], self.values[2]
+
+    def known_piece(self, piece: np.ndarray) -> None:
+        """Keep each sample's piece, computed elsewhere (``_native.owner_nodes``)."""
+        self._piece = piece
 
     def piece(self) -> np.ndarray:
         """Each sample's piece within its shard (kept: the split and ``holds`` ask twice)."""
