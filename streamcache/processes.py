@@ -5,11 +5,13 @@ A process token ``<boot id>-<pid namespace>-<pid>-<start time>`` names one proce
 cache names each process's temporaries with it (cache/temporaries.py), and the shard writer's
 and the checkpointer's leases record it, so that a later process can tell a dead holder (a
 crashed job, a zombie not yet reaped, a pid reused by an unrelated process) from a live one.
+Also how many processes of this node read a dataset (:func:`node_readers`).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 _token: tuple[int, str] | None = None
 
@@ -93,4 +95,29 @@ def pid_gone(pid: int) -> bool:
     return False
 
 
-__all__ = ["pid_gone", "process_alive", "process_token"]
+#: The most reading processes :func:`node_readers` counts on a node.
+MAX_NODE_READERS = 1024
+
+
+def node_readers() -> int:
+    """The reading processes of this node, as far as this process can tell: torchrun's
+    ``LOCAL_WORLD_SIZE`` (ranks of the node; 1 when unset or not a positive integer, at most
+    :data:`MAX_NODE_READERS`) times the DataLoader worker processes of this rank when this
+    is one. Each has its own range reader; the node's later cold budget
+    (``ranges.COLD_BUDGET``) is split among them (one download per node makes their range
+    reads redundant alike)."""
+    ranks = os.environ.get("LOCAL_WORLD_SIZE", "")
+    count = int(ranks) if ranks.isdigit() and 0 < int(ranks) <= MAX_NODE_READERS else 1
+    workers = _worker_count()
+    return max(1, min(MAX_NODE_READERS, count * workers))
+
+
+def _worker_count() -> int:
+    """Worker processes of this rank's DataLoader when this is one of them, else 1."""
+    utils = sys.modules.get("torch.utils.data")  # (never imports torch)
+    info = utils.get_worker_info() if utils is not None else None
+    return max(1, int(getattr(info, "num_workers", 1) or 1))
+
+
+__all__ = ["MAX_NODE_READERS", "node_readers", "pid_gone", "process_alive", "process_token",
+           "usable_cores"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CacheBudgetError, CacheError
@@ -54,9 +54,11 @@ class Installer(Accounting):
         def shard_path(self, shard: int) -> str: ...
         def estimated_bytes(self, shard: int) -> int: ...
 
-    def _install_with_room(self, shard: int) -> int:
+    def _install_with_room(self, shard: int,
+                           downloaded: Callable[[bytes], None] | None = None) -> int:
         """Download, materialize and publish ``shard`` (shard lock held); returns the bytes
-        downloaded. Makes room first; on a full disk evicts more and tries again."""
+        downloaded. Makes room first; on a full disk evicts more and tries again.
+        ``downloaded``: see :meth:`NodeCache.install`."""
         info = self.index.shards[shard]
         url = self.index.shard_url(shard)
         if self.cache_limit is not None:
@@ -69,12 +71,12 @@ class Installer(Accounting):
         identity = source_identity(info, url, self._storage_options, self.fetcher.options)
         for attempt in range(1, DISK_FULL_ATTEMPTS + 1):
             try:
-                staged, downloaded = self._download(shard)
+                staged, nbytes = self._download(shard, downloaded)
                 try:
                     self._publish(shard, staged, identity)
                 finally:
                     remove_quietly(staged)
-                return downloaded
+                return nbytes
             except OSError as error:
                 if not is_disk_full(error):
                     raise
@@ -86,8 +88,10 @@ class Installer(Accounting):
     def _disk_full_error(self, shard: int, needed: int) -> CacheError:
         return disk_full_error(self.cache_dir, shard, needed, self._accounted_bytes())
 
-    def _download(self, shard: int) -> tuple[str, int]:
-        """Fetch and materialize ``shard`` into this process's temporaries: (file, bytes)."""
+    def _download(self, shard: int, downloaded: Callable[[bytes], None] | None = None,
+                  ) -> tuple[str, int]:
+        """Fetch and materialize ``shard`` into this process's temporaries: (file, bytes);
+        ``downloaded`` is told the stored bytes when they are held in memory."""
         info = self.index.shards[shard]
         url = self.index.shard_url(shard)
         tmp = self._tmp_dir()
@@ -96,6 +100,8 @@ class Installer(Accounting):
         decoded = info.compression is not None or info.format != "arrow"
         if decoded and info.bytes is not None and info.bytes <= MEMORY_INSTALL_BYTES:
             data = self.fetcher.fetch(url, size=info.bytes, checksum=info.checksum)
+            if downloaded is not None:
+                downloaded(data)
             materialize(data, info.format, self.index.schema, staged, where=url,
                         expected_rows=info.rows, durable=self.durable)
             return staged, len(data)

@@ -176,10 +176,13 @@ class NodeCache(Installer, CopyLookup):
         # under another process's pressure): the path is still right, install once more.
         return path if path is not None else self._install_and_path(shard)
 
-    def install(self, shard: int) -> int:
+    def install(self, shard: int, downloaded: Callable[[bytes], None] | None = None) -> int:
         """Make sure ``shard`` is installed and current; returns the bytes this call
         downloaded (0 when it was installed already, by this process or another, or is read
-        in place).
+        in place). ``downloaded`` is called with the shard's stored bytes once they are
+        downloaded and verified, before they are decoded, where the install holds them in
+        memory (a compressed shard of at most ``install.MEMORY_INSTALL_BYTES``): a reader may
+        take the rows it needs from them meanwhile.
 
         Room is made within ``cache_limit`` before the download. A full disk evicts more
         (farthest next use first) and retries. ``cache_dir`` removed meanwhile is made
@@ -197,13 +200,13 @@ class NodeCache(Installer, CopyLookup):
                 if os.path.exists(self.shard_path(shard)) and self._confirm(shard):
                     return 0  # another process installed it while we waited for the lock
                 self._remove_copy(self.shard_path(shard))  # absent, or of an older object
-                downloaded = self._install_with_room(shard)
+                fetched = self._install_with_room(shard, downloaded)
         except OSError as error:
             if error.errno in NOT_WRITABLE:
                 raise not_writable_error(self.cache_dir, error) from error
             raise
-        self._count(installs=1, bytes_fetched=downloaded)
-        return downloaded
+        self._count(installs=1, bytes_fetched=fetched)
+        return fetched
 
     def installed(self, shard: int) -> bool:
         """Whether ``shard`` can be served now without a download: read in place, or

@@ -34,6 +34,7 @@ from .. import forksafe
 from .._native_scheduler import (
     SHARD_FAILED,
     SHARD_READY,
+    SHARD_UNKNOWN,
     TASK_STOPPED,
     TASK_TIMEOUT,
     WAIT_FAILED,
@@ -46,7 +47,9 @@ from .._native_scheduler import (
 from ..errors import ConfigError, PrefetchError
 from ..remote.fetch import Fetcher
 from ..remote.options import type_problems
+from .downloads import HeldDownloads
 from .node import NodeCache
+from .usage import ShardUsage
 
 #: Priority of a shard a reader is blocked on: ahead of every plan position.
 URGENT = -1
@@ -105,35 +108,6 @@ class PrefetchOptions:
         return working_set_shards + DEFAULT_LOOKAHEAD_SHARDS
 
 
-@dataclass(frozen=True)
-class ShardUsage:
-    """Where each shard is read in an epoch: first and last position (-1: not read).
-
-    Between its first and last read a shard counts as in use: its next use from a position
-    inside that span is taken to be now (exact for a shard read contiguously, an upper bound
-    on its urgency otherwise).
-    """
-
-    first: np.ndarray
-    last: np.ndarray
-
-    def upcoming(self, position: int) -> tuple[np.ndarray, np.ndarray]:
-        """Shards read at ``position`` or later, in order of next use, with that next use."""
-        alive = np.flatnonzero(self.last >= position)
-        next_use = np.maximum(self.first[alive], position)
-        order = np.lexsort((alive, next_use))
-        return alive[order], next_use[order]
-
-    def working_set_bytes(self, shard_bytes: Sequence[int] | np.ndarray) -> int:
-        """The most bytes of shards in use at any one position."""
-        read = np.flatnonzero(self.first >= 0)
-        sizes = np.asarray(shard_bytes, dtype=np.int64)[read]
-        positions = np.concatenate([self.first[read], self.last[read] + 1])
-        deltas = np.concatenate([sizes, -sizes])
-        order = np.lexsort((deltas, positions))  # at one position, departures first
-        return int(np.cumsum(deltas[order]).max(initial=0))
-
-
 #: The prefetcher's counters (hits and misses count ``local_path`` calls): the native
 #: scheduler's snapshot, unchanged.
 PrefetchStats = SchedulerCounters
@@ -160,6 +134,7 @@ class Prefetcher:
         self.cache = cache
         self.options = options or PrefetchOptions()
         self._closed = False
+        self._held = HeldDownloads()
         self._reset_process_state()
         cache.add_eviction_listener(self._evicted)
         forksafe.register(self)
@@ -275,6 +250,29 @@ class Prefetcher:
             if code in (WAIT_READY, WAIT_NOT_SCHEDULED):
                 scheduler.submit(shard, URGENT, self._stored_bytes(shard))
 
+    def downloaded(self, shard: int) -> bytes | None:
+        """The stored bytes of ``shard`` (downloaded and verified) while this process's
+        install decodes them, for a reader that would otherwise wait for the decode: starts
+        the install at once as :meth:`local_path` does, and waits until the bytes are held.
+        None once the shard is installed, its install failed or nobody installs it: the
+        reader then opens it with :meth:`local_path` (which raises the install's error).
+        Only a shard whose install holds its bytes in memory is offered (a compressed shard
+        of at most ``install.MEMORY_INSTALL_BYTES``); any other returns None at its install."""
+        if self.ready(shard):
+            return None
+        with self._lock:
+            self._start()
+            scheduler = self._scheduler
+        self.release()  # a reader waits for a download: nothing is held any more
+        self._known_ready.discard(shard)
+        scheduler.submit(shard, URGENT, self._stored_bytes(shard))
+
+        def settled() -> bool:
+            state = scheduler.state(shard)
+            return state in (SHARD_READY, SHARD_FAILED, SHARD_UNKNOWN) or scheduler.stopped()
+
+        return self._held.wait(shard, settled, self.options.poll_s)
+
     def hold(self, timeout_s: float | None = None) -> None:
         """Start no new download for a while: a cold reader reads its first steps by range
         first, with every connection and core to itself, then calls :meth:`release`. A
@@ -357,13 +355,15 @@ class Prefetcher:
     def _install(self, shard: int, scheduler: Scheduler) -> None:
         """Install ``shard`` for a download thread and tell the scheduler how it went."""
         try:
-            fetched = self.cache.install(shard)
+            fetched = self.cache.install(shard, lambda data: self._held.offer(shard, data))
         except Exception as error:  # carried to the reader that waits for this shard
             self._errors[shard] = error
             scheduler.complete(shard, False, 0, f"{type(error).__name__}: {error}")
         else:
             self._errors.pop(shard, None)
             scheduler.complete(shard, True, fetched, "")
+        finally:
+            self._held.done(shard)  # (after complete: a waiter looks at the state again)
 
     def _evicted(self, shard: int, nbytes: int) -> None:
         self._known_ready.discard(shard)

@@ -37,9 +37,10 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.ipc as ipc
 
 from .. import forksafe
-from ..errors import RowOutOfRangeError
+from ..errors import RowOutOfRangeError, ShardCorruptError
 from ..format.chunks import Block
 from ..format.columns import column_buffers
 from ..format.index import DatasetIndex
@@ -210,9 +211,14 @@ class RangeReader:
         return used + more <= fraction * self.index.shards[shard].bytes
 
     def read_rows(self, shard: int, rows: np.ndarray, *, cold: bool = False,
-                  dense: bool = False) -> tuple[ShardReader, np.ndarray] | None:
+                  dense: bool = False, source: bytes | None = None,
+                  ) -> tuple[ShardReader, np.ndarray] | None:
         """Rows ``rows`` of ``shard``: an in-memory shard reader holding them (and perhaps
         their neighbours) and the row numbers to gather from it, in the order given.
+
+        With ``source`` (the shard's whole stored bytes, downloaded and verified against the
+        index's size and checksum, e.g. by an install still decoding them), the chunks are
+        sliced from it instead of requested: no request, no cold budget.
 
         With ``cold`` (the cold-start rule), None instead when the read would take the
         shard's range-read bytes over :data:`COLD_BUDGET` of its size (its footer is read to
@@ -232,6 +238,8 @@ class RangeReader:
         if rows.size and (rows.min() < 0 or rows.max() >= info.rows):
             raise RowOutOfRangeError(f"rows {rows.min()}..{rows.max()} of shard {shard}: it "
                                      f"has {info.rows}")
+        if source is not None and self.index.shards[shard].chunked and self.addressable(shard):
+            return self._by_range(shard, rows, None, source)
         if self.addressable(shard):
             try:
                 # (the first steps' budget is each process's own: their rows, fixed by the
@@ -248,17 +256,18 @@ class RangeReader:
         return reader, rows
 
     def _by_range(self, shard: int, rows: np.ndarray, budget: float | None,
-                  ) -> tuple[ShardReader, np.ndarray] | None:
+                  source: bytes | None = None) -> tuple[ShardReader, np.ndarray] | None:
         """:meth:`read_rows` of an addressable shard; with ``budget`` (a fraction of the
-        shard), None when the read would take the shard's range-read bytes past it."""
-        footer = self._footer(shard)
+        shard), None when the read would take the shard's range-read bytes past it; with
+        ``source``, its chunks sliced from those bytes."""
+        footer = self._footer(shard, source)
         units = np.searchsorted(footer.starts, rows, side="right") - 1
         needed = np.unique(units)
         spans = coalesce([footer.blocks[u] for u in needed.tolist()], self.coalesce_gap)
         if budget is not None and not self.cold_budget_left(
                 shard, sum(s.length for s in spans), budget):
             return None
-        batches = self._read_units(shard, footer, needed.tolist(), spans)
+        batches = self._read_units(shard, footer, needed.tolist(), spans, source)
         sizes = np.array([b.num_rows for b in batches], np.int64)
         local_starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
         position = np.searchsorted(needed, units)
@@ -293,7 +302,7 @@ class RangeReader:
 
     # ------------------------------------------------------------------ footers
 
-    def _footer(self, shard: int) -> Footer:
+    def _footer(self, shard: int, source: bytes | None = None) -> Footer:
         with self._lock:
             footer = self._footers.get(shard)
             if footer is not None:
@@ -306,18 +315,18 @@ class RangeReader:
             with self._lock:
                 footer = self._footers.get(shard)
             if footer is None:
-                footer = self._fetch_footer(shard)
+                footer = self._fetch_footer(shard, source)
         with self._lock:
             if self._footer_gates.get(shard) is gate:
                 del self._footer_gates[shard]
         return footer
 
-    def _fetch_footer(self, shard: int) -> Footer:
+    def _fetch_footer(self, shard: int, source: bytes | None = None) -> Footer:
         info = self.index.shards[shard]
         url = self.index.shard_url(shard)
 
         def fetch(ranges: list[tuple[int, int]], verify: Any = None) -> list[bytes]:
-            return self._fetch(shard, url, ranges, verify)
+            return self._fetch(shard, url, ranges, verify, source)
 
         footer = arrow_footer(info, url, self.index.schema, fetch) if info.chunked else \
             parquet_footer(info, url, fetch)
@@ -330,11 +339,21 @@ class RangeReader:
     # ------------------------------------------------------------------ chunks
 
     def _read_units(self, shard: int, footer: Footer, units: list[int], spans: list[Block],
-                    ) -> list[pa.RecordBatch]:
-        """Fetch ``spans`` of ``shard`` and decode its chunks (or row groups) ``units``,
-        verified."""
+                    source: bytes | None = None) -> list[pa.RecordBatch]:
+        """Fetch ``spans`` of ``shard`` (or slice them from ``source``) and decode its chunks
+        (or row groups) ``units``, verified."""
         info = self.index.shards[shard]
         url = self.index.shard_url(shard)
+        if source is not None:  # (the download's checksum verified every byte already)
+            try:
+                file = ipc.open_file(pa.BufferReader(source),
+                                     options=ipc.IpcReadOptions(use_threads=False))
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise ShardCorruptError(f"{url}: its downloaded bytes are not an Arrow IPC "
+                                        f"file ({exc})") from exc
+            # (chunks are hashed only where the index records no checksum of the object)
+            return [decode_unit(file, footer, u, url, self.index.schema, self.schema,
+                                digest=info.checksum is None) for u in units]
         decoded: list[pa.RecordBatch] = []
 
         def verify(blocks: list[bytes]) -> None:
@@ -343,7 +362,8 @@ class RangeReader:
             decoded[:] = [decode_unit(file, footer, u, url, self.index.schema, self.schema)
                           for u in units]
 
-        self._fetch(shard, url, [(s.offset, s.offset + s.length) for s in spans], verify)
+        self._fetch(shard, url, [(s.offset, s.offset + s.length) for s in spans], verify,
+                    source)
         return decoded
 
     # ------------------------------------------------------------------ whole objects
@@ -374,7 +394,16 @@ class RangeReader:
     # ------------------------------------------------------------------ helpers
 
     def _fetch(self, shard: int, url: str, ranges: list[tuple[int, int]],
-               verify: Any = None) -> list[bytes]:
+               verify: Any = None, source: bytes | None = None) -> list[bytes]:
+        if source is not None:  # (downloaded already: sliced, no request, no budget used)
+            blocks = [bytes(source[start:end]) for start, end in ranges]
+            if any(len(block) != end - start for block, (start, end) in zip(
+                    blocks, ranges, strict=True)):
+                raise ShardCorruptError(f"{url}: its downloaded bytes ({len(source)}) end "
+                                        "before a part its index or footer lists")
+            if verify is not None:
+                verify(blocks)
+            return blocks
         try:
             blocks = self.fetcher.fetch_ranges(url, ranges, verify=verify)
         except FetchError as error:

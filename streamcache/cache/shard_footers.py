@@ -122,9 +122,10 @@ def open_pieces(footer: Footer, size: int, pieces: list[tuple[int, bytes]], url:
 
 
 def decode_unit(file: Any, footer: Footer, unit: int, url: str, stored: Schema,
-                schema: Schema) -> pa.RecordBatch:
+                schema: Schema, *, digest: bool = True) -> pa.RecordBatch:
     """Chunk ``unit`` from an open Arrow IPC file or ParquetFile (of the fields
-    ``stored``), checked, as a batch of the fields ``schema``."""
+    ``stored``), checked, as a batch of the fields ``schema``. ``digest=False``: a chunk of
+    an object whose every byte was verified already (its checksum) is not hashed again."""
     expected = int(footer.starts[unit + 1] - footer.starts[unit])
     try:
         if footer.digests is not None:
@@ -145,7 +146,7 @@ def decode_unit(file: Any, footer: Footer, unit: int, url: str, stored: Schema,
                if footer.digests is not None or f.name in schema.names]
     if footer.digests is not None:
         full = pa.RecordBatch.from_arrays(columns, schema=stored.arrow_schema())
-        if chunk_digest(full, stored) != footer.digests[unit]:
+        if digest and chunk_digest(full, stored) != footer.digests[unit]:
             raise ChecksumMismatchError(
                 f"{url}: chunk {unit} does not match its digest in the footer; the bytes "
                 "are corrupt or the object was rewritten after indexing")

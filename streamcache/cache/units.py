@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, overload
 
 import numpy as np
@@ -129,17 +129,19 @@ class UnitCache(NodeCache):
         self._ranges = RangeReader(index, self.fetcher)
         self._range_lock = threading.Lock()
 
-    def _download(self, shard: int) -> tuple[str, int]:
+    def _download(self, shard: int, downloaded: Callable[[bytes], None] | None = None,
+                  ) -> tuple[str, int]:
         """Fetch unit ``shard`` into this process's temporaries in the local layout: a whole
-        shard as any shard, a part of one by range (its chunks, verified)."""
+        shard as any shard, a part of one by range (its chunks, verified). (``downloaded`` is
+        not told: a unit's id is not its shard's, so its bytes are not offered to readers.)"""
         if self.layout.is_whole(shard):
-            staged, downloaded = super()._download(shard)
+            staged, nbytes = super()._download(shard)
             try:  # (a shard stored uncompressed is not rewritten on install: stamped here)
                 restamp(staged, self.copy_of(shard), durable=self.durable)
             except BaseException:
                 remove_quietly(staged)
                 raise
-            return staged, downloaded
+            return staged, nbytes
         real, first, rows = self.layout.span(shard)
         staged = os.path.join(self._tmp_dir(), f"{shard:06d}.arrow")
         before = self._ranges.stats.bytes

@@ -22,7 +22,8 @@ chunks that hold them, into memory, installing nothing):
   shard is read so while its range-read bytes, the read included, stay within 1/16 of its
   size (``ranges.COLD_BUDGET``, the node's: split among its reading processes), else
   awaited: the cold start never costs more than 1.0625 times the whole-shard path's
-  transfer, and rows dense in a shard wait for its install.
+  transfer, and rows dense in a shard wait for its install (the first steps' rows are taken
+  from a compressed shard's downloaded bytes while the install decodes them).
 
 Either way the rows are the same canonical arrays, gathered by the same native gather: a
 batch is identical cold, warm, or read by range.
@@ -35,7 +36,6 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -51,6 +51,7 @@ from ..cache.ranges import RangeReader, RangeStats
 from ..errors import RowOutOfRangeError, ShardNotFoundError, StreamcacheError
 from ..format.index import DatasetIndex, load_index
 from ..format.reader import Ragged, ShardReader, batch_shards, first_row, gather
+from ..processes import node_readers
 from ..remote.fetch import Fetcher
 from ..remote.options import FetchOptions
 from ..remote.retry import FetchError
@@ -58,30 +59,8 @@ from ..remote.retry import FetchError
 #: Steps of a cold start read by range whatever their density (ranges.COLD_BUDGET applies
 #: afterwards), with the store's downloads held back meanwhile.
 COLD_START_STEPS = 2
-#: The most reading processes :func:`node_readers` counts on a node.
-MAX_NODE_READERS = 1024
 #: How often a reader looks whether the files it maps were evicted by another process.
 SWEEP_S = 2.0
-
-
-def node_readers() -> int:
-    """The reading processes of this node, as far as this process can tell: torchrun's
-    ``LOCAL_WORLD_SIZE`` (ranks of the node; 1 when unset or not a positive integer, at most
-    :data:`MAX_NODE_READERS`) times the DataLoader worker processes of this rank when this
-    is one. Each has its own range reader; the node's later cold budget
-    (``ranges.COLD_BUDGET``) is split among them (one download per node makes their range
-    reads redundant alike)."""
-    ranks = os.environ.get("LOCAL_WORLD_SIZE", "")
-    count = int(ranks) if ranks.isdigit() and 0 < int(ranks) <= MAX_NODE_READERS else 1
-    workers = _worker_count()
-    return max(1, min(MAX_NODE_READERS, count * workers))
-
-
-def _worker_count() -> int:
-    """Worker processes of this rank's DataLoader when this is one of them, else 1."""
-    utils = sys.modules.get("torch.utils.data")  # (never imports torch)
-    info = utils.get_worker_info() if utils is not None else None
-    return max(1, int(getattr(info, "num_workers", 1) or 1))
 
 
 class ShardStore(Protocol):
@@ -363,11 +342,31 @@ class DatasetReader:
                     raise
                 else:
                     raise self._gone(int(unique[k])) from error
-            if result is None:  # too dense in its shard for a cold read: await the install
+            if result is None and starting:  # too dense for a cold read: the first steps
+                # take the rows from the download while the install decodes it
+                result = self._from_download(int(unique[k]), rows[which == k])
+            if result is None:
                 found[k] = self.shard_reader(int(unique[k]))
             else:
                 found[k], rows[which == k] = result
         return [r for r in found if r is not None], rows
+
+    def _from_download(self, shard: int, rows: np.ndarray,
+                       ) -> tuple[ShardReader, np.ndarray] | None:
+        """Rows of ``shard`` from its downloaded bytes while this process's install decodes
+        them (a compressed shard takes longer to decode than to download), or None: the
+        store does not offer them (installed already, too large to be held in memory, being
+        installed by another process), and the caller awaits the install."""
+        downloaded = getattr(self.store, "downloaded", None)
+        if downloaded is None:
+            return None
+        data = downloaded(shard)
+        if data is None:
+            return None
+        try:
+            return self.range_reader().read_rows(shard, rows, source=data)
+        except (FetchError, StreamcacheError):
+            return None  # (a shortcut: the install verifies and raises its own error)
 
     def _ranged(self, unique: np.ndarray, starting: bool = False,
                 ) -> tuple[np.ndarray, np.ndarray] | None:

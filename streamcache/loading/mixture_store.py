@@ -124,9 +124,9 @@ class MixtureCache:
         cache, local = self._route(shard)
         return cache.lookup(local)
 
-    def install(self, shard: int) -> int:
+    def install(self, shard: int, downloaded: Callable[[bytes], None] | None = None) -> int:
         cache, local = self._route(shard)
-        return cache.install(local)
+        return cache.install(local, downloaded)
 
     def local_path(self, shard: int) -> str:
         cache, local = self._route(shard)
