@@ -27,6 +27,7 @@ from streamcache import (
     Source,
     StreamDataset,
     load_index,
+    processes,
     write_dataset,
 )
 from streamcache.cache import prefetch, ranges
@@ -614,7 +615,7 @@ def test_a_readers_budget_share_scales_its_cold_budgets(
 def test_the_node_readers_come_from_torchruns_local_world_size(
         monkeypatch: pytest.MonkeyPatch, value: str, expected: int) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
-    assert dataset_reader.node_readers() == expected
+    assert processes.node_readers() == expected
 
 
 def test_a_dataset_readers_range_reader_takes_its_share(
@@ -627,7 +628,7 @@ def test_a_dataset_readers_range_reader_takes_its_share(
 
 class _Readers(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     def __iter__(self) -> Any:
-        yield dataset_reader.node_readers()
+        yield processes.node_readers()
 
 
 def test_a_dataloader_worker_counts_its_rank_s_workers(monkeypatch: pytest.MonkeyPatch) -> None:

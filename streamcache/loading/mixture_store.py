@@ -199,21 +199,22 @@ class MixtureReader:
                         for index, schema, base, storage in zip(
                             indexes, schemas, self.base, storage_options, strict=True)]
 
-    def read_located(self, shards: np.ndarray, rows: np.ndarray,
+    def read_located(self, shards: np.ndarray, rows: np.ndarray, *, first: bool = False,
                      ) -> dict[str, np.ndarray | Ragged]:
         """Rows ``rows[i]`` of combined shards ``shards[i]`` as batch arrays: each source's
         reader provides its shards' readers (local copies, or rows read by range), and one
-        gather reads them all."""
+        gather reads them all (``first`` is DatasetReader's hint; a source's shards are not
+        offered from downloads)."""
         unique, which = np.unique(shards, return_inverse=True)
         which = which.astype(np.int32)
         rows = np.array(rows, dtype=np.int64)
         source = np.searchsorted(self.base, unique, side="right") - 1
         readers: list[ShardReader] = []
         for s in np.unique(source).tolist():
-            first, stop = (int(i) for i in np.searchsorted(source, [s, s + 1]))
-            in_source = (which >= first) & (which < stop)  # unique is sorted: one run a source
+            start, stop = (int(i) for i in np.searchsorted(source, [s, s + 1]))
+            in_source = (which >= start) & (which < stop)  # unique is sorted: one run a source
             found, rows[in_source] = self.readers[s].batch_readers(
-                unique[first:stop] - self.base[s], which[in_source] - first, rows[in_source])
+                unique[start:stop] - self.base[s], which[in_source] - start, rows[in_source])
             readers.extend(found)
         return gather(readers, which, rows, list(self.schema))
 

@@ -102,9 +102,10 @@ class NodeReader:
         self._opener: ThreadPoolExecutor | None = None
         self._opener_pid = -1
 
-    def read_located(self, shards: np.ndarray, rows: np.ndarray,
+    def read_located(self, shards: np.ndarray, rows: np.ndarray, *, first: bool = False,
                      ) -> dict[str, np.ndarray | Ragged]:
-        """Rows ``rows[i]`` of shards ``shards[i]`` (index order) as batch arrays."""
+        """Rows ``rows[i]`` of shards ``shards[i]`` (index order) as batch arrays (``first``
+        is DatasetReader's hint; a node's units are not offered from downloads)."""
         shards = np.asarray(shards, dtype=np.int64)
         rows = np.asarray(rows, dtype=np.int64)
         units, local = self.units_of(shards, rows)

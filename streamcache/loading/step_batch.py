@@ -46,7 +46,8 @@ def read_arrays(options: StreamOptions, tail: TailPolicy, feed: ShardFeed | Mixt
     """This rank's raw arrays of one step (no transform). Safe from any thread."""
     with gathering(options.ragged, transform=options.transform is not None,
                    batch_transform=options.batch_transform is not None):
-        arrays: dict[str, Any] = dict(reader.read_located(part.shards, part.rows))
+        arrays: dict[str, Any] = dict(reader.read_located(part.shards, part.rows,
+                                                          first=part.step == 0))
     arrays.update(feed.batch_keys(part.sample_ids))
     if tail is TailPolicy.PAD:
         arrays[PADDING_KEY] = part.is_padding
