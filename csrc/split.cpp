@@ -17,6 +17,36 @@ Status invalid(int64_t at, std::string message) {
   return Status::Error(StatusCode::kInvalid, at, std::move(message));
 }
 
+// A slot whose entry in the value tables is not below their size (kInvalid, item: the slot).
+Status bad_entry(size_t slot, int64_t entry, size_t values) {
+  return invalid(static_cast<int64_t>(slot), "slot " + std::to_string(slot) + "'s entry " +
+                                                 std::to_string(entry) + " is not below " +
+                                                 std::to_string(values));
+}
+
+// A step whose surpluses do not sum to 0 (kInvalid, item: the step), else Ok.
+Status unbalanced(const int64_t* need, size_t count, size_t step) {
+  int64_t sum = 0;
+  for (size_t n = 0; n < count; ++n) sum += need[n];
+  if (sum == 0) return Status::Ok();
+  return invalid(static_cast<int64_t>(step), "step " + std::to_string(step) +
+                                                 "'s surpluses sum to " + std::to_string(sum) +
+                                                 ", not 0");
+}
+
+// The first node of a step with fewer candidates (have) than its surplus (need), else Ok.
+Status too_few(const std::vector<int64_t>& have, const int64_t* need, size_t step) {
+  for (size_t n = 0; n < have.size(); ++n) {
+    if (have[n] < need[n]) {
+      return invalid(static_cast<int64_t>(step),
+                     "node " + std::to_string(n) + " has a surplus of " +
+                         std::to_string(need[n]) + " in step " + std::to_string(step) +
+                         " but only " + std::to_string(have[n]) + " candidates");
+    }
+  }
+  return Status::Ok();
+}
+
 // Every check of paid_moves, before it writes anything.
 Status check(const int64_t* nodes, size_t steps, size_t width, size_t count,
              const int64_t* candidate, size_t m, const int64_t* surplus, int priority_bits) {
@@ -31,13 +61,8 @@ Status check(const int64_t* nodes, size_t steps, size_t width, size_t count,
   size_t j = 0;
   for (size_t s = 0; s < steps; ++s) {
     const int64_t* need = surplus + s * count;
-    int64_t sum = 0;
-    for (size_t n = 0; n < count; ++n) sum += need[n];
-    if (sum != 0) {
-      return invalid(static_cast<int64_t>(s),
-                     "step " + std::to_string(s) + "'s surpluses sum to " +
-                         std::to_string(sum) + ", not 0");
-    }
+    Status sums = unbalanced(need, count, s);
+    if (!sums.ok()) return sums;
     std::fill(have.begin(), have.end(), 0);
     const int64_t end = static_cast<int64_t>((s + 1) * width);
     for (; j < m && candidate[j] < end; ++j) {
@@ -52,14 +77,8 @@ Status check(const int64_t* nodes, size_t steps, size_t width, size_t count,
       }
       ++have[static_cast<size_t>(owner)];
     }
-    for (size_t n = 0; n < count; ++n) {
-      if (have[n] < need[n]) {
-        return invalid(static_cast<int64_t>(s),
-                       "node " + std::to_string(n) + " has a surplus of " +
-                           std::to_string(need[n]) + " in step " + std::to_string(s) +
-                           " but only " + std::to_string(have[n]) + " candidates");
-      }
-    }
+    Status few = too_few(have, need, s);
+    if (!few.ok()) return few;
   }
   if (j < m) {
     return invalid(static_cast<int64_t>(j), "a candidate slot is not below steps * width (" +
@@ -193,13 +212,8 @@ Status release_problem(const int64_t* nodes, size_t steps, size_t width, size_t 
   std::vector<int64_t> have(count);
   for (size_t step = 0; step < steps; ++step) {
     const int64_t* need = surplus + step * count;
-    int64_t sum = 0;
-    for (size_t n = 0; n < count; ++n) sum += need[n];
-    if (sum != 0) {
-      return invalid(static_cast<int64_t>(step), "step " + std::to_string(step) +
-                                                     "'s surpluses sum to " +
-                                                     std::to_string(sum) + ", not 0");
-    }
+    Status sums = unbalanced(need, count, step);
+    if (!sums.ok()) return sums;
     std::fill(have.begin(), have.end(), 0);
     for (size_t i = step * width; i < (step + 1) * width; ++i) {
       const int64_t node = nodes[i];
@@ -212,9 +226,7 @@ Status release_problem(const int64_t* nodes, size_t steps, size_t width, size_t 
       ++have[static_cast<size_t>(node)];
       const int64_t v = at[i];
       if (v < 0 || static_cast<uint64_t>(v) >= values) {
-        return invalid(static_cast<int64_t>(i), "slot " + std::to_string(i) + "'s entry " +
-                                                    std::to_string(v) + " is not below " +
-                                                    std::to_string(values));
+        return bad_entry(i, v, values);
       }
       if (rows[i] < 0 || key_rows[v] < 1) {
         return invalid(static_cast<int64_t>(i),
@@ -223,14 +235,8 @@ Status release_problem(const int64_t* nodes, size_t steps, size_t width, size_t 
                            " is out of range (row >= 0, key rows >= 1)");
       }
     }
-    for (size_t n = 0; n < count; ++n) {
-      if (have[n] < need[n]) {
-        return invalid(static_cast<int64_t>(step),
-                       "node " + std::to_string(n) + " has a surplus of " +
-                           std::to_string(need[n]) + " in step " + std::to_string(step) +
-                           " but only " + std::to_string(have[n]) + " candidates");
-      }
-    }
+    Status few = too_few(have, need, step);
+    if (!few.ok()) return few;
   }
   return Status::Error(StatusCode::kInternal, -1, "release_moves: a check failed unexplained");
 }
@@ -254,9 +260,7 @@ Status owner_nodes(const int64_t* at, const int64_t* rows, size_t total, const i
     for (size_t i = step * width; i < (step + 1) * width; ++i) {
       const int64_t v = at[i];
       if (v < 0 || static_cast<uint64_t>(v) >= values) {
-        return invalid(static_cast<int64_t>(i), "slot " + std::to_string(i) + "'s entry " +
-                                                    std::to_string(v) + " is not below " +
-                                                    std::to_string(values));
+        return bad_entry(i, v, values);
       }
       const int64_t row = rows[i], size = piece_rows[v], offset = offsets[v];
       if (row < 0) {
