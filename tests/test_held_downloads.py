@@ -103,6 +103,22 @@ def test_short_downloaded_bytes_are_refused(dataset: Path, cut: int) -> None:
         reader.close()
 
 
+def test_bytes_of_a_shard_that_is_not_chunked_are_refused(dataset: Path) -> None:
+    """Only a chunked shard's chunks are decoded alone; the reader never turns such a call
+    into a request of its own (a second download of the object)."""
+    index, data = _stored(dataset)
+    whole = dataclasses.replace(index, shards=[dataclasses.replace(
+        index.shards[0], chunk_rows=None, tail_bytes=None, tail_checksum=None)])
+    assert not whole.shards[0].chunked
+    reader = RangeReader(whole, Fetcher(FAST))
+    try:
+        with pytest.raises(ValueError, match="not chunked"):
+            reader.read_rows(0, np.arange(3, dtype=np.int64), source=data)
+        assert reader.stats.requests == 0
+    finally:
+        reader.close()
+
+
 def test_held_downloads_wait_until_offered_or_settled() -> None:
     held = HeldDownloads()
     assert held.wait(3, lambda: True, 0.01) is None  # settled: nothing to wait for

@@ -218,7 +218,8 @@ class RangeReader:
 
         With ``source`` (the shard's whole stored bytes, downloaded and verified against the
         index's size and checksum, e.g. by an install still decoding them), the chunks are
-        sliced from it instead of requested: no request, no cold budget.
+        decoded from it instead of requested: no request, no cold budget (a chunked shard
+        only: ValueError for another).
 
         With ``cold`` (the cold-start rule), None instead when the read would take the
         shard's range-read bytes over :data:`COLD_BUDGET` of its size (its footer is read to
@@ -238,7 +239,10 @@ class RangeReader:
         if rows.size and (rows.min() < 0 or rows.max() >= info.rows):
             raise RowOutOfRangeError(f"rows {rows.min()}..{rows.max()} of shard {shard}: it "
                                      f"has {info.rows}")
-        if source is not None and self.index.shards[shard].chunked and self.addressable(shard):
+        if source is not None:
+            if not info.chunked or info.chunk_rows is None:
+                raise ValueError(f"shard {shard} is not chunked: its rows are not read from "
+                                 "its bytes by chunk")
             return self._by_range(shard, rows, None, source)
         if self.addressable(shard):
             try:

@@ -110,8 +110,8 @@ class ColdReads:
         them, or None where the store does not offer them (installed already, too large to
         hold in memory, installed by another process): the caller awaits the install."""
         downloaded = getattr(self.store, "downloaded", None)
-        if downloaded is None:
-            return None
+        if downloaded is None or not self.index.shards[shard].chunked:
+            return None  # (only a chunked shard's chunks are decoded alone)
         data = downloaded(shard)
         if data is None:
             return None
