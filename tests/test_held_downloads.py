@@ -182,3 +182,29 @@ def test_the_first_batches_come_from_the_download_while_the_install_decodes(
     check_ids(batches)
     ids = np.concatenate([np.asarray(b["__id__"]) for b in batches])
     assert len(ids) == ROWS // 64 * 64 and len(np.unique(ids)) == len(ids)
+
+
+def test_an_install_that_fails_after_its_download_raises_its_error_and_never_hangs(
+        dataset: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The decode fails after the bytes were offered (a shard whose content the install
+    refuses): the first batch may come from the verified bytes, but the loader then raises
+    the install's own error instead of waiting or serving more."""
+
+    def failing_materialize(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.2)  # (the reader takes the first step's rows meanwhile)
+        raise ShardCorruptError("the install refused this shard (test)")
+
+    monkeypatch.setattr(install, "materialize", failing_materialize)
+    with FaultServer(root=dataset.parent) as server:
+        data = StreamDataset(server.url_for("ds"), global_batch_size=64, rank=0,
+                             world_size=1, cache_dir=str(tmp_path / "cache"))
+        batches = []
+        started = time.monotonic()
+        with pytest.raises(ShardCorruptError, match="refused this shard"), \
+                StreamLoader(data) as loader:
+            for batch in loader:
+                batches.append(batch)
+        data.close()
+    assert time.monotonic() - started < 30
+    assert len(batches) <= 1
+    check_ids(batches)
