@@ -206,6 +206,32 @@ def test_a_body_that_is_always_corrupt_raises_checksum_mismatch(
     assert fault_server.requests.count("/obj") == 3
 
 
+@pytest.mark.parametrize("where", ["file", "memory"])
+def test_a_local_object_that_fails_its_checksum_is_not_read_again(
+        tmp_path: Path, where: str) -> None:
+    """Read again, a local (or in-memory) object gives the same bytes: one attempt, then the
+    error at once, without the retries' backoff (a damaged local shard made a cold start wait
+    ~26 s for its error)."""
+    data = payload(6)
+    if where == "file":
+        url = str(tmp_path / "obj")
+        Path(url).write_bytes(data)
+    else:
+        url = f"memory://fetch-local-{os.getpid()}/obj"
+        fsspec.filesystem("memory").pipe(url, data)
+    wrong = checksum_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    slow = fast(retries=3, backoff_initial_s=5.0, backoff_max_s=5.0)
+    started = time.monotonic()
+    with Fetcher(slow) as fetcher, pytest.raises(ChecksumMismatchError) as caught:
+        fetcher.fetch(url, checksum=wrong)
+    assert time.monotonic() - started < 4  # (a retry would have waited 5 s first)
+    assert "[1 attempt]" in str(caught.value) and "does not match" in str(caught.value)
+    with Fetcher(slow) as fetcher, pytest.raises(ChecksumMismatchError):
+        fetcher.fetch_to_file(url, tmp_path / "copy", checksum=wrong)
+    assert not (tmp_path / "copy").exists()
+    assert time.monotonic() - started < 8
+
+
 def test_a_short_body_is_caught_by_the_size_and_names_the_cause(
     fault_server: FaultServer,
 ) -> None:

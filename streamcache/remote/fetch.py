@@ -42,11 +42,13 @@ import fsspec.asyn
 import fsspec.core
 
 from .. import forksafe
+from ..errors import ChecksumMismatchError
 from ..format import checksum as _checksum
+from . import storage
 from .download import _LocalIOError, write_file
 from .options import FetchOptions
 from .retry import _chain, _final_error, _RequestTimeoutError, backoff_delay, is_transient
-from .transfer import Transfers, _ClosedError
+from .transfer import Transfers, _ClosedError, _protocols
 
 T = TypeVar("T")
 
@@ -163,7 +165,8 @@ class Fetcher:
             size: the expected length in bytes. A shorter remote body is retried like a
                 short read; a longer one is refused at once, after reading one byte past
                 ``size``; a local file of another size is refused at once.
-            checksum: the expected ``"xxh64:<16 hex>"``; a mismatch is retried.
+            checksum: the expected ``"xxh64:<16 hex>"``; a mismatch is retried (not for a
+                local or in-memory object: read again, the same bytes fail again).
             max_bytes: the most bytes to accept when ``size`` is not known (an index file);
                 a larger object is refused at once, after reading one byte past the cap.
 
@@ -356,7 +359,7 @@ class Fetcher:
             except Exception as error:
                 if any(isinstance(e, _RequestTimeoutError) for e in _chain(error)):
                     self._count(stalls=1)
-                transient = is_transient(error)
+                transient = is_transient(error) and not self._local_mismatch(url, error)
                 if not transient or number == attempts_allowed:
                     self._count(failures=1)
                     raise _final_error(url, number, error, permanent=not transient) from error
@@ -364,6 +367,15 @@ class Fetcher:
             if self._stopping.wait(backoff_delay(number, self.options, random.random())):
                 raise _ClosedError(f"the Fetcher was closed while retrying {url}")
         raise AssertionError("unreachable")
+
+    def _local_mismatch(self, url: str, error: BaseException) -> bool:
+        """Whether ``error`` is a checksum mismatch of a local file (or an in-memory one):
+        read again, the same bytes fail again, so it is not retried (a remote body may have
+        been damaged on the way; a local file was changed after indexing)."""
+        if not any(isinstance(e, ChecksumMismatchError) for e in _chain(error)):
+            return False
+        fs, _ = self._filesystem(url)
+        return storage.is_local(fs) or "memory" in _protocols(fs)
 
     def _filesystem(self, url: str) -> tuple[Any, str]:
         """This process's filesystem for ``url`` and the path inside it."""
