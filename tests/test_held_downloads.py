@@ -153,6 +153,12 @@ def test_a_forked_child_holds_nothing() -> None:
     assert len(held) == 1
 
 
+def _cold_dataset(server: FaultServer, tmp_path: Path) -> StreamDataset:
+    """The served dataset at the defaults, one rank, batches of 64, an empty cache."""
+    return StreamDataset(server.url_for("ds"), global_batch_size=64, rank=0, world_size=1,
+                         cache_dir=str(tmp_path / "cache"))
+
+
 def test_the_first_batches_come_from_the_download_while_the_install_decodes(
         dataset: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The install's decode is held until the first batch is out: it must come from the
@@ -167,8 +173,7 @@ def test_the_first_batches_come_from_the_download_while_the_install_decodes(
 
     monkeypatch.setattr(install, "materialize", held_materialize)
     with FaultServer(root=dataset.parent) as server:
-        data = StreamDataset(server.url_for("ds"), global_batch_size=64, rank=0,
-                             world_size=1, cache_dir=str(tmp_path / "cache"))
+        data = _cold_dataset(server, tmp_path)
         batches = []
         started = time.monotonic()
         with StreamLoader(data) as loader:
@@ -196,8 +201,7 @@ def test_an_install_that_fails_after_its_download_raises_its_error_and_never_han
 
     monkeypatch.setattr(install, "materialize", failing_materialize)
     with FaultServer(root=dataset.parent) as server:
-        data = StreamDataset(server.url_for("ds"), global_batch_size=64, rank=0,
-                             world_size=1, cache_dir=str(tmp_path / "cache"))
+        data = _cold_dataset(server, tmp_path)
         batches = []
         started = time.monotonic()
         with pytest.raises(ShardCorruptError, match="refused this shard"), \
