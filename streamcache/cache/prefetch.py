@@ -229,10 +229,7 @@ class Prefetcher:
             scheduler.note_hit()
             scheduler.mark_ready(shard)
             return path
-        self.release()  # a reader waits for a download: nothing is held any more
-        self._known_ready.discard(shard)
-        scheduler.forget(shard)  # it may be marked ready but gone: evicted by another process
-        scheduler.submit(shard, URGENT, self._stored_bytes(shard))
+        self._demand(scheduler, shard)
         count = True
         while True:
             code, message = scheduler.wait(shard, self.options.poll_s, count_access=count)
@@ -263,15 +260,20 @@ class Prefetcher:
         with self._lock:
             self._start()
             scheduler = self._scheduler
-        self.release()  # a reader waits for a download: nothing is held any more
-        self._known_ready.discard(shard)
-        scheduler.submit(shard, URGENT, self._stored_bytes(shard))
+        self._demand(scheduler, shard)
 
         def settled() -> bool:
             state = scheduler.state(shard)
             return state in (SHARD_READY, SHARD_FAILED, SHARD_UNKNOWN) or scheduler.stopped()
 
         return self._held.wait(shard, settled, self.options.poll_s)
+
+    def _demand(self, scheduler: Scheduler, shard: int) -> None:
+        """A reader waits for ``shard``: the hold ends and the shard is installed next."""
+        self.release()  # a reader waits for a download: nothing is held any more
+        self._known_ready.discard(shard)
+        scheduler.forget(shard)  # it may be marked ready but gone: evicted by another process
+        scheduler.submit(shard, URGENT, self._stored_bytes(shard))
 
     def hold(self, timeout_s: float | None = None) -> None:
         """Start no new download for a while: a cold reader reads its first steps by range
