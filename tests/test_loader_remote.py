@@ -6,12 +6,19 @@ node, however many loaders (ranks) read it and however many epochs run.
 
 from __future__ import annotations
 
+import pickle
+import threading
+import time
+from typing import Any
+
+import fsspec
 import numpy as np
 import pytest
 from loader_helpers import ids_of
 
 from streamcache import ShardWriter, StreamDataset, StreamLoader
 from streamcache.errors import CacheBudgetError
+from streamcache.remote.options import FetchOptions
 
 
 @pytest.fixture
@@ -84,3 +91,90 @@ def test_cache_limit_at_a_third_of_the_dataset(remote_dataset, s3_bucket, tmp_pa
             seen.append(ids_of(batch))
             assert dataset.reader.store.cache.usage().bytes <= limit
     assert sorted(np.concatenate(seen).tolist()) == list(range(600))
+
+
+def _filesystems_made(monkeypatch) -> list[str]:
+    """The protocols of the private filesystems Fetchers make from now on (one S3 client
+    each)."""
+    made: list[str] = []
+    original = fsspec.core.url_to_fs
+
+    def counting(url: str, **kwargs: Any) -> Any:
+        if kwargs.get("skip_instance_cache"):
+            made.append(url.split("://", 1)[0])
+        return original(url, **kwargs)
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", counting)
+    return made
+
+
+def test_the_index_and_the_first_pass_share_one_client(remote_dataset, s3_bucket, tmp_path,
+                                                       monkeypatch) -> None:
+    """Making an S3 client costs ~0.1 s of a cold start's first batch: the index is read with
+    the Fetcher the first pass then downloads (and reads ranges) with."""
+    made = _filesystems_made(monkeypatch)
+    dataset = StreamDataset(remote_dataset, global_batch_size=50, rank=0, world_size=1,
+                            cache_dir=str(tmp_path / "cache"), shuffle_window=200,
+                            storage_options=s3_bucket.storage_options())
+    with StreamLoader(dataset) as loader:
+        ids = np.concatenate([ids_of(batch) for batch in loader])
+    assert sorted(ids.tolist()) == list(range(600))
+    assert made == ["s3"]
+    # a later pass after close() reads too (the first Fetcher was closed with its cache;
+    # every shard is installed now, so it needs no client at all)
+    dataset.close()
+    with StreamLoader(dataset) as loader:
+        assert sorted(np.concatenate([ids_of(b) for b in loader]).tolist()) == list(range(600))
+    assert made == ["s3"]
+
+
+def test_a_dataset_closed_or_pickled_before_its_first_pass_still_reads(
+        remote_dataset, s3_bucket, tmp_path) -> None:
+    """The index's Fetcher is not pickled (a worker process makes its own) and is closed
+    with a dataset that never read; either dataset then reads every sample."""
+    dataset = StreamDataset(remote_dataset, global_batch_size=50, rank=0, world_size=1,
+                            cache_dir=str(tmp_path / "cache"), shuffle_window=200,
+                            storage_options=s3_bucket.storage_options())
+    copy = pickle.loads(pickle.dumps(dataset))
+    dataset.close()
+    for each in (dataset, copy):
+        with StreamLoader(each) as loader:
+            ids = np.concatenate([ids_of(batch) for batch in loader])
+        assert sorted(ids.tolist()) == list(range(600))
+
+
+def test_closing_the_dataset_ends_a_stalled_first_download_at_once(
+        remote_dataset, s3_bucket, s3_fault_proxy, tmp_path) -> None:
+    """The Fetcher the index was read with belongs to the first pass's cache from then on:
+    closing the dataset cancels that cache's stalled requests, and nothing asks again (a
+    Fetcher nobody closed would time the stalls out after ``timeout_s`` and retry them)."""
+    dataset = StreamDataset(remote_dataset, global_batch_size=50, rank=0, world_size=1,
+                            cache_dir=str(tmp_path / "cache"), shuffle_window=200,
+                            fetch=FetchOptions(timeout_s=0.5, backoff_initial_s=0.1),
+                            storage_options=s3_bucket.storage_options(via=s3_fault_proxy.url))
+    s3_fault_proxy.faults.configure(rate=1.0, kinds=["stall"], delay_s=60.0)
+    outcome: list[BaseException | None] = []
+
+    def first_batch() -> None:
+        try:
+            next(iter(StreamLoader(dataset)))
+            outcome.append(None)
+        except BaseException as error:  # (what the loop would see)
+            outcome.append(error)
+
+    reader = threading.Thread(target=first_batch, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while not s3_fault_proxy.faults.injected["stall"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert s3_fault_proxy.faults.injected["stall"], "no request reached the server"
+    started = time.monotonic()
+    dataset.close()
+    reader.join(10)
+    assert not reader.is_alive(), "the first batch still waits on a stalled request"
+    assert time.monotonic() - started < 5
+    assert outcome and isinstance(outcome[0], Exception), outcome
+    asked = s3_fault_proxy.requests.count()
+    time.sleep(2.0)  # four stall timeouts: a request still owned by nobody would be retried
+    assert s3_fault_proxy.requests.count() == asked
+    s3_fault_proxy.faults.clear()

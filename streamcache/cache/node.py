@@ -84,6 +84,9 @@ class NodeCache(Installer, CopyLookup):
             window); default: the largest shard. A smaller ``cache_limit`` is refused.
         fetcher: the :class:`Fetcher` to download with (default: one made from
             ``fetch_options`` and ``storage_options``, closed with the cache).
+        owns_fetcher: close ``fetcher`` with the cache (it is handed over: a dataset that
+            read its index with it passes it to its first cache). A Fetcher the cache made
+            is always its own.
         storage_options: fsspec options of the dataset's filesystem (replace those of
             ``fetch_options``).
         durable: fsync installed shards and the directory, so a power loss cannot leave a
@@ -107,14 +110,15 @@ class NodeCache(Installer, CopyLookup):
                  working_set_bytes: int | None = None, fetcher: Fetcher | None = None,
                  fetch_options: FetchOptions | None = None,
                  storage_options: Mapping[str, Any] | None = None, durable: bool = True,
-                 verify_in_place: bool = True, read_in_place: bool = True) -> None:
+                 verify_in_place: bool = True, read_in_place: bool = True,
+                 owns_fetcher: bool = False) -> None:
         self.index = index
         self.read_in_place = read_in_place
         self.cache_dir = os.path.abspath(cache_dir)
         self.cache_limit = cache_limit
         self.durable = durable
         self.verify_in_place = verify_in_place
-        self._own_fetcher = fetcher is None
+        self._own_fetcher = fetcher is None or owns_fetcher
         options = fetch_options or FetchOptions()
         if storage_options is not None:
             options = replace(options, storage_options=dict(storage_options))

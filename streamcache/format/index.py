@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -58,6 +58,9 @@ from .schema import Schema
 from .shard_entry import SHARD_FORMATS, ShardInfo
 from .shard_paths import check_same_filesystem, check_shard_paths, local_escape
 from .shard_table import ShardTable
+
+if TYPE_CHECKING:
+    from ..remote.fetch import Fetcher
 
 INDEX_NAME = "index.json"
 MAX_INDEX_BYTES = 256 << 20  # index.json; a larger shard table belongs in a side file
@@ -210,7 +213,7 @@ def parse_index(raw: bytes, url: str, *, allow_external_paths: bool = False,
 
 def load_index(url: str, storage_options: Mapping[str, Any] | None = None, *,
                allow_external_paths: bool = False, fetch: FetchOptions | None = None,
-               table_cache: str | None = None) -> DatasetIndex:
+               table_cache: str | None = None, fetcher: Fetcher | None = None) -> DatasetIndex:
     """Load a dataset's index from a folder URL or an index.json URL.
 
     ``allow_external_paths``: see
@@ -218,13 +221,14 @@ def load_index(url: str, storage_options: Mapping[str, Any] | None = None, *,
     and retries of the reads (see :class:`~streamcache.remote.options.FetchOptions`); a read that
     fails raises :class:`~streamcache.remote.retry.FetchError` naming the URL.
     ``table_cache``: see :func:`parse_index` (a :class:`~streamcache.StreamDataset` passes
-    its ``cache_dir``).
+    its ``cache_dir``). ``fetcher``: read with this :class:`~streamcache.remote.fetch.Fetcher`
+    (left open; ``fetch`` and ``storage_options`` are then its own, see ``read_capped``).
     """
     target = index_url(url)
     fs, path = storage.filesystem(target, storage_options)
     try:
         raw = fetch_capped(storage.unstrip(fs, path), MAX_INDEX_BYTES,
-                           options=fetch, storage_options=storage_options)
+                           options=fetch, storage_options=storage_options, fetcher=fetcher)
     except FileNotFoundError:
         raise IndexNotFoundError(
             f"no {INDEX_NAME} at {target}: write the dataset with ShardWriter / "
@@ -234,7 +238,8 @@ def load_index(url: str, storage_options: Mapping[str, Any] | None = None, *,
 
     def read(side_url: str, limit: int) -> bytes:
         try:
-            return fetch_capped(side_url, limit, options=fetch, storage_options=storage_options)
+            return fetch_capped(side_url, limit, options=fetch, storage_options=storage_options,
+                                fetcher=fetcher)
         except FileNotFoundError:
             raise IndexFormatError(f"{side_url}, the shard table of {target}, is missing: "
                                    "rebuild the index") from None

@@ -34,7 +34,7 @@ from ..plan.shuffle import DEFAULT_WINDOW
 from ..remote.options import FetchOptions
 from . import step_batch
 from .dataset_reader import DatasetReader
-from .feed import ShardFeed, default_cache_dir
+from .feed import ShardFeed, dataset_fetcher, default_cache_dir
 from .mixture import MixtureFeed
 from .mixture_store import MixtureReader
 from .node_reader import NodeReader
@@ -196,12 +196,20 @@ class StreamDataset(IterableDataset):
         if isinstance(url, os.PathLike):  # a local folder as a pathlib.Path
             url = os.fspath(url)
         if isinstance(url, (str, DatasetIndex)):
-            self.index = url if isinstance(url, DatasetIndex) else load_index(
-                url, opts.storage_options, allow_external_paths=opts.allow_external_paths,
-                fetch=opts.fetch, table_cache=default_cache_dir(opts.cache_dir),
-            )
-            self.schema = self.index.schema.select(opts.fields)
-            self._feed = ShardFeed(self.index, self.schema.names, opts, self.shuffle)
+            # one Fetcher reads the index, then this process's first cache downloads with it
+            fetcher = None if isinstance(url, DatasetIndex) else dataset_fetcher(opts)
+            try:
+                self.index = url if isinstance(url, DatasetIndex) else load_index(
+                    url, opts.storage_options, allow_external_paths=opts.allow_external_paths,
+                    fetch=opts.fetch, table_cache=default_cache_dir(opts.cache_dir),
+                    fetcher=fetcher)
+                self.schema = self.index.schema.select(opts.fields)
+                self._feed = ShardFeed(self.index, self.schema.names, opts, self.shuffle,
+                                       fetcher=fetcher)
+            except BaseException:
+                if fetcher is not None:
+                    fetcher.close()
+                raise
         else:  # a mixture: its sources' indexes, and transforms of their own, are its feed's
             self._feed = MixtureFeed(url, opts, self.shuffle)
             self.schema = self._feed.schema

@@ -22,6 +22,8 @@ from ..errors import CacheBudgetError
 from ..format.index import DatasetIndex
 from ..plan import Cursor, EpochOrder, ShuffleOptions
 from ..plan.units import UnitLayout
+from ..remote.fetch import Fetcher
+from ..remote.options import FetchOptions
 from .batching import ID_KEY
 from .dataset_reader import DatasetReader, ShardStore
 from .node_reader import NodeReader, node_reader
@@ -157,15 +159,19 @@ class ShardFeed(FeedBase):
     """
 
     def __init__(self, index: DatasetIndex, fields: Sequence[str], options: StreamOptions,
-                 shuffle: ShuffleOptions) -> None:
+                 shuffle: ShuffleOptions, fetcher: Fetcher | None = None) -> None:
+        """``fetcher``: the one the index was read with (:func:`dataset_fetcher`), handed to
+        this process's first cache, so that its client and connections are not made twice."""
         self.index = index
         self.fields = fields
         self.options = options
         self.shuffle = shuffle
         self.locality: NodeLocality | None = None  # this rank's node, set when a pass starts
         self._forget()
+        self._fetcher = fetcher  # (_forget: None after unpickling)
 
     _PICKLED = ("index", "fields", "options", "shuffle", "locality")
+    _fetcher: Fetcher | None
 
     def _forget(self) -> None:
         self._lock = threading.RLock()  # the reader is built under it
@@ -176,6 +182,14 @@ class ShardFeed(FeedBase):
         self._layouts: dict[int, UnitLayout] = {}
         self._reader: DatasetReader | NodeReader | None = None
         self._reader_pid = -1
+        self._fetcher = None  # not handed to a cache yet (never pickled)
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            fetcher, self._fetcher = self._fetcher, None
+        if fetcher is not None:
+            fetcher.close()
 
     def start_cursor(self) -> Cursor:
         return Cursor(self.index.fingerprint, self.index.num_samples, self.options.seed,
@@ -293,10 +307,19 @@ class ShardFeed(FeedBase):
         opts = self.options
         folder = default_cache_dir(opts.cache_dir)
         working_set = self.working_set_bytes() if opts.cache_limit is not None else None
-        cache = NodeCache(self.index, folder, cache_limit=opts.cache_limit,
-                          working_set_bytes=working_set, fetch_options=opts.fetch,
-                          storage_options=opts.storage_options,
-                          read_in_place=opts.local_data == "in_place")
+        fetcher, self._fetcher = self._fetcher, None  # (the caller holds the lock)
+        if fetcher is not None and fetcher.closed:
+            fetcher = None
+        try:
+            cache = NodeCache(self.index, folder, cache_limit=opts.cache_limit,
+                              working_set_bytes=working_set, fetcher=fetcher,
+                              owns_fetcher=True, fetch_options=opts.fetch,
+                              storage_options=opts.storage_options,
+                              read_in_place=opts.local_data == "in_place")
+        except BaseException:
+            if fetcher is not None:
+                fetcher.close()
+            raise
         return self._prefetcher(cache, cursor)
 
 
@@ -326,6 +349,15 @@ def advise_store(store: Prefetcher, advice: ShardAdvice, prefetch: PrefetchOptio
         store.update(shards, next_use)
         return key
     return advised
+
+
+def dataset_fetcher(options: StreamOptions) -> Fetcher:
+    """The Fetcher a dataset reads its index with and its first cache downloads with: the
+    options a :class:`NodeCache` would make its own from."""
+    fetch = options.fetch or FetchOptions()
+    if options.storage_options is not None:
+        fetch = dataclasses.replace(fetch, storage_options=dict(options.storage_options))
+    return Fetcher(fetch)
 
 
 def default_cache_dir(cache_dir: str | os.PathLike[str] | None) -> str:

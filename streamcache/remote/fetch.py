@@ -151,6 +151,11 @@ class Fetcher:
     # ------------------------------------------------------------------------ public API
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._stopping.is_set()
+
+    @property
     def stats(self) -> FetchStats:
         """A consistent snapshot of the counters."""
         with self._lock:
