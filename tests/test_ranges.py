@@ -492,6 +492,8 @@ def test_a_cold_shard_is_read_by_range_within_its_budget_then_installed(
             same(reader.read_batch(ids), warm.read_batch(ids))
             if reader.range_stats.bytes == before:  # not read by range: installed for it
                 break
+        # (read from the install's finished file: published once it is on disk)
+        assert reader.store.local_path(0) == cache.shard_path(0)
         assert cache.stats.installs == 1 and reader.range_stats.whole == 0
         assert reader.range_stats.chunks >= 1 and before <= 0.25 * info.bytes
 

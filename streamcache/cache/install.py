@@ -8,9 +8,11 @@ again (faults.py). The caller holds the shard's install lock (node.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CacheBudgetError, CacheError
@@ -49,16 +51,19 @@ class Installer(Accounting):
     _shard_dir: str
     _actual_bytes: dict[int, int]
     _confirmed: set[int]
+    _finish_changed: threading.Condition  # (per process: NodeCache._reset_process_state)
+    _finish_count: int
 
     if TYPE_CHECKING:  # the cache's public methods, defined in node.py
         def shard_path(self, shard: int) -> str: ...
         def estimated_bytes(self, shard: int) -> int: ...
 
     def _install_with_room(self, shard: int,
-                           downloaded: Callable[[bytes], None] | None = None) -> int:
+                           downloaded: Callable[[bytes], None] | None = None,
+                           finished: Callable[[str | None], None] | None = None) -> int:
         """Download, materialize and publish ``shard`` (shard lock held); returns the bytes
         downloaded. Makes room first; on a full disk evicts more and tries again.
-        ``downloaded``: see :meth:`NodeCache.install`."""
+        ``downloaded``, ``finished``: see :meth:`NodeCache.install`."""
         info = self.index.shards[shard]
         url = self.index.shard_url(shard)
         if self.cache_limit is not None:
@@ -73,7 +78,9 @@ class Installer(Accounting):
             try:
                 staged, nbytes = self._download(shard, downloaded)
                 try:
-                    self._publish(shard, staged, identity)
+                    with self._finishing():  # (close() lets a reader's file be published)
+                        self._make_durable(staged, finished)
+                        self._publish(shard, staged, identity)
                 finally:
                     remove_quietly(staged)
                 return nbytes
@@ -88,10 +95,42 @@ class Installer(Accounting):
     def _disk_full_error(self, shard: int, needed: int) -> CacheError:
         return disk_full_error(self.cache_dir, shard, needed, self._accounted_bytes())
 
+    @contextlib.contextmanager
+    def _finishing(self) -> Iterator[None]:
+        """An install past its download: fsync and publish, which :meth:`_await_finishing`
+        waits for (a reader may be reading the file already)."""
+        with self._finish_changed:
+            self._finish_count += 1
+        try:
+            yield
+        finally:
+            with self._finish_changed:
+                self._finish_count -= 1
+                self._finish_changed.notify_all()
+
+    def _await_finishing(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until no install of this process is finishing."""
+        with self._finish_changed:
+            self._finish_changed.wait_for(lambda: self._finish_count == 0, timeout_s)
+
+    def _make_durable(self, staged: str,
+                      finished: Callable[[str | None], None] | None) -> None:
+        """fsync the finished file ``staged`` (where ``durable``) before it is published,
+        offering it to ``finished`` meanwhile (withdrawn before the rename)."""
+        if finished is not None:
+            finished(staged)
+        try:
+            if self.durable:
+                storage.fsync_file(staged)
+        finally:
+            if finished is not None:
+                finished(None)
+
     def _download(self, shard: int, downloaded: Callable[[bytes], None] | None = None,
                   ) -> tuple[str, int]:
-        """Fetch and materialize ``shard`` into this process's temporaries: (file, bytes);
-        ``downloaded`` is told the stored bytes when they are held in memory."""
+        """Fetch and materialize ``shard`` into this process's temporaries: (file, bytes),
+        not yet fsynced (:meth:`_make_durable`); ``downloaded`` is told the stored bytes when
+        they are held in memory."""
         info = self.index.shards[shard]
         url = self.index.shard_url(shard)
         tmp = self._tmp_dir()
@@ -103,18 +142,18 @@ class Installer(Accounting):
             if downloaded is not None:
                 downloaded(data)
             materialize(data, info.format, self.index.schema, staged, where=url,
-                        expected_rows=info.rows, durable=self.durable)
+                        expected_rows=info.rows)
             return staged, len(data)
         try:
             nbytes = self.fetcher.fetch_to_file(url, download, size=info.bytes,
-                                                checksum=info.checksum)
+                                                checksum=info.checksum, durable=False)
             # (a compressed shard is never in the layout; checking would decompress it once more)
             if info.format == "arrow" and info.compression is None and is_mappable_arrow(
                     download, self.index.schema):
                 os.replace(download, staged)  # stored uncompressed already: no decode
             else:
                 materialize(download, info.format, self.index.schema, staged, where=url,
-                            expected_rows=info.rows, durable=self.durable)
+                            expected_rows=info.rows)
         finally:
             remove_quietly(download)
         return staged, nbytes

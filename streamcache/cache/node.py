@@ -61,6 +61,8 @@ from .install import Installer
 from .ledger import Ledger
 from .temporaries import remove_dead_temporaries
 
+#: The longest :meth:`NodeCache.close` waits for installs that are fsyncing and publishing.
+FINISH_WAIT_S = 10.0
 #: Bytes a local-layout file holds beyond its raw column data (schema, footer, padding).
 LAYOUT_OVERHEAD = 8 << 10
 
@@ -158,6 +160,8 @@ class NodeCache(Installer, CopyLookup):
         self._shard_locks: dict[int, threading.Lock] = {}
         self._book_lock = threading.Lock()
         self._tmp: str | None = None
+        self._finish_changed = threading.Condition(threading.Lock())
+        self._finish_count = 0
 
     # ------------------------------------------------------------------ public API
 
@@ -180,13 +184,17 @@ class NodeCache(Installer, CopyLookup):
         # under another process's pressure): the path is still right, install once more.
         return path if path is not None else self._install_and_path(shard)
 
-    def install(self, shard: int, downloaded: Callable[[bytes], None] | None = None) -> int:
+    def install(self, shard: int, downloaded: Callable[[bytes], None] | None = None,
+                finished: Callable[[str | None], None] | None = None) -> int:
         """Make sure ``shard`` is installed and current; returns the bytes this call
         downloaded (0 when it was installed already, by this process or another, or is read
         in place). ``downloaded`` is called with the shard's stored bytes once they are
         downloaded and verified, before they are decoded, where the install holds them in
         memory (a compressed shard of at most ``install.MEMORY_INSTALL_BYTES``): a reader may
-        take the rows it needs from them meanwhile.
+        take the rows it needs from them meanwhile. ``finished`` is called with the path of
+        the finished local-layout file (this process's temporary: written and checked) while
+        it is fsynced before the rename, then with None before the rename: a reader of this
+        process may map it meanwhile (the same inode as the published file).
 
         Room is made within ``cache_limit`` before the download. A full disk evicts more
         (farthest next use first) and retries. ``cache_dir`` removed meanwhile is made
@@ -204,7 +212,7 @@ class NodeCache(Installer, CopyLookup):
                 if os.path.exists(self.shard_path(shard)) and self._confirm(shard):
                     return 0  # another process installed it while we waited for the lock
                 self._remove_copy(self.shard_path(shard))  # absent, or of an older object
-                fetched = self._install_with_room(shard, downloaded)
+                fetched = self._install_with_room(shard, downloaded, finished)
         except OSError as error:
             if error.errno in NOT_WRITABLE:
                 raise not_writable_error(self.cache_dir, error) from error
@@ -254,12 +262,17 @@ class NodeCache(Installer, CopyLookup):
             return CacheUsage(books.total, len(books.entries), self.cache_limit)
 
     def close(self) -> None:
-        """Release the Fetcher (if the cache made it) and this process's temporaries."""
+        """Release the Fetcher (if the cache made it) and this process's temporaries, once
+        the installs that have finished downloading are published (at most
+        :data:`FINISH_WAIT_S` seconds)."""
         if self._closed:
             return
         self._closed = True
         if self._own_fetcher:
             self.fetcher.close()
+        # an install past its download fsyncs and publishes a file a reader of this process
+        # may have read already: published, the next run need not fetch it again
+        self._await_finishing(FINISH_WAIT_S)
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             with contextlib.suppress(OSError):

@@ -19,13 +19,13 @@ neither the cache nor the prefetcher imports the plan.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import math
 import os
 import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,70 +44,17 @@ from .._native_scheduler import (
     Scheduler,
     SchedulerCounters,
 )
-from ..errors import ConfigError, PrefetchError
+from ..errors import PrefetchError
 from ..remote.fetch import Fetcher
-from ..remote.options import type_problems
 from .downloads import HeldDownloads
 from .node import NodeCache
+from .prefetch_options import DEFAULT_LOOKAHEAD_SHARDS, PrefetchOptions
 from .usage import ShardUsage
 
 #: Priority of a shard a reader is blocked on: ahead of every plan position.
 URGENT = -1
 #: The longest a cold reader may hold the downloads back (:meth:`Prefetcher.hold`).
 HOLD_S = 5.0
-#: Shards a prefetcher keeps ahead beyond the working set, unless told otherwise.
-DEFAULT_LOOKAHEAD_SHARDS = 16
-
-
-@dataclass(frozen=True)
-class PrefetchOptions:
-    """How far ahead and how hard the prefetcher works (``StreamDataset(prefetch=...)``).
-
-    Attributes:
-        workers: download threads per process (each runs one fetch + verify + materialize
-            at a time; >= 1).
-        lookahead_shards: at most this many upcoming shards (the current ones included) are
-            queued, in flight or kept (>= 1). None (default): a :class:`StreamDataset`'s
-            working set (the shards one shuffle window keeps in use) plus 16; 16 for a
-            Prefetcher made without a dataset.
-        lookahead_bytes: at most this many installed bytes of upcoming shards (None: the
-            cache's ``cache_limit``, so prefetching never evicts a shard needed sooner).
-        inflight_bytes: stored bytes downloading at once (one shard always may; >= 1).
-        poll_s: longest single block in native code, so that close() and Ctrl-C are noticed
-            (> 0).
-
-    Raises:
-        ConfigError: a value out of its range (the message names the field).
-    """
-
-    workers: int = 4
-    lookahead_shards: int | None = None
-    lookahead_bytes: int | None = None
-    inflight_bytes: int = 1 << 30
-    poll_s: float = 0.25
-
-    def __post_init__(self) -> None:
-        typed = type_problems(self, integers=("workers", "lookahead_shards", "lookahead_bytes",
-                                              "inflight_bytes"), numbers=("poll_s",),
-                              optional=("lookahead_shards", "lookahead_bytes"))
-        if typed:  # (the ranges below compare numbers: only once the types are right)
-            raise ConfigError(f"invalid PrefetchOptions: {'; '.join(typed)}")
-        problems = [f"{name} must be >= 1, got {value!r}" for name, value in (
-            ("workers", self.workers), ("lookahead_shards", self.lookahead_shards),
-            ("lookahead_bytes", self.lookahead_bytes), ("inflight_bytes", self.inflight_bytes),
-        ) if value is not None and value < 1]
-        if self.poll_s <= 0:
-            problems.append(f"poll_s must be > 0, got {self.poll_s!r}")
-        if problems:
-            raise ConfigError(f"invalid PrefetchOptions: {'; '.join(problems)}")
-
-    def lookahead(self, working_set_shards: int = 0) -> int:
-        """Shards kept ahead: ``lookahead_shards``, else ``working_set_shards + 16``."""
-        if self.lookahead_shards is not None:
-            return self.lookahead_shards
-        return working_set_shards + DEFAULT_LOOKAHEAD_SHARDS
-
-
 #: The prefetcher's counters (hits and misses count ``local_path`` calls): the native
 #: scheduler's snapshot, unchanged.
 PrefetchStats = SchedulerCounters
@@ -134,7 +81,8 @@ class Prefetcher:
         self.cache = cache
         self.options = options or PrefetchOptions()
         self._closed = False
-        self._held = HeldDownloads()
+        self._held: HeldDownloads[bytes] = HeldDownloads()  # stored bytes being decoded
+        self._finished: HeldDownloads[str] = HeldDownloads()  # files being made durable
         self._reset_process_state()
         cache.add_eviction_listener(self._evicted)
         forksafe.register(self)
@@ -158,6 +106,7 @@ class Prefetcher:
         self._errors: dict[int, BaseException] = {}
         self._pid = os.getpid()
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._offer_wait_s = 0.0  # readers' waits for an install's offer (not the scheduler's)
 
     # ------------------------------------------------------------------ policy
 
@@ -221,6 +170,17 @@ class Prefetcher:
             The download's own error (FetchError, ChecksumMismatchError, ...) with its type.
             PrefetchError: the prefetcher was closed while waiting.
         """
+        return self._path(shard, finished=False)
+
+    def readable_path(self, shard: int) -> str:
+        """A file holding the installed shard's bytes, for a reader to map: :meth:`local_path`,
+        or, where this process installs the shard, its finished file (in this process's
+        temporaries) as soon as it is written, while the install fsyncs it before publishing
+        it. The file keeps its inode when published; its path does not (a reader that checks
+        the path finds it gone and opens the installed one). Raises as :meth:`local_path`."""
+        return self._path(shard, finished=True)
+
+    def _path(self, shard: int, *, finished: bool) -> str:
         with self._lock:
             self._start()
             scheduler = self._scheduler
@@ -231,6 +191,13 @@ class Prefetcher:
             return path
         self._demand(scheduler, shard)
         count = True
+        if finished:
+            code, _ = scheduler.wait(shard, 0.0, count_access=True)  # (counts the miss)
+            count = False
+            if code != WAIT_READY:  # this process installs it: its file, once written
+                written = self._offered(self._finished, scheduler, shard)
+                if written is not None:
+                    return written
         while True:
             code, message = scheduler.wait(shard, self.options.poll_s, count_access=count)
             count = False
@@ -261,12 +228,24 @@ class Prefetcher:
             self._start()
             scheduler = self._scheduler
         self._demand(scheduler, shard)
+        return self._offered(self._held, scheduler, shard)
+
+    def _offered(self, offers: HeldDownloads[Any], scheduler: Scheduler, shard: int) -> Any:
+        """What this process's install of ``shard`` offers, once offered; None once the
+        shard is installed, its install failed or nothing installs it. The wait counts in
+        :attr:`stats` ``wait_s``, as the scheduler's waits do."""
 
         def settled() -> bool:
             state = scheduler.state(shard)
             return state in (SHARD_READY, SHARD_FAILED, SHARD_UNKNOWN) or scheduler.stopped()
 
-        return self._held.wait(shard, settled, self.options.poll_s)
+        started = time.perf_counter()
+        try:
+            return offers.wait(shard, settled, self.options.poll_s)
+        finally:
+            waited = time.perf_counter() - started
+            with self._lock:
+                self._offer_wait_s += waited
 
     def _demand(self, scheduler: Scheduler, shard: int) -> None:
         """A reader waits for ``shard``: the hold ends and the shard is installed next."""
@@ -307,7 +286,10 @@ class Prefetcher:
 
     @property
     def stats(self) -> PrefetchStats:
-        return self._scheduler.counters()
+        counters = self._scheduler.counters()
+        with self._lock:
+            offer_wait_s = self._offer_wait_s
+        return dataclasses.replace(counters, wait_s=counters.wait_s + offer_wait_s)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -357,7 +339,10 @@ class Prefetcher:
     def _install(self, shard: int, scheduler: Scheduler) -> None:
         """Install ``shard`` for a download thread and tell the scheduler how it went."""
         try:
-            fetched = self.cache.install(shard, lambda data: self._held.offer(shard, data))
+            fetched = self.cache.install(
+                shard, lambda data: self._held.offer(shard, data),
+                lambda path: self._finished.done(shard) if path is None
+                else self._finished.offer(shard, path))
         except Exception as error:  # carried to the reader that waits for this shard
             self._errors[shard] = error
             scheduler.complete(shard, False, 0, f"{type(error).__name__}: {error}")
@@ -366,6 +351,7 @@ class Prefetcher:
             scheduler.complete(shard, True, fetched, "")
         finally:
             self._held.done(shard)  # (after complete: a waiter looks at the state again)
+            self._finished.done(shard)
 
     def _evicted(self, shard: int, nbytes: int) -> None:
         self._known_ready.discard(shard)
@@ -436,4 +422,5 @@ def _close_all() -> None:
 
 atexit.register(_close_all)
 
-__all__ = ["URGENT", "PrefetchOptions", "PrefetchStats", "Prefetcher", "ShardUsage"]
+__all__ = ["DEFAULT_LOOKAHEAD_SHARDS", "URGENT", "PrefetchOptions", "PrefetchStats", "Prefetcher",
+           "ShardUsage"]

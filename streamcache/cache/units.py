@@ -137,7 +137,7 @@ class UnitCache(NodeCache):
         if self.layout.is_whole(shard):
             staged, nbytes = super()._download(shard)
             try:  # (a shard stored uncompressed is not rewritten on install: stamped here)
-                restamp(staged, self.copy_of(shard), durable=self.durable)
+                restamp(staged, self.copy_of(shard))  # (fsynced before publishing)
             except BaseException:
                 remove_quietly(staged)
                 raise
@@ -149,8 +149,7 @@ class UnitCache(NodeCache):
             found = self._ranges.read_rows(real, np.arange(first, first + rows))
             assert found is not None  # (only a cold read may decline)
             batch = _rows_of(*found)
-            write_local_layout(batch, staged, durable=self.durable,
-                               copy_of=self.copy_of(shard))
+            write_local_layout(batch, staged, copy_of=self.copy_of(shard))  # (see restamp)
         except BaseException:
             remove_quietly(staged)
             raise

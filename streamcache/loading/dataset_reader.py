@@ -243,7 +243,7 @@ class DatasetReader(ColdReads):
         rows = self.index.shards[shard].rows
         for attempt in (1, 2):  # evicted by another process between handed out and mapped
             try:
-                return ShardReader(self.store.local_path(shard), self.schema,
+                return ShardReader(self._readable_path(shard), self.schema,
                                    expected_rows=rows)
             except (FileNotFoundError, FetchError) as error:
                 if isinstance(error, FetchError) and self._own_store:
@@ -257,6 +257,12 @@ class DatasetReader(ColdReads):
                 if attempt == 2:
                     raise self._gone(shard) from error
         raise AssertionError("unreachable")
+
+    def _readable_path(self, shard: int) -> str:
+        """The store's file of ``shard`` to map: where the store offers it, a finished file
+        that is not published yet (a Prefetcher's ``readable_path``)."""
+        readable = getattr(self.store, "readable_path", None)
+        return readable(shard) if readable is not None else self.store.local_path(shard)
 
     def _gone(self, shard: int) -> ShardNotFoundError:
         return ShardNotFoundError(

@@ -124,9 +124,10 @@ class MixtureCache:
         cache, local = self._route(shard)
         return cache.lookup(local)
 
-    def install(self, shard: int, downloaded: Callable[[bytes], None] | None = None) -> int:
+    def install(self, shard: int, downloaded: Callable[[bytes], None] | None = None,
+                finished: Callable[[str | None], None] | None = None) -> int:
         cache, local = self._route(shard)
-        return cache.install(local, downloaded)
+        return cache.install(local, downloaded, finished)
 
     def local_path(self, shard: int) -> str:
         cache, local = self._route(shard)

@@ -19,10 +19,12 @@ TEMP_SUFFIX = ".fetching"
 
 
 def write_file(target: str, url: str, checksum: str | None,
-               transfer: Callable[[Callable[[bytes], object]], int]) -> int:
+               transfer: Callable[[Callable[[bytes], object]], int], *,
+               durable: bool = True) -> int:
     """One attempt: ``transfer`` streams the body of ``url`` into a temporary file beside
     ``target`` (suffix :data:`TEMP_SUFFIX`), which is verified against ``checksum``, then
-    renamed over ``target``; returns the byte count. A failure leaves no temporary behind.
+    renamed over ``target`` (fsynced first where ``durable``); returns the byte count. A
+    failure leaves no temporary behind.
 
     Raises:
         _LocalIOError: the local file could not be written (not to be retried).
@@ -37,7 +39,7 @@ def write_file(target: str, url: str, checksum: str | None,
             received = transfer(_local_writer(out))
         _verify_file(temp, checksum, url)
         with _local_io():
-            storage.publish_temp(temp, target)
+            storage.publish_temp(temp, target, durable=durable)
     except BaseException:
         _remove_quietly(temp)
         raise

@@ -218,23 +218,28 @@ class Fetcher:
         *,
         size: int | None = None,
         checksum: str | None = None,
+        durable: bool = True,
     ) -> int:
-        """Download ``url`` to ``path`` atomically and durably; returns the byte count.
+        """Download ``url`` to ``path`` atomically (and durably, by default); returns the byte
+        count.
 
         The body goes to a temporary file (suffix
         :data:`~streamcache.remote.download.TEMP_SUFFIX`) in the directory of ``path``, is
-        fsynced and verified, then renamed over ``path`` and the directory is fsynced: a
+        verified (and fsynced), then renamed over ``path`` (and the directory fsynced): a
         reader sees the old file or the complete new one, never a part, and a failed or
         interrupted download leaves no file behind (a crash may leave a temporary).
 
-        Args: as :meth:`fetch`, and ``path``, the file to create or replace.
+        Args: as :meth:`fetch`, and ``path``, the file to create or replace; ``durable``:
+            fsync it (and its folder) around the rename (False: a caller that renames it
+            again, and makes that durable, skips the fsync here).
         Raises: as :meth:`fetch`; and the ``OSError`` itself, not retried, when the local
         file cannot be written (no such directory, no space left, ...).
         """
         target = os.path.abspath(os.fspath(path))
 
         def attempt() -> int:
-            return write_file(target, url, checksum, lambda sink: self._transfer(url, size, sink))
+            return write_file(target, url, checksum, lambda sink: self._transfer(url, size, sink),
+                              durable=durable)
 
         received = self._with_retries(url, attempt)
         self._count(bytes=received, objects=1)

@@ -77,15 +77,20 @@ def temp_path(path: str, *, suffix: str = "", temp_dir: str | None = None) -> st
         folder, f".tmp-{uuid.uuid4().hex[:12]}-{os.path.basename(path)}{suffix}")
 
 
+def fsync_file(path: str) -> None:
+    """Put ``path``'s bytes on disk (before it is renamed into place)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def publish_temp(temp: str, path: str, *, durable: bool = True) -> None:
     """Rename the finished file ``temp`` over ``path``; when ``durable``, fsync the file first
     and ``path``'s folder after, so a power loss leaves the old file or the whole new one."""
     if durable:
-        fd = os.open(temp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(temp)
     os.replace(temp, path)
     if durable:
         fsync_dir(os.path.dirname(os.path.abspath(path)))
