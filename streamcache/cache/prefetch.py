@@ -56,7 +56,7 @@ URGENT = -1
 #: The longest a cold reader may hold the downloads back (:meth:`Prefetcher.hold`).
 HOLD_S = 5.0
 #: The prefetcher's counters (hits and misses count ``local_path`` calls): the native
-#: scheduler's snapshot, unchanged.
+#: scheduler's snapshot, its ``wait_s`` with the readers' waits for an install's offer added.
 PrefetchStats = SchedulerCounters
 
 
