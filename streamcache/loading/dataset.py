@@ -197,7 +197,8 @@ class StreamDataset(IterableDataset):
             url = os.fspath(url)
         if isinstance(url, (str, DatasetIndex)):
             # one Fetcher reads the index, then this process's first cache downloads with it
-            fetcher = None if isinstance(url, DatasetIndex) else dataset_fetcher(opts)
+            fetcher = None if isinstance(url, DatasetIndex) else dataset_fetcher(
+                opts.fetch, opts.storage_options)
             try:
                 self.index = url if isinstance(url, DatasetIndex) else load_index(
                     url, opts.storage_options, allow_external_paths=opts.allow_external_paths,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -351,12 +351,13 @@ def advise_store(store: Prefetcher, advice: ShardAdvice, prefetch: PrefetchOptio
     return advised
 
 
-def dataset_fetcher(options: StreamOptions) -> Fetcher:
+def dataset_fetcher(fetch: FetchOptions | None,
+                    storage_options: Mapping[str, Any] | None) -> Fetcher:
     """The Fetcher a dataset reads its index with and its first cache downloads with: the
     options a :class:`NodeCache` would make its own from."""
-    fetch = options.fetch or FetchOptions()
-    if options.storage_options is not None:
-        fetch = dataclasses.replace(fetch, storage_options=dict(options.storage_options))
+    fetch = fetch or FetchOptions()
+    if storage_options is not None:
+        fetch = dataclasses.replace(fetch, storage_options=dict(storage_options))
     return Fetcher(fetch)
 
 

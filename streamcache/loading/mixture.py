@@ -10,6 +10,7 @@ cache budget, and this process's reader over one node cache and one prefetcher
 from __future__ import annotations
 
 import functools
+import json
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -35,8 +36,9 @@ from ..plan.mixture import (
 from ..plan.mixture_cursor import MixtureCursor, SourceKey
 from ..plan.shares import shares_of
 from ..plan.units import UnitLayout, concatenate
+from ..remote.fetch import Fetcher
 from .batching import ID_KEY
-from .feed import FeedBase, default_cache_dir
+from .feed import FeedBase, dataset_fetcher, default_cache_dir
 from .mixture_store import MixtureCache, MixtureReader, source_caches
 from .node_reader import NodeReader, node_reader
 from .nodes import NodeLocality, follow_locality, read_by_range, unit_layout, window_rows
@@ -278,19 +280,38 @@ INDEX_THREADS = 16
 def _load_indexes(sources: Sequence[Source], storage: Sequence[Mapping[str, Any] | None],
                   options: StreamOptions) -> list[DatasetIndex]:
     """Every source's index, read by up to :data:`INDEX_THREADS` threads (the first error,
-    in list order, is raised)."""
+    in list order, is raised), with one Fetcher for the sources of the same storage options:
+    a Fetcher each made an S3 client each (~0.1-0.2 s, one after another on fsspec's event
+    loop: 1.9-2.0 s to make a mixture of 8 sources on one store)."""
+    fetchers: dict[str, Fetcher] = {}
+
     def load(source: Source, storage_options: Mapping[str, Any] | None) -> DatasetIndex:
         if isinstance(source.url, DatasetIndex):
             return source.url
         return load_index(source.url, storage_options,
                           allow_external_paths=options.allow_external_paths,
-                          fetch=options.fetch, table_cache=default_cache_dir(options.cache_dir))
+                          fetch=options.fetch, table_cache=default_cache_dir(options.cache_dir),
+                          fetcher=fetchers[_options_key(storage_options)])
 
-    if len(sources) == 1:
-        return [load(sources[0], storage[0])]
-    with ThreadPoolExecutor(min(INDEX_THREADS, len(sources)),
-                            thread_name_prefix="streamcache-mixture-index") as pool:
-        return list(pool.map(load, sources, storage))
+    for storage_options in storage:
+        key = _options_key(storage_options)
+        if key not in fetchers:
+            fetchers[key] = dataset_fetcher(options.fetch, storage_options)
+    try:
+        if len(sources) == 1:
+            return [load(sources[0], storage[0])]
+        with ThreadPoolExecutor(min(INDEX_THREADS, len(sources)),
+                                thread_name_prefix="streamcache-mixture-index") as pool:
+            return list(pool.map(load, sources, storage))
+    finally:
+        for fetcher in fetchers.values():
+            fetcher.close()
+
+
+def _options_key(storage_options: Mapping[str, Any] | None) -> str:
+    """Equal for equal storage options (a value JSON cannot write compares by its repr: two
+    such options may get two Fetchers, never one for different options)."""
+    return json.dumps(storage_options, sort_keys=True, default=repr)
 
 
 def _shares(sources: Sequence[Source]) -> tuple[int, ...]:
