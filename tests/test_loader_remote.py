@@ -18,6 +18,7 @@ from loader_helpers import ids_of
 
 from streamcache import ShardWriter, Source, StreamDataset, StreamLoader
 from streamcache.errors import CacheBudgetError
+from streamcache.loading import mixture
 from streamcache.remote.options import FetchOptions
 
 
@@ -194,9 +195,11 @@ def test_a_mixture_reads_the_indexes_of_one_store_with_one_client(s3_bucket, s3_
             for i in range(40):
                 writer.write({"x": 100 * k + i})
     made = _filesystems_made(monkeypatch)
+    # one index at a time: each load sees the options that s3fs rewrote in the one before
+    monkeypatch.setattr(mixture, "INDEX_THREADS", 1)
     dataset = StreamDataset([Source(url, weight=1.0) for url in urls], global_batch_size=20,
                             rank=0, world_size=1, cache_dir=str(tmp_path / "cache"),
-                            storage_options=direct)
+                            storage_options=s3_bucket.storage_options())  # (fresh options)
     assert made == ["s3"]
     with StreamLoader(dataset) as loader:
         xs = np.concatenate([batch["x"].numpy() for batch in loader])

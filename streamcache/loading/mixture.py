@@ -284,25 +284,27 @@ def _load_indexes(sources: Sequence[Source], storage: Sequence[Mapping[str, Any]
     a Fetcher each made an S3 client each (~0.1-0.2 s, one after another on fsspec's event
     loop: 1.9-2.0 s to make a mixture of 8 sources on one store)."""
     fetchers: dict[str, Fetcher] = {}
+    for storage_options in storage:  # (keys first: s3fs rewrites the options it is given)
+        key = _options_key(storage_options)
+        if key not in fetchers:
+            fetchers[key] = dataset_fetcher(options.fetch, storage_options)
+    chosen = [fetchers[_options_key(storage_options)] for storage_options in storage]
 
-    def load(source: Source, storage_options: Mapping[str, Any] | None) -> DatasetIndex:
+    def load(source: Source, storage_options: Mapping[str, Any] | None,
+             fetcher: Fetcher) -> DatasetIndex:
         if isinstance(source.url, DatasetIndex):
             return source.url
         return load_index(source.url, storage_options,
                           allow_external_paths=options.allow_external_paths,
                           fetch=options.fetch, table_cache=default_cache_dir(options.cache_dir),
-                          fetcher=fetchers[_options_key(storage_options)])
+                          fetcher=fetcher)
 
-    for storage_options in storage:
-        key = _options_key(storage_options)
-        if key not in fetchers:
-            fetchers[key] = dataset_fetcher(options.fetch, storage_options)
     try:
         if len(sources) == 1:
-            return [load(sources[0], storage[0])]
+            return [load(sources[0], storage[0], chosen[0])]
         with ThreadPoolExecutor(min(INDEX_THREADS, len(sources)),
                                 thread_name_prefix="streamcache-mixture-index") as pool:
-            return list(pool.map(load, sources, storage))
+            return list(pool.map(load, sources, storage, chosen))
     finally:
         for fetcher in fetchers.values():
             fetcher.close()
