@@ -153,7 +153,31 @@ def test_closing_the_dataset_ends_a_stalled_first_download_at_once(
                             cache_dir=str(tmp_path / "cache"), shuffle_window=200,
                             fetch=FetchOptions(timeout_s=0.5, backoff_initial_s=0.1),
                             storage_options=s3_bucket.storage_options(via=s3_fault_proxy.url))
-    s3_fault_proxy.faults.configure(rate=1.0, kinds=["stall"], delay_s=60.0)
+    _close_while_stalled(dataset, s3_fault_proxy)
+
+
+def test_closing_a_mixture_ends_its_sources_stalled_downloads_at_once(
+        s3_bucket, s3_fault_proxy, tmp_path) -> None:
+    """The Fetcher a mixture's sources share is closed with them (their caches do not own
+    it): closing the dataset cancels stalled requests as a single dataset's does."""
+    options = s3_bucket.storage_options()
+    urls = []
+    for k in range(2):
+        urls.append(s3_bucket.url(f"stalled-mix-{k}"))
+        with ShardWriter(urls[-1], storage_options=options) as writer:
+            for i in range(40):
+                writer.write({"x": 100 * k + i})
+    dataset = StreamDataset([Source(url, weight=1.0) for url in urls], global_batch_size=20,
+                            rank=0, world_size=1, cache_dir=str(tmp_path / "cache"),
+                            fetch=FetchOptions(timeout_s=0.5, backoff_initial_s=0.1),
+                            storage_options=s3_bucket.storage_options(via=s3_fault_proxy.url))
+    _close_while_stalled(dataset, s3_fault_proxy)
+
+
+def _close_while_stalled(dataset: StreamDataset, proxy: Any) -> None:
+    """Every request stalls; the first batch is awaited in a thread; closing the dataset
+    ends it within seconds, with an error, and no request reaches the server afterwards."""
+    proxy.faults.configure(rate=1.0, kinds=["stall"], delay_s=60.0)
     outcome: list[BaseException | None] = []
 
     def first_batch() -> None:
@@ -166,26 +190,27 @@ def test_closing_the_dataset_ends_a_stalled_first_download_at_once(
     reader = threading.Thread(target=first_batch, daemon=True)
     reader.start()
     deadline = time.monotonic() + 30
-    while not s3_fault_proxy.faults.injected["stall"] and time.monotonic() < deadline:
+    while not proxy.faults.injected["stall"] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert s3_fault_proxy.faults.injected["stall"], "no request reached the server"
+    assert proxy.faults.injected["stall"], "no request reached the server"
     started = time.monotonic()
     dataset.close()
     reader.join(10)
     assert not reader.is_alive(), "the first batch still waits on a stalled request"
     assert time.monotonic() - started < 5
     assert outcome and isinstance(outcome[0], Exception), outcome
-    asked = s3_fault_proxy.requests.count()
+    asked = proxy.requests.count()
     time.sleep(2.0)  # four stall timeouts: a request still owned by nobody would be retried
-    assert s3_fault_proxy.requests.count() == asked
-    s3_fault_proxy.faults.clear()
+    assert proxy.requests.count() == asked
+    proxy.faults.clear()
 
 
 def test_a_mixture_reads_the_indexes_of_one_store_with_one_client(s3_bucket, s3_fault_proxy,
                                                                   tmp_path, monkeypatch) -> None:
     """A Fetcher per source made an S3 client per source, one after another on fsspec's event
-    loop (8 sources: 1.9-2.0 s to make the dataset); sources of the same storage options
-    share one for their indexes, and sources of other options get their own."""
+    loop, for its index, then its cache, then its range reads (8 sources on one store: 18
+    clients, 3.7-4.0 s to the first batch); sources of the same storage options share one
+    for their indexes and one for their caches, sources of other options get their own."""
     direct, proxied = s3_bucket.storage_options(), s3_bucket.storage_options(
         via=s3_fault_proxy.url)
     urls = []
@@ -203,6 +228,7 @@ def test_a_mixture_reads_the_indexes_of_one_store_with_one_client(s3_bucket, s3_
     assert made == ["s3"]
     with StreamLoader(dataset) as loader:
         xs = np.concatenate([batch["x"].numpy() for batch in loader])
+    assert made == ["s3", "s3"]  # the sources' caches and range reads: one more between them
     assert len(xs) >= 100 and len(set(xs.tolist())) == len(xs)  # (an epoch: no repeats)
     assert set(xs.tolist()) <= {100 * k + i for k in range(3) for i in range(40)}
     made.clear()

@@ -8,6 +8,7 @@ over the node cache and its prefetcher, which the feed tells what the plan reads
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -359,6 +360,26 @@ def dataset_fetcher(fetch: FetchOptions | None,
     if storage_options is not None:
         fetch = dataclasses.replace(fetch, storage_options=dict(storage_options))
     return Fetcher(fetch)
+
+
+def options_key(storage_options: Mapping[str, Any] | None) -> str:
+    """Equal for equal storage options (a value JSON cannot write compares by its repr: two
+    such options may get two Fetchers, never one for different options). Take it before the
+    options are used: s3fs rewrites parts of the options it is given."""
+    return json.dumps(storage_options, sort_keys=True, default=repr)
+
+
+def shared_fetchers(fetch: FetchOptions | None,
+                    storage: Sequence[Mapping[str, Any] | None]) -> list[Fetcher]:
+    """A Fetcher for each of ``storage`` (a mixture's sources), one per distinct options:
+    each makes its own client (an S3 client costs ~0.1-0.2 s, one after another on fsspec's
+    event loop), so sources on one store share one."""
+    keys = [options_key(options) for options in storage]
+    made: dict[str, Fetcher] = {}
+    for key, options in zip(keys, storage, strict=True):
+        if key not in made:
+            made[key] = dataset_fetcher(fetch, options)
+    return [made[key] for key in keys]
 
 
 def default_cache_dir(cache_dir: str | os.PathLike[str] | None) -> str:

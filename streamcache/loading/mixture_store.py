@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from ..cache.prefetch import Prefetcher
 from ..format.index import DatasetIndex, ShardInfo
 from ..format.reader import Ragged, ShardReader, gather
 from ..format.schema import Schema
+from ..remote.fetch import Fetcher
 from .dataset_reader import DatasetReader
 
 
@@ -58,13 +59,16 @@ class SourceCache(NodeCache):
 def source_caches(indexes: Sequence[DatasetIndex], cache_dir: str, *,
                   cache_limit: int | None, working_set_bytes: int | None,
                   storage_options: Sequence[Mapping[str, Any] | None],
-                  **options: Any) -> list[NodeCache]:
-    """One :class:`SourceCache` per source on ``cache_dir``, peers of each other."""
+                  fetchers: Sequence[Fetcher], **options: Any) -> list[NodeCache]:
+    """One :class:`SourceCache` per source on ``cache_dir``, peers of each other, each
+    downloading with its entry of ``fetchers`` (shared by sources of the same storage
+    options; the :class:`MixtureCache` closes them)."""
     peers: dict[str, NodeCache] = {}
     return [SourceCache(index, cache_dir, cache_limit=cache_limit,
                         working_set_bytes=working_set_bytes, storage_options=storage,
-                        peers=peers, **options)
-            for index, storage in zip(indexes, storage_options, strict=True)]
+                        fetcher=fetcher, peers=peers, **options)
+            for index, storage, fetcher in zip(indexes, storage_options, fetchers,
+                                               strict=True)]
 
 
 class _CombinedShards(Sequence[ShardInfo]):
@@ -101,8 +105,10 @@ class MixtureCache:
     """The sources' caches as one store in the combined shard space (what a
     :class:`Prefetcher` uses of a :class:`NodeCache`). Thread safety: as NodeCache's."""
 
-    def __init__(self, caches: Sequence[NodeCache]) -> None:
+    def __init__(self, caches: Sequence[NodeCache], fetchers: Sequence[Fetcher] = ()) -> None:
+        """``fetchers``: the Fetchers the caches share (not their own), closed with this."""
         self.caches = list(caches)
+        self._fetchers = list(dict.fromkeys(fetchers))
         self.base = np.cumsum([0] + [len(c.index.shards) for c in caches])[:-1]
         self._bases = self.base.tolist()  # (the prefetcher routes shards one at a time)
         self.index = _CombinedIndex(self)
@@ -150,6 +156,8 @@ class MixtureCache:
             cache.add_eviction_listener(_shifted_listener(listener, base))
 
     def close(self) -> None:
+        for fetcher in self._fetchers:  # first: downloads in flight, stalled ones too, end
+            fetcher.close()
         for cache in self.caches:
             cache.close()
 
@@ -172,6 +180,18 @@ class _SourceStore:
 
     def local_path(self, shard: int) -> str:
         return self._store.local_path(self._base + shard)
+
+    def readable_path(self, shard: int) -> str:
+        """As :meth:`Prefetcher.readable_path` (the store's local path where it has none)."""
+        readable = getattr(self._store, "readable_path", self._store.local_path)
+        return str(readable(self._base + shard))
+
+    @property
+    def fetcher(self) -> Fetcher:
+        """The source's cache's Fetcher (its range reads share it, as a dataset's do)."""
+        store = self._store
+        caches = cast(MixtureCache, store.cache if isinstance(store, Prefetcher) else store)
+        return caches._route(self._base)[0].fetcher
 
     def ready(self, shard: int) -> bool:
         """Whether the shard is installed now (the reader's cold-start rule asks)."""
