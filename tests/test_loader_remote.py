@@ -160,18 +160,23 @@ def test_closing_a_mixture_ends_its_sources_stalled_downloads_at_once(
         s3_bucket, s3_fault_proxy, tmp_path) -> None:
     """The Fetcher a mixture's sources share is closed with them (their caches do not own
     it): closing the dataset cancels stalled requests as a single dataset's does."""
-    options = s3_bucket.storage_options()
-    urls = []
-    for k in range(2):
-        urls.append(s3_bucket.url(f"stalled-mix-{k}"))
-        with ShardWriter(urls[-1], storage_options=options) as writer:
-            for i in range(40):
-                writer.write({"x": 100 * k + i})
+    urls = _write_sources(s3_bucket, "stalled-mix", 2)
     dataset = StreamDataset([Source(url, weight=1.0) for url in urls], global_batch_size=20,
                             rank=0, world_size=1, cache_dir=str(tmp_path / "cache"),
                             fetch=FetchOptions(timeout_s=0.5, backoff_initial_s=0.1),
                             storage_options=s3_bucket.storage_options(via=s3_fault_proxy.url))
     _close_while_stalled(dataset, s3_fault_proxy)
+
+
+def _write_sources(s3_bucket: Any, prefix: str, count: int) -> list[str]:
+    """``count`` small datasets in the bucket; sample ``i`` of source ``k`` is ``100 k + i``."""
+    urls = []
+    for k in range(count):
+        urls.append(s3_bucket.url(f"{prefix}-{k}"))
+        with ShardWriter(urls[-1], storage_options=s3_bucket.storage_options()) as writer:
+            for i in range(40):
+                writer.write({"x": 100 * k + i})
+    return urls
 
 
 def _close_while_stalled(dataset: StreamDataset, proxy: Any) -> None:
@@ -213,12 +218,7 @@ def test_a_mixture_reads_the_indexes_of_one_store_with_one_client(s3_bucket, s3_
     for their indexes and one for their caches, sources of other options get their own."""
     direct, proxied = s3_bucket.storage_options(), s3_bucket.storage_options(
         via=s3_fault_proxy.url)
-    urls = []
-    for k in range(3):
-        urls.append(s3_bucket.url(f"mix-{k}"))
-        with ShardWriter(urls[-1], storage_options=direct) as writer:
-            for i in range(40):
-                writer.write({"x": 100 * k + i})
+    urls = _write_sources(s3_bucket, "mix", 3)
     made = _filesystems_made(monkeypatch)
     # one index at a time: each load sees the options that s3fs rewrote in the one before
     monkeypatch.setattr(mixture, "INDEX_THREADS", 1)
