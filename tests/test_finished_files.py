@@ -5,14 +5,17 @@ What is checked, with the install's fsync held, failing or slow: the rows read a
 stored ones and come before the shard is published; the published file is the one mapped
 (its inode); ``local_path`` still returns only published files; a failed fsync publishes
 nothing, leaves no temporary and the shard is read again; closing waits for a finishing
-install (bounded) so that what was read is installed; an epoch over a remote dataset with
-slow fsyncs is exact.
+install (bounded) so that what was read is installed; another process waits for the publish
+and does not fetch the shard again; an epoch over a remote dataset with slow fsyncs is
+exact.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -28,6 +31,7 @@ from test_cache import (
     installed_files,
     read_everything,
     serve_dataset,
+    shard_gets,
 )
 
 from streamcache import DatasetReader, StreamDataset, StreamLoader
@@ -180,3 +184,40 @@ def test_an_epoch_with_slow_fsyncs_is_exact(fault_server: FaultServer, tmp_path:
         ids = np.concatenate([batch["__id__"].numpy() for batch in loader])
     assert sorted(ids.tolist()) == list(range(6 * ROWS_PER_SHARD))
     assert len(installed_files(tmp_path / "cache")) == 6
+
+
+def test_another_process_waits_for_the_publish_and_does_not_fetch_again(
+        fault_server: FaultServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finished file is this process's: another process of the node (a rank, a worker)
+    asking for the shard meanwhile waits for the publish, then reads the installed file;
+    the shard is downloaded once."""
+    index = serve_dataset(fault_server, num_shards=2)
+    fsync = HeldFsync(monkeypatch)
+    cache_dir = tmp_path / "cache"
+    cache = NodeCache(index, str(cache_dir), fetch_options=FAST_RETRIES)
+    with _reader(index, cache) as reader:
+        ids = np.arange(ROWS_PER_SHARD)
+        check_batch(reader.read_batch(ids), ids)  # (ours: the finished file, fsync held)
+        script = (
+            "import sys, time\n"
+            "from streamcache.cache.node import NodeCache\n"
+            "from streamcache.format.index import load_index\n"
+            "cache = NodeCache(load_index(sys.argv[1]), sys.argv[2])\n"
+            "print('ready', flush=True)\n"
+            "print(cache.local_path(0), flush=True)\n")
+        other = subprocess.Popen([sys.executable, "-c", script,
+                                  fault_server.url_for("ds/index.json"), str(cache_dir)],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            assert other.stdout is not None
+            assert other.stdout.readline().strip() == "ready"
+            time.sleep(0.5)
+            assert other.poll() is None  # waiting: the shard is not published yet
+            fsync.release()
+            found, _ = other.communicate(timeout=60)
+        finally:
+            if other.poll() is None:
+                other.kill()
+        assert found.strip() == cache.shard_path(0)
+        assert os.stat(found.strip()).st_ino == fsync.inodes[0]
+    assert shard_gets(fault_server)[f"/ds/{index.shards[0].path}"] == 1
