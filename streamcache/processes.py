@@ -32,6 +32,13 @@ def _boot_id() -> str:
         return "noboot"
 
 
+def boot_id() -> str | None:
+    """This boot's id (the kernel's, shared by every container of the host; a reboot, a
+    power loss or a kernel crash changes it); None where the OS gives none."""
+    boot = _boot_id()
+    return None if boot == "noboot" else boot
+
+
 def _start_ticks(pid: int) -> str | None:
     """The start time of ``pid`` (clock ticks since boot); None if it is gone or a zombie;
     "" where /proc does not exist."""
@@ -119,5 +126,5 @@ def _worker_count() -> int:
     return max(1, int(getattr(info, "num_workers", 1) or 1))
 
 
-__all__ = ["MAX_NODE_READERS", "node_readers", "pid_gone", "process_alive", "process_token",
-           "usable_cores"]
+__all__ = ["MAX_NODE_READERS", "boot_id", "node_readers", "pid_gone", "process_alive",
+           "process_token", "usable_cores"]

@@ -1,5 +1,7 @@
 """A reader maps an install's finished file while the install fsyncs it before publishing
-(``NodeCache.install(finished=)``, ``Prefetcher.readable_path``, cache/downloads.py).
+(``NodeCache.install(finished=)``, ``Prefetcher.readable_path``, cache/downloads.py): what an
+install does where the OS gives no boot id (elsewhere it publishes first and fsyncs later:
+cache/durability.py, tests/test_durability.py). Every test here runs without a boot id.
 
 What is checked, with the install's fsync held, failing or slow: the rows read are the
 stored ones and come before the shard is published; the published file is the one mapped
@@ -71,6 +73,11 @@ class HeldFsync:
         while len(self.entered) < count:
             assert time.monotonic() < deadline, "no install reached its fsync"
             time.sleep(0.005)
+
+
+@pytest.fixture(autouse=True)
+def _no_boot_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(node, "boot_id", lambda: None)
 
 
 def _reader(index: Any, cache: NodeCache) -> DatasetReader:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import CacheError
 from .confine import open_below
+from .durability import UNSYNCED
 from .eviction import Resident, choose_victims
 from .ledger import (
     ACCOUNTING_NAME,
@@ -52,6 +53,7 @@ class CacheStats:
     evictions: int = 0  # shards this process removed to make room
     bytes_evicted: int = 0
     verified: int = 0  # local shards read in place that this process hashed (verify_in_place)
+    synced: int = 0  # installs this process fsynced after publishing them (durability.py)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class Accounting:
     _guard: threading.Lock
     _stats: CacheStats
     _tmp: str | None
+    _boot: str | None  # this boot's id (durability.py); None where the OS gives none
 
     def _books(self) -> Ledger:
         """The accounting, up to date (the cache lock must be held): the records other
@@ -188,10 +191,15 @@ class Accounting:
         return float(self._next_use(shard))
 
     def _remove_copy(self, path: str) -> None:
-        """Unlink an installed shard and its source record (a reader that mapped it keeps
-        its pages)."""
+        """Unlink an installed shard, its source record and its marker (a reader that mapped
+        it keeps its pages)."""
         remove_quietly(path)
         remove_quietly(path.removesuffix(".arrow") + ".source")
+        if self._boot is not None:  # its marker (durability.py): nothing left to make durable
+            dataset, name = os.path.basename(os.path.dirname(path)), os.path.basename(path)
+            with contextlib.suppress(IsADirectoryError):  # (refused by name at the install)
+                remove_quietly(os.path.join(self.cache_dir, UNSYNCED, self._boot, dataset,
+                                            name.removesuffix(".arrow")))
 
     def _accounted_bytes(self) -> int:
         with contextlib.suppress(OSError, CacheError), self._accounting_lock():

@@ -22,6 +22,7 @@ from ..remote import storage
 from ..remote.fetch import Fetcher
 from .accounting import EVICTION_GRACE_S, Accounting, remove_quietly
 from .confine import check_folder_below
+from .durability import Markers, PendingSyncs, sync_installed
 from .faults import DISK_FULL_ATTEMPTS, disk_full_error, is_disk_full
 from .identity import Identity, record_path, source_identity, write_record
 from .ledger import Entry
@@ -51,12 +52,15 @@ class Installer(Accounting):
     _shard_dir: str
     _actual_bytes: dict[int, int]
     _confirmed: set[int]
+    _markers: Markers | None  # where installs are fsynced after their publish (durability.py)
+    _pending: PendingSyncs  # (per process: NodeCache._reset_process_state)
     _finish_changed: threading.Condition  # (per process: NodeCache._reset_process_state)
     _finish_count: int
 
     if TYPE_CHECKING:  # the cache's public methods, defined in node.py
         def shard_path(self, shard: int) -> str: ...
         def estimated_bytes(self, shard: int) -> int: ...
+        def _shard_lock(self, shard: int) -> contextlib.AbstractContextManager[None]: ...
 
     def _install_with_room(self, shard: int,
                            downloaded: Callable[[bytes], None] | None = None,
@@ -113,18 +117,37 @@ class Installer(Accounting):
         with self._finish_changed:
             self._finish_changed.wait_for(lambda: self._finish_count == 0, timeout_s)
 
+    @property
+    def _defers_sync(self) -> bool:
+        """Whether installs are published first and fsynced later (durability.py)."""
+        return self._markers is not None
+
     def _make_durable(self, staged: str,
                       finished: Callable[[str | None], None] | None) -> None:
-        """fsync the finished file ``staged`` (where ``durable``) before it is published,
-        offering it to ``finished`` meanwhile (withdrawn before the rename)."""
+        """fsync the finished file ``staged`` before it is published where ``durable`` and
+        the fsync cannot wait (no boot id), offering it to ``finished`` meanwhile (withdrawn
+        before the rename)."""
+        if not self.durable or self._defers_sync:
+            return
         if finished is not None:
             finished(staged)
         try:
-            if self.durable:
-                storage.fsync_file(staged)
+            storage.fsync_file(staged)
         finally:
             if finished is not None:
                 finished(None)
+
+    def _sync_due(self, *, everything: bool = False) -> None:
+        """fsync the shards this process published unsynced whose time has come (every one
+        with ``everything``) and remove their markers, each under its shard lock. A shard
+        whose fsync fails keeps its marker (installed again after a reboot); a lock that
+        cannot be taken leaves it too: making a served copy durable never fails a read."""
+        for shard in self._pending.take(everything=everything):
+            assert self._markers is not None
+            with contextlib.suppress(OSError, CacheError), self._shard_lock(shard):
+                if sync_installed(self.shard_path(shard)):
+                    self._markers.unmark(shard)
+                    self._count(synced=1)
 
     def _download(self, shard: int, downloaded: Callable[[bytes], None] | None = None,
                   ) -> tuple[str, int]:
@@ -175,6 +198,8 @@ class Installer(Accounting):
                          {"url": self.index.shard_url(shard), "identity": identity})
         self._actual_bytes[shard] = nbytes
         key = self._key(shard)
+        if self._markers is not None:  # its name on disk before the shard's can be
+            self._markers.mark(shard)
         with self._accounting_lock():
             victims = self._room_to_publish(shard, key, nbytes)
             now = time.time()
@@ -184,10 +209,12 @@ class Installer(Accounting):
             # the publishing half of storage.atomic_path, split: the staged file was written
             # and verified before the lock, and the accounting must come between
             os.replace(staged, self.shard_path(shard))
-            if self.durable:
+            if self.durable and not self._defers_sync:
                 storage.fsync_dir(self._shard_dir)
         self._last_used[key] = time.time()
         self._confirmed.add(shard)
+        if self._defers_sync:
+            self._pending.add(shard)
 
     def _room_to_publish(self, shard: int, key: str, nbytes: int) -> list[str]:
         """Unlink what must go for ``nbytes`` more to fit ``cache_limit`` (the cache lock must

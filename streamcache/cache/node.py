@@ -25,13 +25,14 @@ Layout under ``cache_dir`` (see docs/cache.md)::
     datasets/<ds>/NNNNNN.source   the source object's identity, when the index has no checksum
     datasets/<ds>/NNNNNN.inplace  the verified version of a shard read in place
     locks/<ds>/NNNNNN.lock        per-shard install locks (empty files, never removed)
+    unsynced/<boot>/<ds>/NNNNNN   installs published before their fsync (durability.py)
     tmp/<boot>-<pidns>-<pid>-<start>/   one process's temporaries; removed once it is gone
 
 Everything read back from the folder is untrusted: accounting keys must name a shard file of
 a real (not symlinked) dataset folder inside ``cache_dir``, or the file is rebuilt.
 
 The parts: copies.py (lookup: which local copy may be served), install.py (fetch, verify,
-materialize, publish), accounting.py (the accounting under its lock, evictions, counters),
+materialize, publish), durability.py (the fsync after the publish), accounting.py (the accounting under its lock, evictions, counters),
 ledger.py (the accounting file, its validation, a process's view of it), faults.py (a full
 disk, a read-only folder), temporaries.py (each process's temporaries, and the sweep of dead
 ones).
@@ -50,11 +51,13 @@ from typing import Any
 from .. import forksafe
 from ..errors import CacheBudgetError, CacheError
 from ..format.index import DatasetIndex, ShardInfo
+from ..processes import boot_id
 from ..remote.fetch import Fetcher
 from ..remote.options import FetchOptions
 from .accounting import CacheStats, CacheUsage, EvictionListener, file_lock
 from .confine import check_folder_below
 from .copies import CopyLookup
+from .durability import Markers, PendingSyncs, sweep_other_boots
 from .faults import NOT_WRITABLE, not_writable_error
 from .identity import dataset_folder_name
 from .install import Installer
@@ -91,8 +94,11 @@ class NodeCache(Installer, CopyLookup):
             is always its own.
         storage_options: fsspec options of the dataset's filesystem (replace those of
             ``fetch_options``).
-        durable: fsync installed shards and the directory, so a power loss cannot leave a
-            renamed but empty shard.
+        durable: a power loss never leaves a shard that is served while its bytes are not
+            on disk: an install is published at once with a marker, and fsynced once
+            ``durability.SYNC_DELAY_S`` has passed; after a reboot a shard still marked is
+            installed again (where the OS gives no boot id, each install is fsynced before
+            it is published). False: no fsync at all (a temporary folder).
         verify_in_place: hash a local shard that is read in place against the index's
             checksum before it is first served, once per (path, size, mtime, inode) and
             remembered in ``cache_dir``; its size is always checked. False: size only.
@@ -119,6 +125,7 @@ class NodeCache(Installer, CopyLookup):
         self.cache_dir = os.path.abspath(cache_dir)
         self.cache_limit = cache_limit
         self.durable = durable
+        self._boot = boot_id()
         self.verify_in_place = verify_in_place
         self._own_fetcher = fetcher is None or owns_fetcher
         options = fetch_options or FetchOptions()
@@ -130,6 +137,8 @@ class NodeCache(Installer, CopyLookup):
         self._shard_dir = os.path.join(self.cache_dir, "datasets", name)
         self._lock_dir = os.path.join(self.cache_dir, "locks", name)
         self._dataset_key = f"datasets/{name}"
+        self._markers = Markers(self.cache_dir, name, self._boot) if (
+            durable and self._boot is not None) else None
         self._in_place: dict[int, str | None] = {}
         self._verified: set[int] = set()  # shards read in place, checked in this process
         self._confirmed: set[int] = set()  # installed copies known current in this process
@@ -162,6 +171,7 @@ class NodeCache(Installer, CopyLookup):
         self._tmp: str | None = None
         self._finish_changed = threading.Condition(threading.Lock())
         self._finish_count = 0
+        self._pending = PendingSyncs()  # (a forked child leaves its parent's to the parent)
 
     # ------------------------------------------------------------------ public API
 
@@ -218,7 +228,16 @@ class NodeCache(Installer, CopyLookup):
                 raise not_writable_error(self.cache_dir, error) from error
             raise
         self._count(installs=1, bytes_fetched=fetched)
+        self._sync_due()  # (no shard lock held: it takes each one's)
         return fetched
+
+    def sync(self) -> None:
+        """Make every shard this process installed durable now (durability.py): fsync them
+        and remove their markers. Installs are published first and fsynced
+        ``durability.SYNC_DELAY_S`` later, by the process's next install or its close; a
+        shard still unsynced when a power loss strikes is installed again after the reboot.
+        Call this where a node is about to be imaged or rebooted with its cache kept."""
+        self._sync_due(everything=True)
 
     def installed(self, shard: int) -> bool:
         """Whether ``shard`` can be served now without a download: read in place, or
@@ -273,6 +292,7 @@ class NodeCache(Installer, CopyLookup):
         # an install past its download fsyncs and publishes a file a reader of this process
         # may have read already: published, the next run need not fetch it again
         self._await_finishing(FINISH_WAIT_S)
+        self._sync_due()  # (the rest: the next process of this boot, or installed again)
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             with contextlib.suppress(OSError):
@@ -304,7 +324,12 @@ class NodeCache(Installer, CopyLookup):
         """Remove temporaries of dead processes and rebuild the accounting from the files."""
         remove_dead_temporaries(os.path.join(self.cache_dir, "tmp"))
         with self._accounting_lock():
+            # shards published unsynced before a reboot may be partial: installed again
+            sweep_other_boots(self.cache_dir, self._boot, self._remove_marked)
             self._rebuild()
+        if self._markers is not None:  # left unsynced by a process of this boot: ours now
+            for shard in self._markers.marked():
+                self._pending.add(shard)
 
     def _make_layout(self) -> None:
         """Create the folders this cache writes to (again, if someone removed them).
@@ -316,6 +341,11 @@ class NodeCache(Installer, CopyLookup):
         """
         for folder in (self._shard_dir, self._lock_dir, os.path.join(self.cache_dir, "tmp")):
             check_folder_below(self.cache_dir, os.path.relpath(folder, self.cache_dir))
+
+    def _remove_marked(self, dataset: str, shard: int) -> None:
+        path = self._confined(f"datasets/{dataset}/{shard:06d}.arrow")
+        if path is not None:  # (a marker naming anything else removes nothing)
+            self._remove_copy(path)
 
     def _install_and_path(self, shard: int) -> str:
         self.install(shard)
