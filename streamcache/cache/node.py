@@ -32,10 +32,10 @@ Everything read back from the folder is untrusted: accounting keys must name a s
 a real (not symlinked) dataset folder inside ``cache_dir``, or the file is rebuilt.
 
 The parts: copies.py (lookup: which local copy may be served), install.py (fetch, verify,
-materialize, publish), durability.py (the fsync after the publish), accounting.py (the accounting under its lock, evictions, counters),
-ledger.py (the accounting file, its validation, a process's view of it), faults.py (a full
-disk, a read-only folder), temporaries.py (each process's temporaries, and the sweep of dead
-ones).
+materialize, publish), durability.py (the fsync after the publish, the sweep after a
+reboot), accounting.py (the accounting under its lock, evictions, counters), ledger.py (the
+accounting file, its validation, a process's view of it), faults.py (a full disk, a
+read-only folder), temporaries.py (each process's temporaries, and the sweep of dead ones).
 """
 
 from __future__ import annotations
