@@ -336,7 +336,8 @@ def test_many_small_shards_install_without_a_rewrite_of_the_accounting_each(
     install (O(installs) rewrites of an O(installs) file: ~16 installs/s at 10,000 shards).
     Installs now append a record; the file is rewritten when a cache opens and now and
     then to drop records of evicted shards."""
-    index = write_one_row_shards(tmp_path / "ds", 2000)
+    shards = 1000
+    index = write_one_row_shards(tmp_path / "ds", shards)
     cache_dir = tmp_path / "cache"
     with accounting_writes() as writes:
         dataset = StreamDataset(index.url, global_batch_size=50, rank=0, world_size=1,
@@ -344,12 +345,12 @@ def test_many_small_shards_install_without_a_rewrite_of_the_accounting_each(
         with StreamLoader(dataset) as loader:
             ids = [i for batch in loader for i in batch["id"].tolist()]
         dataset.close()
-    assert sorted(ids) == list(range(2000))
-    assert len(installed_files(cache_dir)) == 2000
-    assert writes.count("rewrite") <= 2000 // 100, writes.count("rewrite")
-    assert writes.count("append") >= 2000  # (the records are written, one install at a time)
+    assert sorted(ids) == list(range(shards))
+    assert len(installed_files(cache_dir)) == shards
+    assert writes.count("rewrite") <= shards // 100, writes.count("rewrite")
+    assert writes.count("append") >= shards  # (the records are written, one install at a time)
     assert sum(accounting(cache_dir).values()) == walked_bytes(cache_dir)
-    assert len(accounting(cache_dir)) == 2000
+    assert len(accounting(cache_dir)) == shards
 
 
 def test_stale_temporaries_of_dead_processes_are_removed_live_ones_kept(
