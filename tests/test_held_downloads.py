@@ -61,7 +61,8 @@ def test_rows_from_downloaded_bytes_equal_the_stored_rows_and_cost_no_request(
                 np.testing.assert_array_equal(tokens[i].values.to_numpy(), sample(row)["tokens"])
             assert server.requests.count(path) == before  # sliced, not requested
             assert reader.stats.requests == 0 and reader.stats.bytes == 0
-            assert reader.cold_budget_left(0)  # (no budget used)
+            whole = index.shards[0].bytes  # no budget used: all of it is left
+            assert reader.cold_budget_left(0, more=whole, budget=1.0)
         finally:
             reader.close()
 

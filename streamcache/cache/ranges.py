@@ -59,13 +59,17 @@ from .shard_footers import (
     parquet_footer,
 )
 
-#: The most a cold start reads of a shard by range, as a fraction of its stored bytes, before it
-#: waits for the shard's install instead (:meth:`RangeReader.cold_budget_left`): range reads
-#: that the install makes redundant cost at most 1/16 more transfer than the whole-shard path,
-#: however long the install takes. The first batches are served by range; later ones wait for
-#: installs, which range reads would otherwise slow down (benchmarks/bench_cold.py: with 1/4
-#: the samples/s over the first 4,096 samples dropped further below the whole-shard path's).
-COLD_BUDGET = 1 / 16
+#: The most a cold start reads of a shard by range after its first steps, as a fraction of its
+#: stored bytes, before it waits for the shard's install instead
+#: (:meth:`RangeReader.cold_budget_left`). At 0, the default, the first steps
+#: (``dataset_reader.COLD_START_STEPS``, within :data:`COLD_START_BUDGET`) are read by range,
+#: later ones wait for the installs, which range reads slow down. It was 1/16 while each
+#: install fsynced its shard before publishing it; once installs no longer waited for the
+#: disk (cache/durability.py) the range reads of the later steps cost more than they saved:
+#: 100 KB samples 1,736-2,100 -> 2,615-2,679 samples/s over the first 4,096 on loopback,
+#: 1,557-1,621 -> 1,571-1,732 with the store model, 280 -> 79 requests (benchmarks/RESULTS.md,
+#: 2026-12-06); with 1/4 it had been worse than 1/16.
+COLD_BUDGET = 0.0
 #: The cold budget of the first steps of a cold start (``dense``): they are read by range
 #: while the bytes read from a shard stay within this fraction of it, ahead of the downloads;
 #: denser rows wait for the shard's install (one download per node, under the node's lock).
@@ -208,7 +212,7 @@ class RangeReader:
         with self._lock:
             used = self._shard_bytes.get(shard, 0)
         fraction = COLD_BUDGET * self.budget_share if budget is None else budget
-        return used + more <= fraction * self.index.shards[shard].bytes
+        return fraction > 0 and used + more <= fraction * self.index.shards[shard].bytes
 
     def read_rows(self, shard: int, rows: np.ndarray, *, cold: bool = False,
                   dense: bool = False, source: bytes | None = None,

@@ -18,12 +18,13 @@ chunks that hold them, into memory, installing nothing):
   :class:`~streamcache.cache.prefetch.Prefetcher`, which has ``ready(shard)``), the rows of
   shards that are not installed yet and can be read by range (chunked Arrow shards, Parquet
   files of several row groups), so the first batches do not wait for whole shards while the
-  prefetcher installs them in first-use order; once installed, rows come from the cache. A
-  shard is read so while its range-read bytes, the read included, stay within 1/16 of its
-  size (``ranges.COLD_BUDGET``, the node's: split among its reading processes), else
-  awaited: the cold start never costs more than 1.0625 times the whole-shard path's
-  transfer, and rows dense in a shard wait for its install (the first steps' rows are taken
-  from a compressed shard's downloaded bytes while the install decodes them).
+  prefetcher installs them in first-use order; once installed, rows come from the cache. The
+  first steps (``COLD_START_STEPS``) are read so while a shard's range-read bytes, the read
+  included, stay within 1/8 of its size (``ranges.COLD_START_BUDGET``); later steps wait for
+  the installs (``ranges.COLD_BUDGET``, 0 by default, the node's budget for them: split
+  among its reading processes), and rows dense in a shard wait for its install (the first
+  steps' rows are taken from a compressed shard's downloaded bytes while the install
+  decodes them).
 
 Either way the rows are the same canonical arrays, gathered by the same native gather: a
 batch is identical cold, warm, or read by range.
