@@ -36,6 +36,7 @@ from streamcache.cache import durability
 from streamcache.cache.durability import UNSYNCED
 from streamcache.cache.node import NodeCache, local_bytes_estimate
 from streamcache.errors import CacheError
+from streamcache.format.index import DatasetIndex
 from streamcache.processes import boot_id
 from streamcache.remote import storage
 
@@ -171,13 +172,23 @@ def test_a_temporary_cache_writes_no_marker(fault_server: FaultServer, tmp_path:
 # -------------------------------------------------------------------- the folder is untrusted
 
 
-def test_links_planted_in_the_unsynced_folder_are_never_followed(
-        fault_server: FaultServer, tmp_path: Path) -> None:
+def installed(fault_server: FaultServer, tmp_path: Path, shards: list[int], *,
+              sync: bool = False) -> tuple[DatasetIndex, Path, str]:
+    """A served 2-shard dataset with ``shards`` installed in ``tmp_path/cache`` (synced
+    with ``sync``): its index, the cache folder and the dataset's folder name."""
     index = serve_dataset(fault_server, num_shards=2)
     cache_dir = tmp_path / "cache"
     with NodeCache(index, str(cache_dir), fetch_options=FAST_RETRIES) as cache:
-        cache.local_path(0)
-        name = dataset_name(cache)
+        for shard in shards:
+            cache.local_path(shard)
+        if sync:
+            cache.sync()
+        return index, cache_dir, dataset_name(cache)
+
+
+def test_links_planted_in_the_unsynced_folder_are_never_followed(
+        fault_server: FaultServer, tmp_path: Path) -> None:
+    index, cache_dir, name = installed(fault_server, tmp_path, [0])
     victim = tmp_path / "victim"  # what a planted link points at: must survive
     (victim / name).mkdir(parents=True)
     (victim / name / "000000").write_text("x")
@@ -212,13 +223,7 @@ def test_links_planted_in_the_unsynced_folder_are_never_followed(
 
 def test_a_marker_of_another_boot_naming_a_shard_of_another_folder_removes_nothing_else(
         fault_server: FaultServer, tmp_path: Path) -> None:
-    index = serve_dataset(fault_server, num_shards=2)
-    cache_dir = tmp_path / "cache"
-    with NodeCache(index, str(cache_dir), fetch_options=FAST_RETRIES) as cache:
-        cache.local_path(0)
-        cache.local_path(1)
-        cache.sync()
-        name = dataset_name(cache)
+    index, cache_dir, name = installed(fault_server, tmp_path, [0, 1], sync=True)
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "000000.arrow").write_text("keep")
