@@ -60,15 +60,13 @@ from .shard_footers import (
 )
 
 #: The most a cold start reads of a shard by range after its first steps, as a fraction of its
-#: stored bytes, before it waits for the shard's install instead
-#: (:meth:`RangeReader.cold_budget_left`). At 0, the default, the first steps
-#: (``dataset_reader.COLD_START_STEPS``, within :data:`COLD_START_BUDGET`) are read by range,
-#: later ones wait for the installs, which range reads slow down. It was 1/16 while each
-#: install fsynced its shard before publishing it; once installs no longer waited for the
-#: disk (cache/durability.py) the range reads of the later steps cost more than they saved:
-#: 100 KB samples 1,736-2,100 -> 2,615-2,679 samples/s over the first 4,096 on loopback,
-#: 1,557-1,621 -> 1,571-1,732 with the store model, 280 -> 79 requests (benchmarks/RESULTS.md,
-#: 2026-12-06); with 1/4 it had been worse than 1/16.
+#: stored bytes, before it waits for the shard's install (:meth:`RangeReader.cold_budget_left`).
+#: At 0, the default, the first steps (``dataset_reader.COLD_START_STEPS``, within
+#: :data:`COLD_START_BUDGET`) are read by range, later ones wait for the installs, which range
+#: reads slow down. It was 1/16 while each install fsynced its shard before publishing it;
+#: since they do not wait for the disk (cache/durability.py) the later range reads cost more
+#: than they saved: 100 KB samples 1,736-2,100 -> 2,615-2,679 samples/s over the first 4,096
+#: on loopback, 280 -> 79 requests (benchmarks/RESULTS.md, 2026-12-06).
 COLD_BUDGET = 0.0
 #: The cold budget of the first steps of a cold start (``dense``): they are read by range
 #: while the bytes read from a shard stay within this fraction of it, ahead of the downloads;
