@@ -378,6 +378,12 @@ class Fetcher:
                 raise _ClosedError(f"the Fetcher was closed while retrying {url}")
         raise AssertionError("unreachable")
 
+    def streams_remote(self, url: str) -> bool:
+        """Whether ``url``'s filesystem is a remote one read asynchronously (s3, gs, az,
+        http): requests to it may run concurrently."""
+        fs, _ = self._filesystem(url)
+        return bool(getattr(fs, "async_impl", False))
+
     def _local_mismatch(self, url: str, error: BaseException) -> bool:
         """Whether ``error`` is a checksum mismatch of a local file (or an in-memory one):
         read again, the same bytes fail again, so it is not retried (a remote body may have

@@ -1,0 +1,85 @@
+"""A large object fetched as concurrent byte ranges ("parts"), then checked whole.
+
+An object store caps each connection's bandwidth (S3 documents tens of MB/s up to ~100 MB/s
+per connection and recommends byte-range requests in parallel for large objects): one GET of
+a 64 MB shard then takes ~0.65 s at 100 MB/s however many cores wait for it. Fetched as
+:data:`PART_BYTES` ranges at once (within the Fetcher's ``max_concurrency``), it arrives in
+about one part's time. Measured with the store model of benchmarks/peers/cold.py (20 ms to
+the first byte, 100 MB/s a connection): 100 KB samples 1,756-1,782 -> 2,365-2,460 samples/s
+over a cold start's first 4,096, tokens 3,318-3,481 -> 4,099-4,273, and no loss on plain
+loopback (benchmarks/RESULTS.md, 2026-12-06).
+
+What is checked: each part must come back exactly as long as asked (a longer answer means the
+server ignores ``Range``: the object is then fetched with one GET), and the whole object
+against the index's size and XXH64 checksum, in memory or in the file the parts were written
+into at their offsets; a mismatch retries the whole set (the Fetcher's retries). Parts are used
+only where that checksum exists (a server or proxy that shifts a range would otherwise pass
+unnoticed), the filesystem streams asynchronously (s3, gs, az, http), and the object is at
+least two parts and at most :data:`PARTS_MAX_BYTES` (all parts are held at once).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+from ..format.checksum import verify_bytes
+from .fetch import Fetcher
+from .retry import FetchError, ranges_ignored
+
+#: Bytes of one part.
+PART_BYTES = 16 << 20
+#: The largest object fetched in parts (its parts are all held in memory before they are
+#: written); a larger one is streamed by one GET.
+PARTS_MAX_BYTES = 256 << 20
+
+
+def fetch_whole(fetcher: Fetcher, url: str, *, size: int | None, checksum: str | None,
+                path: str | None = None) -> bytes | int:
+    """The object at ``url``: its bytes, or with ``path``, written to that file (not
+    fsynced; the caller renames it) and its length. In parts where this module's rules
+    allow, else as :meth:`Fetcher.fetch` / :meth:`Fetcher.fetch_to_file` do.
+
+    Raises: as :meth:`Fetcher.fetch`.
+    """
+    if not _in_parts(fetcher, url, size, checksum):
+        if path is None:
+            return fetcher.fetch(url, size=size, checksum=checksum)
+        return fetcher.fetch_to_file(url, path, size=size, checksum=checksum, durable=False)
+    assert size is not None
+    parts = [(start, min(start + PART_BYTES, size)) for start in range(0, size, PART_BYTES)]
+    held: list[bytes] = []
+
+    def into_memory(blocks: list[bytes]) -> None:
+        data = b"".join(blocks)
+        verify_bytes(data, checksum, what=url)
+        held[:] = [data]
+
+    def into_file(blocks: list[bytes]) -> None:
+        assert path is not None
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            for (start, _), block in zip(parts, blocks, strict=True):
+                os.pwrite(fd, block, start)
+            with mmap.mmap(fd, size, prot=mmap.PROT_READ) as written:
+                verify_bytes(written, checksum, what=url)
+        finally:
+            os.close(fd)
+
+    try:
+        fetcher.fetch_ranges(url, parts, verify=into_memory if path is None else into_file)
+    except FetchError as error:
+        if not ranges_ignored(error):
+            raise
+        if path is None:  # the server answers ranges with the whole object: one GET
+            return fetcher.fetch(url, size=size, checksum=checksum)
+        return fetcher.fetch_to_file(url, path, size=size, checksum=checksum, durable=False)
+    return held[0] if path is None else size
+
+
+def _in_parts(fetcher: Fetcher, url: str, size: int | None, checksum: str | None) -> bool:
+    return (checksum is not None and size is not None
+            and 2 * PART_BYTES <= size <= PARTS_MAX_BYTES and fetcher.streams_remote(url))
+
+
+__all__ = ["PARTS_MAX_BYTES", "PART_BYTES", "fetch_whole"]
