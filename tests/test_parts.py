@@ -37,12 +37,10 @@ def _small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def fetch(fetcher: Fetcher, url: str, path: Path | None = None,
           checksum: str | None = checksum_bytes(DATA)) -> bytes:
-    got = parts.fetch_whole(fetcher, url, size=len(DATA), checksum=checksum,
-                            path=None if path is None else str(path))
     if path is None:
-        assert isinstance(got, bytes)
-        return got
-    assert got == len(DATA)
+        return parts.fetch_bytes(fetcher, url, size=len(DATA), checksum=checksum)
+    assert parts.fetch_to_path(fetcher, url, str(path), size=len(DATA),
+                               checksum=checksum) == len(DATA)
     return path.read_bytes()
 
 
@@ -94,7 +92,7 @@ def test_no_checksum_a_small_object_or_a_local_file_take_one_request(
     local.write_bytes(DATA)
     with Fetcher(FAST_RETRIES) as fetcher:
         assert fetch(fetcher, url, checksum=None) == DATA  # (a shifted range would pass)
-        assert parts.fetch_whole(fetcher, small, size=2 * PART - 1,
+        assert parts.fetch_bytes(fetcher, small, size=2 * PART - 1,
                                  checksum=checksum_bytes(DATA[:2 * PART - 1])) == DATA[
             :2 * PART - 1]
         assert fetch(fetcher, str(local)) == DATA

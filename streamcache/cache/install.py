@@ -20,7 +20,7 @@ from ..format.index import DatasetIndex
 from ..format.materialize import is_mappable_arrow, materialize
 from ..remote import storage
 from ..remote.fetch import Fetcher
-from ..remote.parts import fetch_whole
+from ..remote.parts import fetch_bytes, fetch_to_path
 from .accounting import EVICTION_GRACE_S, Accounting, remove_quietly
 from .confine import check_folder_below
 from .durability import Markers, PendingSyncs, sync_installed
@@ -162,17 +162,15 @@ class Installer(Accounting):
         staged = os.path.join(tmp, f"{shard:06d}.arrow")
         decoded = info.compression is not None or info.format != "arrow"
         if decoded and info.bytes is not None and info.bytes <= MEMORY_INSTALL_BYTES:
-            data = fetch_whole(self.fetcher, url, size=info.bytes, checksum=info.checksum)
-            assert isinstance(data, bytes)
+            data = fetch_bytes(self.fetcher, url, size=info.bytes, checksum=info.checksum)
             if downloaded is not None:
                 downloaded(data)
             materialize(data, info.format, self.index.schema, staged, where=url,
                         expected_rows=info.rows)
             return staged, len(data)
         try:
-            nbytes = fetch_whole(self.fetcher, url, size=info.bytes, checksum=info.checksum,
-                                 path=download)
-            assert isinstance(nbytes, int)
+            nbytes = fetch_to_path(self.fetcher, url, download, size=info.bytes,
+                                   checksum=info.checksum)
             # (a compressed shard is never in the layout; checking would decompress it once more)
             if info.format == "arrow" and info.compression is None and is_mappable_arrow(
                     download, self.index.schema):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 
 from ..format.checksum import verify_bytes
 from .fetch import Fetcher
@@ -34,47 +35,71 @@ PART_BYTES = 16 << 20
 PARTS_MAX_BYTES = 256 << 20
 
 
-def fetch_whole(fetcher: Fetcher, url: str, *, size: int | None, checksum: str | None,
-                path: str | None = None) -> bytes | int:
-    """The object at ``url``: its bytes, or with ``path``, written to that file (not
-    fsynced; the caller renames it) and its length. In parts where this module's rules
-    allow, else as :meth:`Fetcher.fetch` / :meth:`Fetcher.fetch_to_file` do.
+def fetch_bytes(fetcher: Fetcher, url: str, *, size: int | None, checksum: str | None,
+                ) -> bytes:
+    """The object at ``url``: in parts where this module's rules allow, else as
+    :meth:`Fetcher.fetch` reads it.
 
     Raises: as :meth:`Fetcher.fetch`.
     """
     if not _in_parts(fetcher, url, size, checksum):
-        if path is None:
-            return fetcher.fetch(url, size=size, checksum=checksum)
-        return fetcher.fetch_to_file(url, path, size=size, checksum=checksum, durable=False)
-    assert size is not None
-    parts = [(start, min(start + PART_BYTES, size)) for start in range(0, size, PART_BYTES)]
+        return fetcher.fetch(url, size=size, checksum=checksum)
     held: list[bytes] = []
 
-    def into_memory(blocks: list[bytes]) -> None:
+    def joined(blocks: list[bytes]) -> None:
         data = b"".join(blocks)
         verify_bytes(data, checksum, what=url)
         held[:] = [data]
 
-    def into_file(blocks: list[bytes]) -> None:
-        assert path is not None
+    if not _fetch_parts(fetcher, url, _parts(size), joined):
+        return fetcher.fetch(url, size=size, checksum=checksum)
+    return held[0]
+
+
+def fetch_to_path(fetcher: Fetcher, url: str, path: str, *, size: int | None,
+                  checksum: str | None) -> int:
+    """Write the object at ``url`` to the file ``path`` (not fsynced: the caller renames it)
+    and return its length: in parts where this module's rules allow, else as
+    :meth:`Fetcher.fetch_to_file` writes it.
+
+    Raises: as :meth:`Fetcher.fetch`.
+    """
+    if not _in_parts(fetcher, url, size, checksum):
+        return fetcher.fetch_to_file(url, path, size=size, checksum=checksum, durable=False)
+    parts = _parts(size)
+
+    def written(blocks: list[bytes]) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
             for (start, _), block in zip(parts, blocks, strict=True):
                 os.pwrite(fd, block, start)
-            with mmap.mmap(fd, size, prot=mmap.PROT_READ) as written:
-                verify_bytes(written, checksum, what=url)
+            with mmap.mmap(fd, parts[-1][1], prot=mmap.PROT_READ) as view:
+                verify_bytes(view, checksum, what=url)
         finally:
             os.close(fd)
 
+    if not _fetch_parts(fetcher, url, parts, written):
+        return fetcher.fetch_to_file(url, path, size=size, checksum=checksum, durable=False)
+    return parts[-1][1]
+
+
+def _parts(size: int | None) -> list[tuple[int, int]]:
+    assert size is not None
+    return [(start, min(start + PART_BYTES, size)) for start in range(0, size, PART_BYTES)]
+
+
+def _fetch_parts(fetcher: Fetcher, url: str, parts: list[tuple[int, int]],
+                 verify: Callable[[list[bytes]], None]) -> bool:
+    """Fetch ``parts`` of ``url`` and hand them to ``verify`` (which checks them whole, and
+    keeps or writes them); False where the server ignores ranges (the caller makes one
+    GET)."""
     try:
-        fetcher.fetch_ranges(url, parts, verify=into_memory if path is None else into_file)
+        fetcher.fetch_ranges(url, parts, verify=verify)
     except FetchError as error:
         if not ranges_ignored(error):
             raise
-        if path is None:  # the server answers ranges with the whole object: one GET
-            return fetcher.fetch(url, size=size, checksum=checksum)
-        return fetcher.fetch_to_file(url, path, size=size, checksum=checksum, durable=False)
-    return held[0] if path is None else size
+        return False
+    return True
 
 
 def _in_parts(fetcher: Fetcher, url: str, size: int | None, checksum: str | None) -> bool:
@@ -82,4 +107,4 @@ def _in_parts(fetcher: Fetcher, url: str, size: int | None, checksum: str | None
             and 2 * PART_BYTES <= size <= PARTS_MAX_BYTES and fetcher.streams_remote(url))
 
 
-__all__ = ["PARTS_MAX_BYTES", "PART_BYTES", "fetch_whole"]
+__all__ = ["PARTS_MAX_BYTES", "PART_BYTES", "fetch_bytes", "fetch_to_path"]
