@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import CacheError
 from .confine import open_below
-from .durability import UNSYNCED
+from .durability import marker_of
 from .eviction import Resident, choose_victims
 from .ledger import (
     ACCOUNTING_NAME,
@@ -196,10 +196,8 @@ class Accounting:
         remove_quietly(path)
         remove_quietly(path.removesuffix(".arrow") + ".source")
         if self._boot is not None:  # its marker (durability.py): nothing left to make durable
-            dataset, name = os.path.basename(os.path.dirname(path)), os.path.basename(path)
             with contextlib.suppress(IsADirectoryError):  # (refused by name at the install)
-                remove_quietly(os.path.join(self.cache_dir, UNSYNCED, self._boot, dataset,
-                                            name.removesuffix(".arrow")))
+                remove_quietly(marker_of(self.cache_dir, self._boot, path))
 
     def _accounted_bytes(self) -> int:
         with contextlib.suppress(OSError, CacheError), self._accounting_lock():

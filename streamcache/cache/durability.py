@@ -45,6 +45,13 @@ UNSYNCED = "unsynced"
 SYNC_DELAY_S = 30.0
 
 
+def marker_of(cache_dir: str, boot: str, shard_path: str) -> str:
+    """The marker of the installed ``datasets/<ds>/NNNNNN.arrow`` at ``shard_path`` for the
+    boot ``boot`` (of any dataset: an eviction removes whatever shard it chose)."""
+    dataset, name = os.path.basename(os.path.dirname(shard_path)), os.path.basename(shard_path)
+    return os.path.join(cache_dir, UNSYNCED, boot, dataset, name.removesuffix(".arrow"))
+
+
 class Markers:
     """The markers of one dataset's unsynced installs in ``cache_dir``, for the boot ``boot``."""
 
@@ -170,5 +177,5 @@ class PendingSyncs:
             return len(self._since)
 
 
-__all__ = ["SYNC_DELAY_S", "UNSYNCED", "Markers", "PendingSyncs", "sweep_other_boots",
-           "sync_installed"]
+__all__ = ["SYNC_DELAY_S", "UNSYNCED", "Markers", "PendingSyncs", "marker_of",
+           "sweep_other_boots", "sync_installed"]

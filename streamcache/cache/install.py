@@ -118,17 +118,12 @@ class Installer(Accounting):
         with self._finish_changed:
             self._finish_changed.wait_for(lambda: self._finish_count == 0, timeout_s)
 
-    @property
-    def _defers_sync(self) -> bool:
-        """Whether installs are published first and fsynced later (durability.py)."""
-        return self._markers is not None
-
     def _make_durable(self, staged: str,
                       finished: Callable[[str | None], None] | None) -> None:
         """fsync the finished file ``staged`` before it is published where ``durable`` and
         the fsync cannot wait (no boot id), offering it to ``finished`` meanwhile (withdrawn
         before the rename)."""
-        if not self.durable or self._defers_sync:
+        if not self.durable or self._markers is not None:  # (fsynced after the publish)
             return
         if finished is not None:
             finished(staged)
@@ -210,11 +205,11 @@ class Installer(Accounting):
             # the publishing half of storage.atomic_path, split: the staged file was written
             # and verified before the lock, and the accounting must come between
             os.replace(staged, self.shard_path(shard))
-            if self.durable and not self._defers_sync:
+            if self.durable and self._markers is None:
                 storage.fsync_dir(self._shard_dir)
         self._last_used[key] = time.time()
         self._confirmed.add(shard)
-        if self._defers_sync:
+        if self._markers is not None:
             self._pending.add(shard)
 
     def _room_to_publish(self, shard: int, key: str, nbytes: int) -> list[str]:

@@ -5,9 +5,9 @@ per connection and recommends byte-range requests in parallel for large objects)
 a 64 MB shard then takes ~0.65 s at 100 MB/s however many cores wait for it. Fetched as
 :data:`PART_BYTES` ranges at once (within the Fetcher's ``max_concurrency``), it arrives in
 about one part's time. Measured with the store model of benchmarks/peers/cold.py (20 ms to
-the first byte, 100 MB/s a connection): 100 KB samples 1,756-1,782 -> 2,365-2,460 samples/s
-over a cold start's first 4,096, tokens 3,318-3,481 -> 4,099-4,273, and no loss on plain
-loopback (benchmarks/RESULTS.md, 2026-12-06).
+the first byte, 100 MB/s a connection): 100 KB samples 1,717-1,772 -> 2,042-2,545 samples/s
+over a cold start's first 4,096, tokens 2,920-3,552 -> 3,949-4,535, and no loss on plain
+loopback (benchmarks/RESULTS.md, "Shards in parts", 2026-12-06).
 
 What is checked: each part must come back exactly as long as asked (a longer answer means the
 server ignores ``Range``: the object is then fetched with one GET), and the whole object
