@@ -385,6 +385,37 @@ def test_fetches_from_s3(s3_bucket: S3Bucket, tmp_path: Path) -> None:
     assert isinstance(caught.value.cause, FileNotFoundError)
 
 
+def test_users_storage_options_are_left_as_written(s3_bucket: S3Bucket) -> None:
+    """botocore rewrites a ``retries`` dict in place (``max_attempts`` -> ``total_max_attempts``):
+    the options a user passes are copied, nested dicts too, wherever a filesystem is made
+    (the Fetcher, the index's and writer's helper, a checkpoint location), so the user's dict
+    reads the same afterwards and works again."""
+    import copy
+
+    from streamcache.checkpoint.tiers import Location
+    from streamcache.remote import storage
+
+    data = payload(11, 1_000)
+    url = s3_bucket.put("fetch/options/obj", data)
+    options = s3_bucket.storage_options()
+    options["config_kwargs"]["retries"] = {"max_attempts": 2, "mode": "standard"}
+    written = copy.deepcopy(options)
+    for _ in range(2):
+        with Fetcher(fast(storage_options=options)) as fetcher:
+            assert fetcher.fetch(url, size=len(data)) == data
+        fs, path = storage.filesystem(url, options)
+        assert fs.cat_file(path) == data
+        assert Location(s3_bucket.url("fetch/options"), options).fs.exists(path)
+        assert options == written
+    assert storage.plain_copy(None) == {}
+    nested = {"a": [{"b": 1}], "c": {"d": [2]}}
+    copied = storage.plain_copy(nested)
+    copied["a"][0]["b"] = copied["c"]["d"][0] = 0
+    assert nested == {"a": [{"b": 1}], "c": {"d": [2]}}
+    session = object()  # (a value that is not a dict or list is shared, not copied)
+    assert storage.plain_copy({"session": session})["session"] is session
+
+
 def test_fetches_from_s3_through_a_faulty_proxy(
     s3_bucket: S3Bucket, s3_fault_proxy: FaultServer
 ) -> None:

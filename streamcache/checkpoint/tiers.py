@@ -65,7 +65,7 @@ class Location:
     ) -> None:
         self.url = os.fspath(url)
         self.storage_options = dict(storage_options or {})
-        fs, path = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        fs, path = fsspec.core.url_to_fs(self.url, **storage.plain_copy(self.storage_options))
         self.fs: Any = fs
         self.path: str = path.rstrip("/") or "/"
         self.is_local = storage.is_local(fs)

@@ -396,7 +396,7 @@ class Fetcher:
     def _filesystem(self, url: str) -> tuple[Any, str]:
         """This process's filesystem for ``url`` and the path inside it."""
         if "::" in url:  # a chained URL: let fsspec build (and cache, per process) the chain
-            return fsspec.core.url_to_fs(url, **self.options.storage_options)
+            return fsspec.core.url_to_fs(url, **storage.plain_copy(self.options.storage_options))
         protocol = url.split("://", 1)[0] if "://" in url else "file"
         key = (os.getpid(), protocol)
         with self._lock:
@@ -405,7 +405,7 @@ class Fetcher:
             # A private instance: another user's fsspec cache, or a closed Fetcher's, cannot
             # hand us a filesystem with a different configuration or a dead session.
             fs, _ = fsspec.core.url_to_fs(
-                url, skip_instance_cache=True, **self.options.storage_options
+                url, skip_instance_cache=True, **storage.plain_copy(self.options.storage_options)
             )
             if getattr(fs, "async_impl", False):
                 _async_filesystems.add(fs)

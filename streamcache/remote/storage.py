@@ -21,6 +21,21 @@ from fsspec.core import url_to_fs
 from ..errors import DestinationError, StorageError, StreamcacheError, UnknownProtocolError
 
 
+def plain_copy(storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A copy of ``storage_options`` whose nested dicts and lists are copies too (other values,
+    such as a session object, are shared), to hand to fsspec: botocore rewrites a ``retries``
+    dict in place (``max_attempts`` becomes ``total_max_attempts``), and the user's options,
+    reused for another dataset or compared later, must stay as they were written."""
+    def copied(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {key: copied(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [copied(item) for item in value]
+        return value
+
+    return {key: copied(value) for key, value in (storage_options or {}).items()}
+
+
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
     """The fsspec filesystem for ``url`` and the path inside it.
 
@@ -29,7 +44,7 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
         StorageError: the protocol's fsspec backend is not installed (e.g. s3fs).
     """
     try:
-        fs, path = url_to_fs(url, **dict(storage_options or {}))
+        fs, path = url_to_fs(url, **plain_copy(storage_options))
     except ValueError as exc:
         if "Protocol not known" not in str(exc):
             raise
