@@ -11,10 +11,13 @@ synced are kept. And the adversarial side: the ``unsynced`` folder is shared and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +98,62 @@ def test_due_installs_are_synced_by_the_next_install_and_by_close(
     assert marks(cache) == [2]
     cache.close()  # not due: left marked, for a later process of this boot
     assert marks(NodeCache(index, str(tmp_path / "cache"))) == [2]
+
+
+@contextlib.contextmanager
+def held_by_another_process(cache: NodeCache, shard: int) -> Iterator[None]:
+    """``shard``'s lock held by a second process (as while it installs the shard again)."""
+    path = os.path.join(cache._lock_dir, f"{shard:06d}.lock")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | "
+         "os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); "
+         "sys.stdin.read()", path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        yield
+    finally:
+        assert holder.stdin is not None and holder.stdout is not None
+        holder.stdin.close()
+        holder.wait(30)
+        holder.stdout.close()
+
+
+def in_thread(call: Callable[[], object], seconds: float = 20.0) -> bool:
+    """Whether ``call()`` returned within ``seconds`` (the thread is left to end later)."""
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    return not worker.is_alive()
+
+
+def test_a_due_sync_never_waits_for_a_shard_another_process_holds(
+        fault_server: FaultServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An install or a close syncs the due shards it can lock now and leaves one whose lock
+    another process holds (it installs the shard again, for its download's time) for the next
+    time; ``sync()``, asked for everything, waits for it."""
+    index = serve_dataset(fault_server, num_shards=4)
+    cache = NodeCache(index, str(tmp_path / "cache"), fetch_options=FAST_RETRIES)
+    cache.local_path(0)
+    monkeypatch.setattr(durability, "SYNC_DELAY_S", 0.0)
+    with held_by_another_process(cache, 0):
+        assert in_thread(lambda: cache.local_path(1))  # (waiting would outlast the holder)
+        assert marks(cache) == [0] and cache.stats.synced == 1
+    cache.local_path(2)  # released: shard 0's turn came again
+    assert marks(cache) == [] and cache.stats.synced == 3
+    monkeypatch.setattr(durability, "SYNC_DELAY_S", 600.0)
+    cache.local_path(3)
+    with held_by_another_process(cache, 3):
+        done = threading.Event()
+        syncing = threading.Thread(target=lambda: (cache.sync(), done.set()), daemon=True)
+        syncing.start()
+        assert not done.wait(0.5) and marks(cache) == [3]  # sync() waits for the lock
+    syncing.join(20)
+    assert done.is_set() and marks(cache) == [] and cache.stats.synced == 4
+    monkeypatch.setattr(durability, "SYNC_DELAY_S", 0.0)
+    cache._pending.add(3)  # (as if it were due again)
+    with held_by_another_process(cache, 3):
+        assert in_thread(cache.close)
+    assert marks(NodeCache(index, str(tmp_path / "cache"))) == []
 
 
 def test_after_a_reboot_the_unsynced_shards_are_installed_again_and_the_synced_kept(

@@ -242,11 +242,16 @@ class Accounting:
                 name: getattr(self._stats, name) + value for name, value in increments.items()})
 
 
+class LockHeld(BlockingIOError):
+    """A lock asked for without waiting is held by another thread or process."""
+
+
 @contextlib.contextmanager
-def file_lock(root: str, relative: str) -> Iterator[None]:
+def file_lock(root: str, relative: str, *, wait: bool = True) -> Iterator[None]:
     """An exclusive ``flock`` on ``root/relative``, on a descriptor of its own (blocks, GIL
-    released). The file and its folders are made as needed and never through a symbolic
-    link below ``root`` (:func:`open_below`).
+    released; with ``wait`` false, raises :class:`LockHeld` at once where another holds it).
+    The file and its folders are made as needed and never through a symbolic link below
+    ``root`` (:func:`open_below`).
 
     ``flock``, not POSIX record locks (``lockf``): record locks belong to the whole process,
     so the kernel's deadlock detection sees two threads of one process as one owner and fails
@@ -262,7 +267,11 @@ def file_lock(root: str, relative: str) -> Iterator[None]:
 
     fd = open_below(root, relative, os.O_RDWR | os.O_CREAT)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise LockHeld(f"{os.path.join(root, relative)} is locked by another process") \
+                from None
         try:
             yield
         finally:
@@ -277,4 +286,4 @@ def remove_quietly(path: str) -> None:
 
 
 __all__ = ["ACCOUNTING_NAME", "EVICTION_GRACE_S", "Accounting", "CacheStats", "CacheUsage",
-           "EvictionListener", "file_lock", "remove_quietly"]
+           "EvictionListener", "LockHeld", "file_lock", "remove_quietly"]

@@ -12,8 +12,9 @@ cold start"). Now, where the OS gives a boot id:
 2. the shard is renamed in with no fsync: every process of the node maps it at once;
 3. once :data:`SYNC_DELAY_S` has passed (the kernel has usually written the pages back by
    then), a process of this boot fsyncs the shard and removes the marker, under the shard's
-   lock: the installing process at its next install or its close, or one that opens the
-   cache later in this boot (it adopts the markers of its dataset).
+   lock: the installing process at its next install or its close (which skip a lock held
+   elsewhere, for the next time), or one that opens the cache later in this boot (it adopts
+   the markers of its dataset).
 
 Within one boot a published file is whole whatever process crashed (the page cache outlives
 processes); only a power loss or a kernel crash loses unsynced pages, and both change the boot
@@ -156,21 +157,23 @@ class PendingSyncs:
         self._lock = threading.Lock()
         self._since: dict[int, float] = {}
 
-    def add(self, shard: int) -> None:
-        """Note ``shard``, published (or found marked) now."""
-        now = time.time()
+    def add(self, shard: int, since: float | None = None) -> None:
+        """Note ``shard``, published (or found marked) now, or at ``since`` (a time
+        :meth:`take` gave: put back)."""
+        when = time.time() if since is None else since
         with self._lock:
-            self._since.setdefault(shard, now)
+            self._since.setdefault(shard, when)
 
-    def take(self, *, everything: bool = False) -> list[int]:
+    def take(self, *, everything: bool = False) -> list[tuple[int, float]]:
         """Remove and return the shards due now (noted at least :data:`SYNC_DELAY_S` ago;
-        every one with ``everything``)."""
+        every one with ``everything``), each with when it was noted, in shard order."""
         due = time.time() - SYNC_DELAY_S
         with self._lock:
-            taken = [k for k, since in self._since.items() if everything or since <= due]
-            for shard in taken:
+            taken = sorted((k, since) for k, since in self._since.items()
+                           if everything or since <= due)
+            for shard, _ in taken:
                 del self._since[shard]
-        return sorted(taken)
+        return taken
 
     def __len__(self) -> int:
         with self._lock:

@@ -21,7 +21,7 @@ from ..format.materialize import is_mappable_arrow, materialize
 from ..remote import storage
 from ..remote.fetch import Fetcher
 from ..remote.parts import fetch_bytes, fetch_to_path
-from .accounting import EVICTION_GRACE_S, Accounting, remove_quietly
+from .accounting import EVICTION_GRACE_S, Accounting, LockHeld, remove_quietly
 from .confine import check_folder_below
 from .durability import Markers, PendingSyncs, sync_installed
 from .faults import DISK_FULL_ATTEMPTS, disk_full_error, is_disk_full
@@ -61,7 +61,8 @@ class Installer(Accounting):
     if TYPE_CHECKING:  # the cache's public methods, defined in node.py
         def shard_path(self, shard: int) -> str: ...
         def estimated_bytes(self, shard: int) -> int: ...
-        def _shard_lock(self, shard: int) -> contextlib.AbstractContextManager[None]: ...
+        def _shard_lock(self, shard: int, *, wait: bool = True,
+                        ) -> contextlib.AbstractContextManager[None]: ...
 
     def _install_with_room(self, shard: int,
                            downloaded: Callable[[bytes], None] | None = None,
@@ -137,13 +138,21 @@ class Installer(Accounting):
         """fsync the shards this process published unsynced whose time has come (every one
         with ``everything``) and remove their markers, each under its shard lock. A shard
         whose fsync fails keeps its marker (installed again after a reboot); a lock that
-        cannot be taken leaves it too: making a served copy durable never fails a read."""
-        for shard in self._pending.take(everything=everything):
+        cannot be taken leaves it too: making a served copy durable never fails a read.
+        Only ``everything`` (:meth:`NodeCache.sync`) waits for a lock: a due shard that
+        another thread or process is installing again (after an eviction: its download) is
+        left for the next time, not waited for by an install or a close."""
+        for shard, since in self._pending.take(everything=everything):
             assert self._markers is not None
-            with contextlib.suppress(OSError, CacheError), self._shard_lock(shard):
-                if sync_installed(self.shard_path(shard)):
-                    self._markers.unmark(shard)
-                    self._count(synced=1)
+            try:
+                with self._shard_lock(shard, wait=everything):
+                    if sync_installed(self.shard_path(shard)):
+                        self._markers.unmark(shard)
+                        self._count(synced=1)
+            except LockHeld:
+                self._pending.add(shard, since)
+            except (OSError, CacheError):
+                pass
 
     def _download(self, shard: int, downloaded: Callable[[bytes], None] | None = None,
                   ) -> tuple[str, int]:

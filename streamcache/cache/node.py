@@ -54,7 +54,7 @@ from ..format.index import DatasetIndex, ShardInfo
 from ..processes import boot_id
 from ..remote.fetch import Fetcher
 from ..remote.options import FetchOptions
-from .accounting import CacheStats, CacheUsage, EvictionListener, file_lock
+from .accounting import CacheStats, CacheUsage, EvictionListener, LockHeld, file_lock
 from .confine import check_folder_below
 from .copies import CopyLookup
 from .durability import Markers, PendingSyncs, sweep_other_boots
@@ -359,13 +359,20 @@ class NodeCache(Installer, CopyLookup):
     # ------------------------------------------------------------------ locks and helpers
 
     @contextlib.contextmanager
-    def _shard_lock(self, shard: int) -> Iterator[None]:
+    def _shard_lock(self, shard: int, *, wait: bool = True) -> Iterator[None]:
+        """The shard's lock (this process's threads, then the node's processes); with
+        ``wait`` false, :class:`~.accounting.LockHeld` at once where another holds it."""
         with self._guard:
             lock = self._shard_locks.setdefault(shard, threading.Lock())
         relative = os.path.join(os.path.relpath(self._lock_dir, self.cache_dir),
                                 f"{shard:06d}.lock")
-        with lock, file_lock(self.cache_dir, relative):
-            yield
+        if not lock.acquire(blocking=wait):
+            raise LockHeld(f"shard {shard} is being installed by another thread")
+        try:
+            with file_lock(self.cache_dir, relative, wait=wait):
+                yield
+        finally:
+            lock.release()
 
     def _check_open(self) -> None:
         if self._closed:
