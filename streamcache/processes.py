@@ -107,16 +107,19 @@ MAX_NODE_READERS = 1024
 
 
 def node_readers() -> int:
-    """The reading processes of this node, as far as this process can tell: torchrun's
-    ``LOCAL_WORLD_SIZE`` (ranks of the node; 1 when unset or not a positive integer, at most
-    :data:`MAX_NODE_READERS`) times the DataLoader worker processes of this rank when this
-    is one. Each has its own range reader; the node's later cold budget
-    (``ranges.COLD_BUDGET``) is split among them (one download per node makes their range
-    reads redundant alike)."""
+    """The reading processes of this node, as far as this process can tell: its ranks
+    (:func:`node_ranks`) times the DataLoader worker processes of this rank when this is one.
+    Each has its own range reader; the node's later cold budget (``ranges.COLD_BUDGET``) is
+    split among them (one download per node makes their range reads redundant alike)."""
+    return max(1, min(MAX_NODE_READERS, node_ranks() * _worker_count()))
+
+
+def node_ranks() -> int:
+    """The ranks of this node: torchrun's ``LOCAL_WORLD_SIZE`` (1 when unset or not a
+    positive integer, at most :data:`MAX_NODE_READERS`). Each reads its part of every global
+    step, so a rank's rows of a step, times this, are about the node's."""
     ranks = os.environ.get("LOCAL_WORLD_SIZE", "")
-    count = int(ranks) if ranks.isdigit() and 0 < int(ranks) <= MAX_NODE_READERS else 1
-    workers = _worker_count()
-    return max(1, min(MAX_NODE_READERS, count * workers))
+    return int(ranks) if ranks.isdigit() and 0 < int(ranks) <= MAX_NODE_READERS else 1
 
 
 def _worker_count() -> int:
@@ -126,5 +129,5 @@ def _worker_count() -> int:
     return max(1, int(getattr(info, "num_workers", 1) or 1))
 
 
-__all__ = ["MAX_NODE_READERS", "boot_id", "node_readers", "pid_gone", "process_alive",
+__all__ = ["MAX_NODE_READERS", "boot_id", "node_ranks", "node_readers", "pid_gone", "process_alive",
            "process_token", "usable_cores"]

@@ -626,6 +626,7 @@ def test_the_node_readers_come_from_torchruns_local_world_size(
         monkeypatch: pytest.MonkeyPatch, value: str, expected: int) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
     assert processes.node_readers() == expected
+    assert processes.node_ranks() == expected
 
 
 def test_a_dataset_readers_range_reader_takes_its_share(
@@ -634,6 +635,48 @@ def test_a_dataset_readers_range_reader_takes_its_share(
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with DatasetReader(load_index(url)) as reader:
         assert reader.range_reader().budget_share == 0.25
+        assert reader.range_reader().node_ranks == 4
+
+
+@pytest.mark.parametrize("spread", ["even", "clustered", "every_third"])
+def test_the_first_steps_budget_judges_the_nodes_step_not_a_ranks_part(
+        fault_server: FaultServer, monkeypatch: pytest.MonkeyPatch, spread: str) -> None:
+    """A node of 1, 2 or 4 ranks (``node_ranks``) makes the same choice for the same first
+    step: each rank reads its part by range where the node's rows are sparse in the shard,
+    and every rank waits for the install (None, no request) where they are dense, however
+    small its own part; counted in the chunks' own bytes, so chunks far apart, side by side
+    or with gaps that coalescing fetches too are judged alike; a rank's footer is its own
+    cost, not the node's."""
+    monkeypatch.setattr(ranges, "COLD_START_BUDGET", 1 / 16)
+    write(Path(fault_server.root or "") / "fine", chunk_size=4 << 10, shard_size=8 << 20)
+    index = load_index(fault_server.url_for("fine"))
+    info = index.shards[0]
+    assert len(index.shards) == 1 and info.chunk_rows is not None
+    chunks = -(-info.rows // info.chunk_rows)
+    assert chunks >= 256
+    for share, sparse in ((1 / 40, True), (1 / 10, False)):
+        count = int(chunks * share)
+        picked = {"even": np.linspace(0, chunks - 1, count).astype(np.int64),
+                  "clustered": np.arange(count, dtype=np.int64),  # one span
+                  "every_third": np.arange(0, 3 * count, 3, dtype=np.int64),  # spans of 3
+                  }[spread]
+        node_rows = picked * info.chunk_rows  # one row of each picked chunk
+        for ranks in (1, 2, 4):
+            before = served_bytes(fault_server)
+            reader = RangeReader(index, Fetcher(NO_RETRIES), node_ranks=ranks)
+            try:
+                part = node_rows[::ranks]  # (a rank's part: every ranks-th row of the step)
+                result = reader.read_rows(0, part, cold=True, dense=True)
+                assert (result is not None) == sparse, (share, ranks)
+                if result is None:
+                    assert reader.stats.chunks == 0  # (its footer only: nothing of the rows)
+                else:
+                    held, local = result  # the rows asked for, from shard 0 (ids 0, 1, ...)
+                    ids = held.batch.column("id").to_numpy()[local]
+                    np.testing.assert_array_equal(ids, part)
+            finally:
+                reader.close()
+            assert served_bytes(fault_server) > before  # (the footer at least was read)
 
 
 class _Readers(torch.utils.data.IterableDataset):  # type: ignore[type-arg]

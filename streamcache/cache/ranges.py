@@ -42,7 +42,6 @@ import pyarrow.ipc as ipc
 from .. import forksafe
 from ..errors import RowOutOfRangeError, ShardCorruptError
 from ..format.chunks import Block
-from ..format.columns import column_buffers
 from ..format.index import DatasetIndex
 from ..format.materialize import decode_shard
 from ..format.reader import ShardReader
@@ -50,6 +49,7 @@ from ..format.schema import Schema
 from ..remote.fetch import Fetcher
 from ..remote.retry import FetchError, ranges_ignored
 from .byte_ranges import COALESCE_GAP, coalesce
+from .memory_shard import MemoryShard
 from .shard_footers import (
     Footer,
     arrow_footer,
@@ -69,9 +69,13 @@ from .shard_footers import (
 #: on loopback, 280 -> 79 requests (benchmarks/RESULTS.md, 2026-12-06).
 COLD_BUDGET = 0.0
 #: The cold budget of the first steps of a cold start (``dense``): they are read by range
-#: while the bytes read from a shard stay within this fraction of it, ahead of the downloads;
-#: denser rows wait for the shard's install (one download per node, under the node's lock).
-COLD_START_BUDGET = 1 / 8
+#: while the chunks the node's ranks need of a shard (a rank's times the node's ranks) stay
+#: within this fraction of its stored bytes, ahead of the downloads; denser rows wait for the
+#: shard's install (one download per node). Judged by the node's step, not a rank's part: at
+#: 1/8 of a rank's coalesced bytes, 2 and 4 ranks read the token shards' first steps in
+#: 400-620 requests beside their downloads, 1,800-3,000 samples/s against 4,200-4,400 without
+#: (benchmarks/RESULTS.md, "The first steps judged by the node", 2026-12-06).
+COLD_START_BUDGET = 1 / 16
 #: Parsed footers kept (per reader), and decoded whole shards (bytes, per reader).
 FOOTERS_KEPT = 256
 WHOLE_SHARD_BYTES = 256 << 20
@@ -98,30 +102,6 @@ class RangeStats:
     whole: int = 0
 
 
-class MemoryShard(ShardReader):
-    """Rows of a shard decoded into memory, readable by the native gather like a mapped one.
-
-    Thread safety: read-only after construction.
-    """
-
-    def __init__(self, batch: pa.RecordBatch, schema: Schema, *, where: str) -> None:
-        # (not ShardReader's constructor: nothing is mapped; the gather needs only buffers)
-        self.path = where
-        self.schema = schema
-        self.num_rows = batch.num_rows
-        self._batch = batch
-        self._buffers = {f.name: column_buffers(f, batch.column(f.name)) for f in schema}
-
-    @property
-    def batch(self) -> pa.RecordBatch:
-        """The rows held, as one record batch of the canonical types (verified: every chunk
-        it came from matched its digest, or the whole object its checksum). Read-only."""
-        return self._batch
-
-    def close(self) -> None:
-        self._buffers.clear()
-
-
 class RangeReader:
     """Reads rows of a dataset's shards by range requests, into memory.
 
@@ -132,8 +112,9 @@ class RangeReader:
         schema: the fields to read (default: all of the index's).
         threads: shards read at once by :meth:`read_many`.
         budget_share: the fraction of :data:`COLD_BUDGET` this reader may spend (default 1:
-            the node's only reader). The first steps' :data:`COLD_START_BUDGET` is not split:
-            the rows of the first steps are the global batches', whatever the processes.
+            the node's only reader).
+        node_ranks: the ranks of this node, each reading its part of every step: the first
+            steps' :data:`COLD_START_BUDGET` is a node's, split among them.
 
     Owns: a pool of ``threads`` named daemon threads (``streamcache-ranges-*``), started on
     first use and stopped by :meth:`close`. Fork: a child gets a new lock and pool on first
@@ -141,12 +122,13 @@ class RangeReader:
     """
 
     def __init__(self, index: DatasetIndex, fetcher: Fetcher, *, schema: Schema | None = None,
-                 threads: int = 16, budget_share: float = 1.0) -> None:
+                 threads: int = 16, budget_share: float = 1.0, node_ranks: int = 1) -> None:
         self.index = index
         #: This reader's share of the node's :data:`COLD_BUDGET` (1 / the node's reading
         #: processes): every process of a node has its own reader, and the budget bounds the
         #: node's range reads that its one install per shard makes redundant.
         self.budget_share = budget_share
+        self.node_ranks = max(1, node_ranks)
         self.fetcher = fetcher
         self.schema = schema or index.schema
         self._threads = max(1, threads)
@@ -250,9 +232,9 @@ class RangeReader:
             try:
                 # (the first steps' budget is each process's own: their rows, fixed by the
                 # global batches, are the node's either way, split among its processes)
-                budget = (COLD_START_BUDGET if dense else COLD_BUDGET * self.budget_share) \
-                    if cold else None
-                return self._by_range(shard, rows, budget)
+                budget = (COLD_START_BUDGET / self.node_ranks if dense else
+                          COLD_BUDGET * self.budget_share) if cold else None
+                return self._by_range(shard, rows, budget, dense=dense)
             except _RangesIgnored:
                 pass  # (the server ignores ranges: whole objects from now on)
         if cold:
@@ -262,16 +244,19 @@ class RangeReader:
         return reader, rows
 
     def _by_range(self, shard: int, rows: np.ndarray, budget: float | None,
-                  source: bytes | None = None) -> tuple[ShardReader, np.ndarray] | None:
+                  source: bytes | None = None, dense: bool = False,
+                  ) -> tuple[ShardReader, np.ndarray] | None:
         """:meth:`read_rows` of an addressable shard; with ``budget`` (a fraction of the
-        shard), None when the read would take the shard's range-read bytes past it; with
-        ``source``, its chunks sliced from those bytes."""
+        shard), None when the read would take the shard's range-read bytes past it (``dense``:
+        the chunks' own bytes, which do not depend on how near they lie); with ``source``,
+        its chunks sliced from those bytes."""
         footer = self._footer(shard, source)
         units = np.searchsorted(footer.starts, rows, side="right") - 1
         needed = np.unique(units)
         spans = coalesce([footer.blocks[u] for u in needed.tolist()], self.coalesce_gap)
-        if budget is not None and not self.cold_budget_left(
-                shard, sum(s.length for s in spans), budget):
+        wanted = sum(footer.blocks[u].length for u in needed.tolist()) if dense else \
+            sum(s.length for s in spans)
+        if budget is not None and not self.cold_budget_left(shard, wanted, budget):
             return None
         batches = self._read_units(shard, footer, needed.tolist(), spans, source)
         sizes = np.array([b.num_rows for b in batches], np.int64)
@@ -332,7 +317,7 @@ class RangeReader:
         url = self.index.shard_url(shard)
 
         def fetch(ranges: list[tuple[int, int]], verify: Any = None) -> list[bytes]:
-            return self._fetch(shard, url, ranges, verify, source)
+            return self._fetch(shard, url, ranges, verify, source, rows=False)
 
         footer = arrow_footer(info, url, self.index.schema, fetch) if info.chunked else \
             parquet_footer(info, url, fetch)
@@ -399,8 +384,10 @@ class RangeReader:
 
     # ------------------------------------------------------------------ helpers
 
-    def _fetch(self, shard: int, url: str, ranges: list[tuple[int, int]],
-               verify: Any = None, source: bytes | None = None) -> list[bytes]:
+    def _fetch(self, shard: int, url: str, ranges: list[tuple[int, int]], verify: Any = None,
+               source: bytes | None = None, rows: bool = True) -> list[bytes]:
+        """The bytes of ``ranges`` of ``shard``; counted in its cold budget where they hold
+        ``rows`` (a footer does not: each process reads its own, whatever its budget)."""
         if source is not None:  # (downloaded already: sliced, no request, no budget used)
             blocks = [bytes(source[start:end]) for start, end in ranges]
             if any(len(block) != end - start for block, (start, end) in zip(
@@ -421,7 +408,7 @@ class RangeReader:
         nbytes = sum(len(b) for b in blocks)
         self._count(requests=len(ranges), bytes=nbytes)
         with self._lock:
-            self._shard_bytes[shard] = self._shard_bytes.get(shard, 0) + nbytes
+            self._shard_bytes[shard] = self._shard_bytes.get(shard, 0) + nbytes * rows
         return blocks
 
     def _count(self, **increments: int) -> None:

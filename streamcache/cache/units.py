@@ -176,7 +176,7 @@ class UnitCache(NodeCache):
 def _rows_of(reader: Any, local: np.ndarray) -> pa.RecordBatch:
     """The rows ``local`` (consecutive, ascending) of a range reader's in-memory shard as one
     record batch in the dataset's canonical types (a slice: no copy)."""
-    batch: pa.RecordBatch = reader.batch  # the decoded, verified chunks (ranges.MemoryShard)
+    batch: pa.RecordBatch = reader.batch  # the decoded, verified chunks (memory_shard.MemoryShard)
     start = int(local[0]) if local.size else 0
     if local.size and not np.array_equal(local, np.arange(start, start + local.size)):
         raise AssertionError("a unit's rows come back from a range read out of order")

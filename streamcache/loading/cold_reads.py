@@ -20,7 +20,7 @@ from ..errors import ShardNotFoundError, StreamcacheError
 from ..format.index import DatasetIndex
 from ..format.reader import ShardReader
 from ..format.schema import Schema
-from ..processes import node_readers
+from ..processes import node_ranks, node_readers
 from ..remote.fetch import Fetcher
 from ..remote.options import FetchOptions
 from ..remote.retry import FetchError
@@ -162,7 +162,8 @@ class ColdReads:
                             options, storage_options=dict(self._storage_options))
                     fetcher = self._own_fetcher = Fetcher(options)
                 self._ranges = RangeReader(self.index, fetcher, schema=self.schema,
-                                           budget_share=1 / node_readers())
+                                           budget_share=1 / node_readers(),
+                                           node_ranks=node_ranks())
             return self._ranges
 
     @property

@@ -19,8 +19,8 @@ chunks that hold them, into memory, installing nothing):
   shards that are not installed yet and can be read by range (chunked Arrow shards, Parquet
   files of several row groups), so the first batches do not wait for whole shards while the
   prefetcher installs them in first-use order; once installed, rows come from the cache. The
-  first steps (``COLD_START_STEPS``) are read so while a shard's range-read bytes, the read
-  included, stay within 1/8 of its size (``ranges.COLD_START_BUDGET``); later steps wait for
+  first steps (``COLD_START_STEPS``) are read so while the chunks the node's ranks need of a
+  shard stay within 1/16 of its size (``ranges.COLD_START_BUDGET``); later steps wait for
   the installs (``ranges.COLD_BUDGET``, 0 by default, the node's budget for them: split
   among its reading processes), and rows dense in a shard wait for its install (the first
   steps' rows are taken from a compressed shard's downloaded bytes while the install
