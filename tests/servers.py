@@ -358,6 +358,10 @@ class FaultServer:
 
 class _ThreadingServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver listens with a backlog of 5: a burst of new connections (four ranks of a
+    # node opening their range readers' at once) overflowed it, and the kernel's 1 s SYN
+    # retransmission put a second into some ranks' first batch; object stores accept bursts
+    request_queue_size = 1024
 
     def __init__(self, address: tuple[str, int], handler: type, *, owner: FaultServer) -> None:
         self.owner = owner
