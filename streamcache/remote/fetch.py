@@ -261,26 +261,48 @@ class Fetcher:
         Raises: as :meth:`fetch`.
         """
 
-        def attempt() -> list[bytes]:
+        if not ranges:
+            return []
+        blocks = self._ranges_with_retries(url, ranges, self._transfers.read_ranges, verify)
+        self._count(bytes=sum(len(block) for block in blocks))
+        return blocks
+
+    def fetch_range_pieces(self, url: str, ranges: Sequence[tuple[int, int]], *,
+                           verify: Callable[[list[list[bytes]]], None] | None = None,
+                           ) -> list[list[bytes]]:
+        """:meth:`fetch_ranges` for large ranges (a shard's parts): each range in the pieces
+        its body arrived in, unjoined (see :meth:`.transfer.Transfers.read_range_pieces`).
+
+        Raises: as :meth:`fetch`.
+        """
+        if not ranges:
+            return []
+        pieces = self._ranges_with_retries(url, ranges, self._transfers.read_range_pieces,
+                                           verify)
+        self._count(bytes=sum(len(p) for got in pieces for p in got))
+        return pieces
+
+    def _ranges_with_retries(self, url: str, ranges: Sequence[tuple[int, int]],
+                             read: Callable[..., T], verify: Callable[[T], None] | None) -> T:
+        """``read(fs, path, url, ranges, parallel)`` in attempts (the Fetcher's retries),
+        each within the concurrency slots free at the time, then ``verify``."""
+
+        def attempt() -> T:
             fs, path = self._filesystem(url)
             self._count(requests=len(ranges) - 1)  # (the attempt itself counted one)
             extra = 0  # slots free now, besides the attempt's own: ranges in flight at once
             while extra < len(ranges) - 1 and self._slots.acquire(blocking=False):
                 extra += 1
             try:
-                blocks = self._transfers.read_ranges(fs, path, url, ranges, 1 + extra)
+                got = read(fs, path, url, ranges, 1 + extra)
             finally:
                 for _ in range(extra):
                     self._slots.release()
             if verify is not None:
-                verify(blocks)
-            return blocks
+                verify(got)
+            return got
 
-        if not ranges:
-            return []
-        blocks = self._with_retries(url, attempt)
-        self._count(bytes=sum(len(block) for block in blocks))
-        return blocks
+        return self._with_retries(url, attempt)
 
     def fetch_many(self, requests: Iterable[FetchRequest]) -> list[FetchResult]:
         """Fetch several objects in parallel (within ``max_concurrency``), results in order.
