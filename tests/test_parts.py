@@ -149,9 +149,10 @@ def test_on_s3_every_part_is_streamed_and_the_bytes_are_the_objects(
     streamed: list[tuple[int, int]] = []
     real = transfer._s3_range
 
-    async def counted(fs: Any, path: str, start: int, end: int, timeout: float) -> list[bytes]:
+    async def counted(fs: Any, path: str, start: int, end: int, timeout: float,
+                      hand: Any = None) -> tuple[list[bytes], int]:
         streamed.append((start, end))
-        return await real(fs, path, start, end, timeout)
+        return await real(fs, path, start, end, timeout, hand)
 
     monkeypatch.setattr(transfer, "_s3_range", counted)
     with Fetcher(s3_options(s3_bucket)) as fetcher:
@@ -191,10 +192,11 @@ def test_on_s3_a_proxy_that_drops_the_range_gets_one_get(
     received: list[tuple[int, int]] = []  # (asked, received) per streamed part
     real = transfer._s3_range
 
-    async def counted(fs: Any, path: str, start: int, end: int, timeout: float) -> list[bytes]:
-        pieces = await real(fs, path, start, end, timeout)
-        received.append((end - start, sum(len(p) for p in pieces)))
-        return pieces
+    async def counted(fs: Any, path: str, start: int, end: int, timeout: float,
+                      hand: Any = None) -> tuple[list[bytes], int]:
+        pieces, length = await real(fs, path, start, end, timeout, hand)
+        received.append((end - start, length))
+        return pieces, length
 
     monkeypatch.setattr(transfer, "_s3_range", counted)
     with Fetcher(s3_options(s3_bucket, s3_fault_proxy)) as fetcher:
@@ -209,3 +211,29 @@ def test_on_s3_a_missing_object_is_permanent_and_named(
         fetch(fetcher, s3_bucket.url("parts/never-written"), tmp_path / "obj")
     assert caught.value.permanent and "never-written" in str(caught.value)
     assert not (tmp_path / "obj").exists() or (tmp_path / "obj").stat().st_size == 0
+
+
+def test_on_s3_each_piece_is_handed_on_as_it_arrives_and_kept_nowhere(
+        s3_bucket: S3Bucket) -> None:
+    """With ``each``, the pieces of every part go to it (on the calling thread) and none is
+    kept: together they are the object, byte for byte; an ``each`` that fails (a full disk)
+    ends the set with its error, without waiting for the rest."""
+    url = s3_bucket.put("parts/handed", DATA)
+    ranges = [(s, min(s + PART, len(DATA))) for s in range(0, len(DATA), PART)]
+    got = bytearray(len(DATA))
+    seen: list[tuple[int, int]] = []
+
+    def each(offset: int, piece: bytes) -> None:
+        seen.append((offset, len(piece)))
+        got[offset:offset + len(piece)] = piece
+
+    with Fetcher(s3_options(s3_bucket)) as fetcher:
+        assert fetcher.fetch_range_pieces(url, ranges, each=each) == [[] for _ in ranges]
+        assert bytes(got) == DATA and fetcher.stats.bytes == len(DATA)
+        assert sum(n for _, n in sorted(seen)) == len(DATA)
+
+        def full(offset: int, piece: bytes) -> None:
+            raise OSError(28, "No space left on device")
+
+        with pytest.raises(FetchError, match="No space left"):
+            fetcher.fetch_range_pieces(url, ranges, each=full)

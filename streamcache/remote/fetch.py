@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import gc
 import os
 import random
@@ -269,17 +270,18 @@ class Fetcher:
 
     def fetch_range_pieces(self, url: str, ranges: Sequence[tuple[int, int]], *,
                            verify: Callable[[list[list[bytes]]], None] | None = None,
+                           each: Callable[[int, bytes], object] | None = None,
                            ) -> list[list[bytes]]:
-        """:meth:`fetch_ranges` for large ranges (a shard's parts): each range in the pieces
-        its body arrived in, unjoined (see :meth:`.transfer.Transfers.read_range_pieces`).
-
-        Raises: as :meth:`fetch`.
+        """:meth:`fetch_ranges` for a shard's parts: each range in the pieces it arrived in, or
+        each piece handed to ``each(offset, piece)`` as it arrives (every attempt hands on
+        every byte: :meth:`.transfer.Transfers.read_range_pieces`). Raises: as :meth:`fetch`.
         """
         if not ranges:
             return []
-        pieces = self._ranges_with_retries(url, ranges, self._transfers.read_range_pieces,
-                                           verify)
-        self._count(bytes=sum(len(p) for got in pieces for p in got))
+        pieces = self._ranges_with_retries(url, ranges, functools.partial(
+            self._transfers.read_range_pieces, each=each), verify)
+        self._count(bytes=sum(end - start for start, end in ranges) if each is not None
+                    else sum(len(p) for got in pieces for p in got))
         return pieces
 
     def _ranges_with_retries(self, url: str, ranges: Sequence[tuple[int, int]],

@@ -19,7 +19,9 @@ against the index's size and XXH64 checksum, in memory or in the file the parts 
 into at their offsets; a mismatch retries the whole set (the Fetcher's retries). Parts are used
 only where that checksum exists (a server or proxy that shifts a range would otherwise pass
 unnoticed), the filesystem streams asynchronously (s3, gs, az, http), and the object is at
-least two parts and at most :data:`PARTS_MAX_BYTES` (all parts are held at once).
+least two parts and at most :data:`PARTS_MAX_BYTES` (on filesystems other than s3fs, and for a
+shard decoded from memory, all parts are held at once; on s3fs a file's pieces are written as
+they arrive).
 """
 
 from __future__ import annotations
@@ -71,20 +73,19 @@ def fetch_to_path(fetcher: Fetcher, url: str, path: str, *, size: int | None,
     if not _in_parts(fetcher, url, size, checksum):
         return fetcher.fetch_to_file(url, path, size=size, checksum=checksum, durable=False)
     parts = _parts(size)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        def write(offset: int, piece: bytes) -> None:
+            os.pwrite(fd, piece, offset)
 
-    def written(blocks: list[list[bytes]]) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        try:
-            for (start, _), pieces in zip(parts, blocks, strict=True):
-                for piece in pieces:
-                    os.pwrite(fd, piece, start)
-                    start += len(piece)
+        def verify(_: list[list[bytes]]) -> None:  # (every byte written by this attempt)
             with mmap.mmap(fd, parts[-1][1], prot=mmap.PROT_READ) as view:
                 verify_bytes(view, checksum, what=url)
-        finally:
-            os.close(fd)
 
-    if not _fetch_parts(fetcher, url, parts, written):
+        in_parts = _fetch_parts(fetcher, url, parts, verify, each=write)
+    finally:
+        os.close(fd)
+    if not in_parts:
         return fetcher.fetch_to_file(url, path, size=size, checksum=checksum, durable=False)
     return parts[-1][1]
 
@@ -95,12 +96,13 @@ def _parts(size: int | None) -> list[tuple[int, int]]:
 
 
 def _fetch_parts(fetcher: Fetcher, url: str, parts: list[tuple[int, int]],
-                 verify: Callable[[list[list[bytes]]], None]) -> bool:
+                 verify: Callable[[list[list[bytes]]], None],
+                 each: Callable[[int, bytes], object] | None = None) -> bool:
     """Fetch ``parts`` of ``url`` and hand them to ``verify`` (which checks them whole, and
     keeps or writes them); False where the server ignores ranges (the caller makes one
     GET)."""
     try:
-        fetcher.fetch_range_pieces(url, parts, verify=verify)
+        fetcher.fetch_range_pieces(url, parts, verify=verify, each=each)
     except FetchError as error:
         if not ranges_ignored(error):
             raise

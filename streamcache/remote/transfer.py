@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import inspect
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -100,20 +101,56 @@ class Transfers:
         return blocks
 
     def read_range_pieces(self, fs: Any, path: str, url: str,
-                          ranges: Sequence[tuple[int, int]], parallel: int = 1,
+                          ranges: Sequence[tuple[int, int]], parallel: int = 1, *,
+                          each: Callable[[int, bytes], object] | None = None,
                           ) -> list[list[bytes]]:
         """:meth:`read_ranges` for large ranges: each range in the pieces its body arrived in,
         each wait for a piece (not the whole range) within ``timeout_s``. On s3fs the GET is
         streamed: a body read whole is joined on the event loop's thread, which every
         download of the process shares, and a 64 MB shard in four ranges cost that thread 66 ms
         of CPU against 32 streamed (benchmarks/RESULTS.md, "Parts streamed"). Elsewhere each
-        range is one piece, as :meth:`read_ranges` reads it."""
+        range is one piece, as :meth:`read_ranges` reads it.
+
+        With ``each``, every piece goes to ``each(offset in the object, piece)`` on this
+        thread as it arrives and is not kept (the lists come back empty): on s3fs only the
+        pieces not yet handed on are held, not the ranges."""
         if not getattr(fs, "async_impl", False) or not callable(getattr(fs, "_call_s3", None)):
-            return [[block] for block in self.read_ranges(fs, path, url, ranges, parallel)]
-        pieces = self._run(fs, _gather_streamed(fs, path, ranges, self.options.timeout_s,
-                                                max(1, parallel)))
-        _check_ranges(fs, url, ranges, [sum(len(p) for p in got) for got in pieces])
-        return pieces
+            blocks = self.read_ranges(fs, path, url, ranges, parallel)
+            if each is None:
+                return [[block] for block in blocks]
+            for (start, _), block in zip(ranges, blocks, strict=True):
+                each(start, block)
+            return [[] for _ in blocks]
+        arrived: queue.SimpleQueue[tuple[int, bytes]] | None = \
+            None if each is None else queue.SimpleQueue()
+        coroutine = _gather_streamed(fs, path, ranges, self.options.timeout_s, max(1, parallel),
+                                     None if arrived is None else arrived.put)
+        if arrived is None or each is None:
+            got = self._run(fs, coroutine)
+        else:
+            got = self._run_handing(fs, coroutine, arrived, each)
+        _check_ranges(fs, url, ranges, [length for _, length in got])
+        return [pieces for pieces, _ in got]
+
+    def _run_handing(self, fs: Any, coroutine: Any, arrived: queue.SimpleQueue[tuple[int, bytes]],
+                     each: Callable[[int, bytes], object]) -> Any:
+        """:meth:`_run`, handing each ``(offset, piece)`` the coroutine puts in ``arrived`` to
+        ``each`` on this thread meanwhile (an error of ``each`` cancels the coroutine)."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, fs.loop)
+        try:
+            while True:
+                try:
+                    offset, piece = arrived.get(timeout=_STOP_POLL_S)
+                except queue.Empty:
+                    if future.done() and arrived.empty():  # (its puts come before its end)
+                        return future.result()
+                    if self._stopping.is_set():
+                        raise _ClosedError("the Fetcher was closed during a request") from None
+                    continue
+                each(offset, piece)
+        except BaseException:
+            future.cancel()
+            raise
 
     def _next_read(self, total: int, limit: int | None) -> int:
         """How many bytes to ask for next: a block, but never past ``limit``."""
@@ -225,20 +262,26 @@ _PIECE_BYTES = 4 << 20
 
 
 async def _gather_streamed(fs: Any, path: str, ranges: Sequence[tuple[int, int]],
-                           timeout: float, limit: int) -> list[list[bytes]]:
+                           timeout: float, limit: int,
+                           hand: Callable[[tuple[int, bytes]], object] | None,
+                           ) -> list[tuple[list[bytes], int]]:
     gate = asyncio.Semaphore(limit)
 
-    async def one(start: int, end: int) -> list[bytes]:
+    async def one(start: int, end: int) -> tuple[list[bytes], int]:
         async with gate:
-            return await _s3_range(fs, path, start, end, timeout)
+            return await _s3_range(fs, path, start, end, timeout, hand)
 
     return list(await asyncio.gather(*(one(start, end) for start, end in ranges)))
 
 
-async def _s3_range(fs: Any, path: str, start: int, end: int, timeout: float) -> list[bytes]:
-    """Bytes ``[start, end)`` of ``path`` on s3fs, as its GET's body arrives: read to the
-    body's end, or one piece past the range (a server that ignores ``Range`` sends the whole
-    object: that is noticed, not read to its end). s3fs translates the request's errors."""
+async def _s3_range(fs: Any, path: str, start: int, end: int, timeout: float,
+                    hand: Callable[[tuple[int, bytes]], object] | None = None,
+                    ) -> tuple[list[bytes], int]:
+    """Bytes ``[start, end)`` of ``path`` on s3fs, as its GET's body arrives: the pieces (or
+    none, each handed to ``hand`` as ``(offset, piece)`` instead) and their length. Read to
+    the body's end, or one piece past the range (a server that ignores ``Range`` sends the
+    whole object: that is noticed, not read to its end). s3fs translates the request's
+    errors."""
     bucket, key, version = fs.split_path(path)
     extra = {"VersionId": version} if version else {}
     response = await _within(fs._call_s3("get_object", Bucket=bucket, Key=key,
@@ -256,11 +299,14 @@ async def _s3_range(fs: Any, path: str, start: int, end: int, timeout: float) ->
                     "body") from None
             if not piece:
                 break
-            pieces.append(piece)
+            if hand is None:
+                pieces.append(piece)
+            elif received + len(piece) <= end - start:  # (past the range: counted, not kept)
+                hand((start + received, piece))
             received += len(piece)
     finally:
         body.close()
-    return pieces
+    return pieces, received
 
 
 def _check_ranges(fs: Any, url: str, ranges: Sequence[tuple[int, int]],
