@@ -121,14 +121,13 @@ class Transfers:
             for (start, _), block in zip(ranges, blocks, strict=True):
                 each(start, block)
             return [[] for _ in blocks]
-        arrived: queue.SimpleQueue[tuple[int, bytes]] | None = \
-            None if each is None else queue.SimpleQueue()
-        coroutine = _gather_streamed(fs, path, ranges, self.options.timeout_s, max(1, parallel),
-                                     None if arrived is None else arrived.put)
-        if arrived is None or each is None:
-            got = self._run(fs, coroutine)
+        timeout, parallel = self.options.timeout_s, max(1, parallel)
+        if each is None:
+            got = self._run(fs, _gather_streamed(fs, path, ranges, timeout, parallel, None))
         else:
-            got = self._run_handing(fs, coroutine, arrived, each)
+            arrived: queue.SimpleQueue[tuple[int, bytes]] = queue.SimpleQueue()
+            got = self._run_handing(fs, _gather_streamed(fs, path, ranges, timeout, parallel,
+                                                         arrived.put), arrived, each)
         _check_ranges(fs, url, ranges, [length for _, length in got])
         return [pieces for pieces, _ in got]
 
