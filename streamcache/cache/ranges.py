@@ -186,9 +186,10 @@ class RangeReader:
 
     def cold_budget_left(self, shard: int, more: int = 0, budget: float | None = None,
                          ) -> bool:
-        """Whether a cold start may still read ``shard`` by range: the bytes range-read from
-        it so far, plus ``more``, stay within ``budget`` (default: this reader's share of
-        :data:`COLD_BUDGET`) of its stored bytes."""
+        """Whether a cold start may still read ``shard`` by range: the bytes of rows
+        range-read from it so far (its footer not counted), plus ``more``, stay within
+        ``budget`` (default: this reader's share of :data:`COLD_BUDGET`) of its stored
+        bytes."""
         with self._lock:
             used = self._shard_bytes.get(shard, 0)
         fraction = COLD_BUDGET * self.budget_share if budget is None else budget
@@ -230,8 +231,8 @@ class RangeReader:
             return self._by_range(shard, rows, None, source)
         if self.addressable(shard):
             try:
-                # (the first steps' budget is each process's own: their rows, fixed by the
-                # global batches, are the node's either way, split among its processes)
+                # (the first steps' budget is the node's: each rank holds 1/node_ranks of a
+                # step's rows, the later budget is split among every reading process)
                 budget = (COLD_START_BUDGET / self.node_ranks if dense else
                           COLD_BUDGET * self.budget_share) if cold else None
                 return self._by_range(shard, rows, budget, dense=dense)
