@@ -18,8 +18,8 @@ import contextlib
 import inspect
 import queue
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from ..errors import StreamcacheError
 from . import storage
@@ -30,6 +30,8 @@ from .retry import (
     _SizeMismatchError,
     _SizeRefusedError,
 )
+
+T = TypeVar("T")
 
 _STOP_POLL_S = 0.1  # how often a thread waiting for a request looks whether to stop
 
@@ -247,11 +249,20 @@ async def _within(awaitable: Any, timeout: float) -> Any:
 
 async def _gather_ranges(fs: Any, path: str, ranges: Sequence[tuple[int, int]], timeout: float,
                          limit: int) -> list[bytes]:
+    async def whole(start: int, end: int) -> bytes:
+        return bytes(await _within(fs._cat_file(path, start=start, end=end), timeout))
+
+    return await _gather_within(ranges, limit, whole)
+
+
+async def _gather_within(ranges: Sequence[tuple[int, int]], limit: int,
+                         read: Callable[[int, int], Awaitable[T]]) -> list[T]:
+    """``read(start, end)`` of every range, at most ``limit`` at once, results in order."""
     gate = asyncio.Semaphore(limit)
 
-    async def one(start: int, end: int) -> bytes:
+    async def one(start: int, end: int) -> T:
         async with gate:
-            return bytes(await _within(fs._cat_file(path, start=start, end=end), timeout))
+            return await read(start, end)
 
     return list(await asyncio.gather(*(one(start, end) for start, end in ranges)))
 
@@ -264,13 +275,10 @@ async def _gather_streamed(fs: Any, path: str, ranges: Sequence[tuple[int, int]]
                            timeout: float, limit: int,
                            hand: Callable[[tuple[int, bytes]], object] | None,
                            ) -> list[tuple[list[bytes], int]]:
-    gate = asyncio.Semaphore(limit)
+    async def streamed(start: int, end: int) -> tuple[list[bytes], int]:
+        return await _s3_range(fs, path, start, end, timeout, hand)
 
-    async def one(start: int, end: int) -> tuple[list[bytes], int]:
-        async with gate:
-            return await _s3_range(fs, path, start, end, timeout, hand)
-
-    return list(await asyncio.gather(*(one(start, end) for start, end in ranges)))
+    return await _gather_within(ranges, limit, streamed)
 
 
 async def _s3_range(fs: Any, path: str, start: int, end: int, timeout: float,
