@@ -26,35 +26,36 @@ The page cache is dropped with /proc/sys/vm/drop_caches (root); where that is no
 Goals (issue 32): raw first batch <= 2x the DataLoader's, raw-cold rate >= 0.9x raw-warm, the
 cache gains no shard (<= 1 MB); zstd first batch <= 0.5 s, zstd-cold >= 0.5x zstd-warm.
 
-Last result (2026-12-04 21:27-21:30 UTC, ``--mb 1000 --repeats 3``, the 2-core machine
-otherwise quiet, load average 0.95 before and 2.09 during; page cache dropped before each cold
-case; medians; "vs warm": the warm case of the same reader; "vs DL": to dataloader-cold's first
-batch):
+Last result (2026-12-06 20:40-20:43 UTC, commit d50370e, ``--mb 1000 --repeats 3``, the
+2-core machine otherwise quiet, load average 1.40 before and 1.77 after; page cache dropped
+before each cold case; medians; "vs warm": the warm case of the same reader; "vs DL": to
+dataloader-cold's first batch):
 
   data    case               samples/s vs warm 1st batch s  vs DL construct s cache +MB  RSS MB
-  blobs   dataloader-cold       10,502    0.28      0.1489    1.0      0.0008       0.0    1187
-  blobs   dataloader-warm       37,090    1.00      0.0075    0.1      0.0006       0.0    1190
-  blobs   raw-cold              11,248    0.48      0.7101    4.8      0.3658       0.0    1256
-  blobs   raw-warm              23,360    1.00      0.2480    1.7      0.3082       0.0    1256
-  blobs   zstd-cold              2,665    0.06      0.1265    0.8      0.3738    1000.0    1797
-  blobs   zstd-warm             48,342    1.00      0.0282    0.2      0.3226       0.0    1236
-  tokens  dataloader-cold      233,569    0.85      0.5184    1.0      0.0008       0.0    1223
-  tokens  dataloader-warm      275,679    1.00      0.0508    0.1      0.0005       0.0    1224
-  tokens  raw-cold             393,150    0.73      0.2575    0.5      0.3919       0.0    1335
-  tokens  raw-warm             540,123    1.00      0.1228    0.2      0.3146       0.0    1329
-  tokens  zstd-cold            233,122    0.22      1.3449    2.6      0.3833    1000.0    1680
-  tokens  zstd-warm          1,053,409    1.00      0.0161    0.0      0.3171       0.0    1241
+  blobs   dataloader-cold        9,691    0.37      0.1918    1.0      0.0009       0.0    1189
+  blobs   dataloader-warm       25,970    1.00      0.0094    0.0      0.0007       0.0    1195
+  blobs   raw-cold              10,586    0.52      0.7606    4.0      0.5033       0.0    1256
+  blobs   raw-warm              20,337    1.00      0.3571    1.9      0.4517       0.0    1255
+  blobs   zstd-cold              9,142    0.39      0.9468    4.9      0.5283       0.0    1256
+  blobs   zstd-warm             23,335    1.00      0.2948    1.5      0.4437       0.0    1255
+  tokens  dataloader-cold      186,269    0.92      0.5382    1.0      0.0010       0.0    1225
+  tokens  dataloader-warm      203,110    1.00      0.0748    0.1      0.0006       0.0    1226
+  tokens  raw-cold             440,310    0.74      0.3225    0.6      0.4991       0.0    1323
+  tokens  raw-warm             598,379    1.00      0.1508    0.3      0.4322       0.0    1322
+  tokens  zstd-cold            309,538    0.26      0.4510    0.8      0.5376    1000.0    1499
+  tokens  zstd-warm          1,187,555    1.00      0.0244    0.0      0.4178       0.0    1243
 
-Against the goals: uncompressed shards are read in place (cache +0.0 MB: met); first batch
-0.5x the DataLoader's for 1 KB rows (met), 4.8x for 100 KB rows (not met: the first batch opens
-every shard of the window and hashes each file once before serving it, 1 GB read from disk);
-first-epoch rate 0.73x and 0.48x of warm (goal 0.9x: not met; with 100 KB rows the epoch is
-10,000 samples, so the first batch weighs). zstd: first batch 1.34 s for 1 KB rows, 0.13 s for
-100 KB rows (goal 0.5 s: met for 100 KB only); first epoch 0.22x and 0.06x of warm (goal 0.5x:
-not met: each shard is copied to a temporary, fsynced, decoded whole and published before its
-rows are served). Before this change raw shards were copied whole into the cache (what
-tests/test_local_in_place.py shows failing on the previous code); this script was not run on
-the previous code.
+("construct s" includes importing streamcache.) Against the goals: uncompressed shards are
+read in place (cache +0.0 MB: met); first batch 0.6x the DataLoader's for 1 KB rows (met),
+4.0x for 100 KB rows (not met: a shuffled first batch touches every shard of the window and
+each file read in place is hashed whole before its first row is served); first-epoch rate
+0.74x and 0.52x of warm (goal 0.9x: not met). zstd: first batch 0.45 s for 1 KB rows (met;
+1.34 s on 2026-12-04) and 0.95 s for the 100 KB rows, which the defaults now store
+uncompressed (the raw path); first epoch 0.26x of warm for 1 KB rows (goal 0.5x: not met: 16
+installs of 0.26-0.34 s of CPU each, and two cores install 1.2-1.4x as fast as one; the
+measurements are in RESULTS.md, "A local dataset's first run"). The run of 2026-12-04, before
+chunk-by-chunk installs and before ShardWriter chose the codec per shard: zstd tokens cold
+233,122 samples/s (0.22x), first batch 1.34 s; raw blobs cold first batch 0.71 s (4.8x).
 """
 
 from __future__ import annotations
