@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import multiprocessing as mp
 import os
 import random
@@ -31,7 +32,12 @@ from servers import FaultServer, S3Bucket
 from streamcache import DatasetReader, StreamDataset, StreamLoader, load_index, write_dataset
 from streamcache.cache import install, ledger
 from streamcache.cache.accounting import ACCOUNTING_LOCK, ACCOUNTING_NAME, file_lock
-from streamcache.cache.eviction import Resident, choose_victims, simulate_fetches
+from streamcache.cache.eviction import (
+    Resident,
+    choose_victims,
+    simulate_fetches,
+    victims_in_order,
+)
 from streamcache.cache.node import NodeCache
 from streamcache.cache.temporaries import FOREIGN_TEMP_IDLE_S
 from streamcache.errors import CacheBudgetError, ChecksumMismatchError
@@ -300,6 +306,29 @@ def test_eviction_takes_the_farthest_next_use_then_falls_back_to_lru(tmp_path: P
     assert [cache.contains(k) for k in range(5)] == [True, False, False, True, True]
     assert cache.usage().bytes <= limit and walked_bytes(tmp_path / "cache") <= limit
     assert cache.stats.evictions == 2
+
+
+def test_without_a_plan_a_shard_read_after_the_others_installs_outlives_them(
+        tmp_path: Path) -> None:
+    """Recency is a read's as well as an install's (the process's own reads, after the grace
+    that protects a shard just handed out has passed)."""
+    index = write_shards(tmp_path / "ds", num_shards=4)
+    probe = NodeCache(index, str(tmp_path / "probe"))
+    sizes = []
+    for shard in range(4):
+        probe.install(shard)
+        sizes.append(os.path.getsize(probe.shard_path(shard)))
+    limit = sum(sizes) - min(sizes) // 2  # room for three, not four
+    cache = NodeCache(index, str(tmp_path / "cache"), cache_limit=limit)
+    for shard in (0, 1, 2):
+        cache.install(shard)
+        time.sleep(0.01)
+    assert cache.local_path(0) is not None  # read last, installed first
+    long_ago = time.time() - 3600  # (past the grace of a shard just handed out)
+    for shard in (0, 1, 2):
+        os.utime(cache.shard_path(shard), (long_ago, long_ago))
+    cache.install(3)
+    assert [cache.contains(k) for k in range(4)] == [True, False, True, True]
 
 
 def test_evicting_a_mapped_shard_does_not_break_its_reader(tmp_path: Path) -> None:
@@ -614,6 +643,48 @@ def test_choose_victims_orders_by_next_use_then_recency() -> None:
     far = {"a": 100.0, "b": 5.0, "c": 100.0}
     assert choose_victims(residents, 10, 30, far.__getitem__) == ["c"]  # tie: older first
     assert choose_victims(residents, 100, 30) == ["b", "c", "a"]
+
+
+def _victims_by_rounds(residents: dict[str, Resident], far: dict[str, float], incoming: int,
+                       limit: int, fresh: set[str]) -> list[str]:
+    """The node cache's rule as it ran before victims_in_order: choose_victims again and
+    again, each new candidate asked whether it is fresh, fresh ones last."""
+    known: set[str] = set()
+    asked: set[str] = set()
+    while True:
+        victims = choose_victims(residents, incoming, limit, far.__getitem__, known)
+        new = [key for key in victims if key not in asked]
+        if not new:
+            return victims
+        asked.update(new)
+        known.update(key for key in new if key in fresh)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), count=st.integers(0, 12))
+def test_victims_in_order_chooses_what_choose_victims_chose_round_by_round(
+        data: st.DataObject, count: int) -> None:
+    keys = [f"k{i}" for i in range(count)]
+    # few distinct values, so that ties in next use and in recency are common
+    sizes = data.draw(st.lists(st.integers(1, 6), min_size=count, max_size=count))
+    used = data.draw(st.lists(st.sampled_from([0.0, 1.0, 2.0]), min_size=count, max_size=count))
+    far = data.draw(st.lists(st.sampled_from([1.0, 5.0, math.inf]), min_size=count,
+                             max_size=count))
+    fresh = set(data.draw(st.lists(st.sampled_from(keys), unique=True)) if keys else [])
+    incoming, limit = data.draw(st.integers(0, 8)), data.draw(st.integers(0, 40))
+    residents = {k: Resident(n, t) for k, n, t in zip(keys, sizes, used, strict=True)}
+    asked: list[str] = []
+
+    def is_fresh(key: str) -> bool:
+        asked.append(key)
+        return key in fresh
+
+    got = victims_in_order(keys, np.array(sizes, np.int64), np.array(used), np.array(far),
+                           incoming, limit, is_fresh)
+    assert got == _victims_by_rounds(residents, dict(zip(keys, far, strict=True)), incoming,
+                                     limit, fresh)
+    assert len(asked) == len(set(asked))  # each entry asked at most once
+    assert not set(got) - set(asked)  # and every victim was asked
 
 
 @settings(max_examples=60, deadline=None)

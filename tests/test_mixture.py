@@ -205,8 +205,9 @@ def test_sources_share_one_cache_budget_and_one_prefetcher(urls, tmp_path):
     # eviction in one source's cache sees the other sources' next uses in the one plan
     store.cache.set_next_use(lambda shard: 100.0 + shard)
     base = int(store.cache.base[2])
-    assert caches[0]._key_next_use(caches[2]._key(1)) == 100.0 + base + 1
-    assert caches[0]._key_next_use(caches[0]._key(2)) == 102.0
+    keys = [caches[2]._key(1), caches[0]._key(2), caches[1]._key(0), "datasets/other/000001.arrow"]
+    assert caches[0]._next_uses(keys).tolist() == [
+        100.0 + base + 1, 102.0, 100.0 + int(store.cache.base[1]), math.inf]
     needed = loader.dataset.working_set_bytes()
     one = StreamDataset(urls[0], global_batch_size=6, shuffle_window=8).working_set_bytes()
     assert needed > one

@@ -143,6 +143,7 @@ class NodeCache(Installer, CopyLookup):
         self._verified: set[int] = set()  # shards read in place, checked in this process
         self._confirmed: set[int] = set()  # installed copies known current in this process
         self._last_used: dict[str, float] = {}
+        self._shard_ids: dict[str, int] = {}  # key -> shard of this dataset (-1: none)
         self._actual_bytes: dict[int, int] = {}
         self._next_use: Callable[[int], float] | None = None
         self._listeners: list[EvictionListener] = []

@@ -13,6 +13,7 @@ in that one plan (:class:`SourceCache`), never treating another source's shard a
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast, overload
 
@@ -49,11 +50,17 @@ class SourceCache(NodeCache):
         if not self.peers:  # the first of the mixture's caches
             super()._open()
 
-    def _key_next_use(self, key: str) -> float:
-        peer = self.peers.get(key.rpartition("/")[0], self)
-        if peer is self:
-            return super()._key_next_use(key)
-        return NodeCache._key_next_use(peer, key)
+    def _next_uses(self, keys: list[str]) -> np.ndarray:
+        """Each key's next read, as the cache of its dataset (this source's or a sibling's)
+        knows it."""
+        uses = np.full(len(keys), math.inf)
+        folders: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            folders.setdefault(key.rpartition("/")[0], []).append(i)
+        for folder, indexes in folders.items():
+            owner = self.peers.get(folder, self)
+            uses[indexes] = NodeCache._next_uses(owner, [keys[i] for i in indexes])
+        return uses
 
 
 def source_caches(indexes: Sequence[DatasetIndex], cache_dir: str, *,
