@@ -645,14 +645,31 @@ def test_choose_victims_orders_by_next_use_then_recency() -> None:
     assert choose_victims(residents, 100, 30) == ["b", "c", "a"]
 
 
+def _ranked_victims(residents: dict[str, Resident], far: dict[str, float], incoming: int,
+                    limit: int, last_resort: set[str]) -> list[str]:
+    """The eviction rule, written plainly: a stable sort on (last resort, farthest next use,
+    least recently used)."""
+    total = sum(r.nbytes for r in residents.values())
+    if total + incoming <= limit:
+        return []
+    victims = []
+    for key in sorted(residents, key=lambda k: (k in last_resort, -far[k],
+                                                residents[k].last_used)):
+        victims.append(key)
+        total -= residents[key].nbytes
+        if total + incoming <= limit:
+            break
+    return victims
+
+
 def _victims_by_rounds(residents: dict[str, Resident], far: dict[str, float], incoming: int,
                        limit: int, fresh: set[str]) -> list[str]:
-    """The node cache's rule as it ran before victims_in_order: choose_victims again and
-    again, each new candidate asked whether it is fresh, fresh ones last."""
+    """The rule as the node cache ran it before victims_in_order: ranked again and again,
+    each new candidate asked whether it is fresh, fresh ones last."""
     known: set[str] = set()
     asked: set[str] = set()
     while True:
-        victims = choose_victims(residents, incoming, limit, far.__getitem__, known)
+        victims = _ranked_victims(residents, far, incoming, limit, known)
         new = [key for key in victims if key not in asked]
         if not new:
             return victims
@@ -662,7 +679,7 @@ def _victims_by_rounds(residents: dict[str, Resident], far: dict[str, float], in
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), count=st.integers(0, 12))
-def test_victims_in_order_chooses_what_choose_victims_chose_round_by_round(
+def test_victims_in_order_chooses_what_the_rule_chose_round_by_round(
         data: st.DataObject, count: int) -> None:
     keys = [f"k{i}" for i in range(count)]
     # few distinct values, so that ties in next use and in recency are common
@@ -685,6 +702,9 @@ def test_victims_in_order_chooses_what_choose_victims_chose_round_by_round(
                                      limit, fresh)
     assert len(asked) == len(set(asked))  # each entry asked at most once
     assert not set(got) - set(asked)  # and every victim was asked
+    far_of = dict(zip(keys, far, strict=True))
+    assert choose_victims(residents, incoming, limit, far_of.__getitem__, fresh) == \
+        _ranked_victims(residents, far_of, incoming, limit, fresh)
 
 
 @settings(max_examples=60, deadline=None)

@@ -134,8 +134,6 @@ class Accounting:
         limit = self.cache_limit if limit is None else limit
         assert limit is not None
         keys = [key for key in books.entries if key != exclude]
-        # (vectorized: with 10,000 shards cached a Python key per entry cost 80-122 ms an
-        # eviction, on every install once the cache is full)
         table = np.fromiter(itertools.chain.from_iterable(map(books.entries.__getitem__, keys)),
                             np.float64, 2 * len(keys)).reshape(len(keys), 2)  # (nbytes, installed)
         nbytes, last_used = table[:, 0].astype(np.int64), table[:, 1].copy()

@@ -1,8 +1,8 @@
 """Which cached shards to evict: farthest next use first (Belady), least recently used as the
 tie-break and as the whole rule when no plan is known. Pure functions, no I/O.
 
-:func:`choose_victims` is the rule; :func:`victims_in_order` is what the node cache runs when
-an install would exceed the budget (the same choice, ranked once with numpy).
+:func:`choose_victims` is the rule; :func:`victims_in_order`, the same over arrays, is what the
+node cache runs when an install would exceed the budget.
 :func:`simulate_fetches` replays a sequence of shard reads through a cache of a given budget
 under either policy and counts the fetches, so the two can be compared on a real plan order
 (benchmarks/bench_cache.py) and tested exhaustively.
@@ -38,48 +38,36 @@ def choose_victims(residents: Mapping[K, Resident], incoming: int, limit: int,
     """The entries to evict so that ``incoming`` more bytes fit within ``limit``.
 
     Victims are taken farthest next use first; among equal next uses (and for every entry
-    when ``next_use`` is None) least recently used first; entries in ``last_resort`` only
-    after all others. Returns as few as that order allows, possibly all of them: the caller
-    decides what to do when even that is not enough.
+    when ``next_use`` is None) least recently used first, then in the mapping's order;
+    entries in ``last_resort`` only after all others. Returns as few as that order allows,
+    possibly all of them: the caller decides what to do when even that is not enough.
     """
-    total = sum(r.nbytes for r in residents.values())
-    if total + incoming <= limit:
-        return []
-
-    def rank(key: K) -> tuple[bool, float, float]:
-        far = next_use(key) if next_use is not None else math.inf
-        return (key in last_resort, -far, residents[key].last_used)
-
-    victims: list[K] = []
-    for key in sorted(residents, key=rank):
-        victims.append(key)
-        total -= residents[key].nbytes
-        if total + incoming <= limit:
-            break
-    return victims
+    keys = list(residents)
+    far = [math.inf if next_use is None else next_use(key) for key in keys]
+    return victims_in_order(keys, np.array([residents[key].nbytes for key in keys], np.int64),
+                            np.array([residents[key].last_used for key in keys], np.float64),
+                            np.array(far, np.float64), incoming, limit,
+                            last_resort.__contains__)
 
 
 def victims_in_order(keys: Sequence[K], nbytes: np.ndarray, last_used: np.ndarray,
                      far: np.ndarray, incoming: int, limit: int,
                      fresh: Callable[[K], bool]) -> list[K]:
-    """:func:`choose_victims` for a cache of many entries, with entries that prove ``fresh``
-    kept as last resort, ranked once: what ``choose_victims`` returns when it is run again
-    with every entry of its answer asked ``fresh`` (those that are join ``last_resort``)
-    until its answer holds no entry not asked yet, as :meth:`.accounting.Accounting._evict`
-    did. ``keys[i]`` holds ``nbytes[i]`` bytes, was last used at ``last_used[i]`` and is
-    read next at ``far[i]`` (``math.inf``: never, or unknown).
+    """:func:`choose_victims` over arrays, with the entries that prove ``fresh`` as its last
+    resort: ``keys[i]`` holds ``nbytes[i]`` bytes, was last used at ``last_used[i]`` and is
+    read next at ``far[i]`` (``math.inf``: never, or unknown). ``fresh`` is asked of each
+    entry at most once, in eviction order, only until enough bytes are found (the node cache
+    asks whether another process handed the shard out lately: a ``stat``).
 
-    One stable sort of the arrays (numpy) instead of a Python key per entry per round: with
-    10,000 entries an eviction took 80-122 ms, two full rankings of Python calls (50,000:
-    0.5 s), on every install once the cache is full. ``fresh`` is asked once per entry, in
-    eviction order, only until enough bytes are found.
+    One stable sort of the arrays: the node cache ranked its entries with a Python key per
+    entry, twice an eviction (once more after asking), which took 80-122 ms with 10,000
+    entries and 0.5 s with 50,000, on every install once the cache is full.
     """
     nbytes = np.asarray(nbytes, dtype=np.int64)
     total = int(nbytes.sum())
     if total + incoming <= limit:
         return []
-    # farthest next use first, then least recently used, then the keys' order (as the stable
-    # sort of choose_victims)
+    # farthest next use first, then least recently used, then the keys' order
     order = np.lexsort((np.arange(len(keys)), np.asarray(last_used, dtype=np.float64),
                         -np.asarray(far, dtype=np.float64)))
     victims: list[K] = []
