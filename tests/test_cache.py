@@ -308,6 +308,16 @@ def test_eviction_takes_the_farthest_next_use_then_falls_back_to_lru(tmp_path: P
     assert cache.stats.evictions == 2
 
 
+def test_victims_in_order_counts_huge_entries_exactly() -> None:
+    """Entries as large as the accounting allows (< 2**62 each) sum past int64 without
+    wrapping around: the cache still evicts what it must."""
+    huge = (1 << 62) - 1
+    keys = ["a", "b", "c"]
+    got = victims_in_order(keys, np.array([huge, huge, 10], np.int64), np.array([1.0, 2.0, 3.0]),
+                           np.full(3, math.inf), 10, 1 << 62, lambda key: False)
+    assert got == ["a", "b"]
+
+
 def test_without_a_plan_a_shard_read_after_the_others_installs_outlives_them(
         tmp_path: Path) -> None:
     """Recency is a read's as well as an install's (the process's own reads, after the grace

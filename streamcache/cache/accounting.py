@@ -11,8 +11,8 @@ for the layout, docs/cache.md for the order that keeps the accounting at or abov
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
+import operator
 import os
 import stat
 import threading
@@ -134,9 +134,10 @@ class Accounting:
         limit = self.cache_limit if limit is None else limit
         assert limit is not None
         keys = [key for key in books.entries if key != exclude]
-        table = np.fromiter(itertools.chain.from_iterable(map(books.entries.__getitem__, keys)),
-                            np.float64, 2 * len(keys)).reshape(len(keys), 2)  # (nbytes, installed)
-        nbytes, last_used = table[:, 0].astype(np.int64), table[:, 1].copy()
+        entries = list(map(books.entries.__getitem__, keys))
+        nbytes = np.fromiter(map(operator.attrgetter("nbytes"), entries), np.int64, len(keys))
+        last_used = np.fromiter(map(operator.attrgetter("installed"), entries), np.float64,
+                                len(keys))
         if self._last_used:  # (reads this process made since the install)
             position = dict(zip(keys, range(len(keys)), strict=True))
             for key, when in self._last_used.items():

@@ -64,7 +64,7 @@ def victims_in_order(keys: Sequence[K], nbytes: np.ndarray, last_used: np.ndarra
     entries and 0.5 s with 50,000, on every install once the cache is full.
     """
     nbytes = np.asarray(nbytes, dtype=np.int64)
-    total = int(nbytes.sum())
+    total = sum(nbytes.tolist())  # (Python ints: an accounting of huge entries cannot wrap)
     if total + incoming <= limit:
         return []
     # farthest next use first, then least recently used, then the keys' order
