@@ -35,6 +35,8 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "out", "full-cache")
+sys.path.insert(0, HERE)
+from bench_cache import one_row_shards  # noqa: E402
 
 CHILD = r"""
 import json, os, sys, time
@@ -64,9 +66,6 @@ def folder_bytes(folder: str) -> int:
 
 def filled(residents: int) -> tuple[str, int]:
     """The cache folder holding ``residents`` installed shards (made once) and their bytes."""
-    sys.path.insert(0, HERE)
-    from bench_cache import one_row_shards
-
     from streamcache import StreamDataset, StreamLoader
 
     base = os.path.join(OUT, f"base-{residents}")
@@ -87,9 +86,7 @@ def filled(residents: int) -> tuple[str, int]:
 
 
 def reader_dataset(shards: int) -> str:
-    sys.path.insert(0, HERE)
-    from bench_cache import one_row_shards
-
+    """The dataset read into the full cache: ``shards`` one-row shards (made once)."""
     url = os.path.join(OUT, f"reader-{shards}")
     if not os.path.exists(url + ".done"):
         shutil.rmtree(url, ignore_errors=True)
