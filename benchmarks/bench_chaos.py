@@ -519,7 +519,7 @@ def run_row(cfg: Config, ranks: int, chaos: bool, mtbf: float, kinds: list[str],
 def _remove_snapshots() -> None:
     """The stopped job's memory-tier folders (job id "bench-chaos"): a job stopped from
     outside keeps them for a restart that will not come."""
-    from streamcache.checkpoint.memory import folder_name
+    from streamcache.checkpoint.memory_files import folder_name
 
     base = Path("/dev/shm") / f"streamcache-mem-{os.geteuid()}"
     suffix = "-" + folder_name("", "bench-chaos").split("-")[1]

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,8 @@ import pytest
 import torch
 
 from streamcache import _native
-from streamcache.checkpoint import memory
+from streamcache.checkpoint import memory, memory_write
+from streamcache.checkpoint.guards import UpdateGuard
 from streamcache.checkpoint.memory import MemoryOptions, MemoryTier
 from streamcache.checkpoint.memory_format import HEADER_SIZE
 from streamcache.errors import NativeError
@@ -45,10 +47,11 @@ def _entries(value: float) -> dict[str, tuple[str, Any]]:
             "g": ("global", {"position": int(value)})}
 
 
-def _snapshot(tier: MemoryTier, step: int) -> tuple[bool, bool]:
-    """(write's answer, whether the snapshot was then kept whole)."""
+def _snapshot(tier: MemoryTier, step: int, later: tuple[str, ...] = ()) -> tuple[bool, bool]:
+    """(write's answer, whether the snapshot was then kept whole); ``later``: the entries the
+    tier's thread copies (a background copy)."""
     taken = tier.write(step, _entries(float(step)), {}, timeline="", started=None,
-                       committed=None, root_id=ROOT_ID)
+                       committed=None, root_id=ROOT_ID, later=later)
     return taken, tier.wait() and taken
 
 
@@ -165,7 +168,7 @@ def test_a_slot_truncated_between_snapshots_is_allocated_again(tmp_path: Path) -
     tier.close()
 
 
-@pytest.mark.parametrize("where", ["copy", "hash"])
+@pytest.mark.parametrize("where", ["copy", "background copy", "hash"])
 def test_a_slot_truncated_inside_a_snapshot_costs_that_snapshot_only(
         tmp_path: Path, where: str, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -173,18 +176,27 @@ def test_a_slot_truncated_inside_a_snapshot_costs_that_snapshot_only(
     assert _snapshot(tier, 1) == (True, True)
     assert _snapshot(tier, 2) == (True, True)
     target = _slot_file(tier, 0)  # holds step 1, the older: the next snapshot's
-    name = "copy_tensor" if where == "copy" else "piece_digests"
-    real = getattr(memory, name)
+    module, name = {"copy": (memory, "copy_tensor"),
+                    "background copy": (memory_write, "copy_tensor"),
+                    "hash": (memory_write, "piece_digests")}[where]
+    real = getattr(module, name)
 
     def cut_first(*args: Any, **kwargs: Any) -> Any:
         os.truncate(target, HEADER_SIZE)  # another process, right before the tier touches it
-        monkeypatch.setattr(memory, name, real)
+        monkeypatch.setattr(module, name, real)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(memory, name, cut_first)
+    monkeypatch.setattr(module, name, cut_first)
+    guard = UpdateGuard()
+    model = torch.nn.Linear(2, 2)
+    entry = SimpleNamespace(model=model, optimizers=[torch.optim.SGD(model.parameters())])
     with _native.use("native"), caplog.at_level(logging.WARNING, "streamcache.checkpoint"):
-        taken, kept = _snapshot(tier, 3)
-    assert not kept and taken == (where == "hash")  # the copy's fault is known at once
+        taken = tier.write(3, _entries(3.0), {}, timeline="", started=None, committed=None,
+                           root_id=ROOT_ID, later=("w",) if where == "background copy" else (),
+                           hold=guard.hold([entry]))
+        kept = tier.wait() and taken
+    assert not guard.held  # the hold is released whatever happened
+    assert not kept and taken == (where != "copy")  # the call's copy fault is known at once
     assert "cut short" in caplog.text and "not kept" in caplog.text
     assert _whole_steps(tmp_path) == [2]  # the newer slot is whole; the cut one is not used
     assert _snapshot(tier, 4) == (True, True)  # and the next snapshot repairs the file
@@ -226,7 +238,7 @@ def test_an_io_error_while_finishing_is_reported_and_the_previous_snapshot_stays
     def failing(*args: Any) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(memory, "pwrite_all", failing)  # the manifest's write, on the thread
+    monkeypatch.setattr(memory_write, "pwrite_all", failing)  # the manifest's write, on the thread
     with caplog.at_level(logging.WARNING, "streamcache.checkpoint"):
         assert _snapshot(tier, 2) == (True, False)
     assert "writing" in caplog.text and "Input/output error" in caplog.text

@@ -1,8 +1,8 @@
 """Checkpointing of training state through PyTorch Distributed Checkpoint (DCP).
 
 Public names: :class:`Checkpointer`, :class:`GlobalState`, :class:`ModelState`,
-:class:`CheckpointInfo`, :class:`AsyncMode`, :class:`IfBusy`, :class:`SaveStats` and the
-errors. ``add_arguments``/``run`` implement ``streamcache checkpoints``.
+:class:`CheckpointInfo`, :class:`AsyncMode`, :class:`IfBusy`, :class:`SaveStats`,
+:class:`MemoryOptions` (the memory tier's options) and the errors. ``add_arguments``/``run`` implement ``streamcache checkpoints``.
 Design and measured defaults: docs/checkpoint.md.
 """
 
@@ -18,6 +18,7 @@ from .errors import (
     CheckpointWriteError,
 )
 from .layout import CheckpointInfo
+from .memory import MemoryOptions
 from .modes import AsyncMode, IfBusy, SaveStats
 from .state import GlobalState, ModelState, is_global_state
 
@@ -32,6 +33,7 @@ __all__ = [
     "Checkpointer",
     "GlobalState",
     "IfBusy",
+    "MemoryOptions",
     "ModelState",
     "SaveStats",
     "add_arguments",

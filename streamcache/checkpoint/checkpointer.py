@@ -39,6 +39,7 @@ from . import layout
 from .collect import collect
 from .commit import Committer, SaveJob
 from .errors import CheckpointError
+from .guards import UpdateGuard
 from .layout import CheckpointInfo
 from .lease import Lease
 from .memory import MemoryOptions, MemoryTier
@@ -169,9 +170,11 @@ class Checkpointer:
         else:  # files are checksummed on local disk before they are uploaded
             self._private_tmp = tempfile.mkdtemp(prefix="streamcache-ckpt-")
             write_base = Location(self._private_tmp)
+        self._guard = UpdateGuard()  # (background staging and background snapshot copies)
         self._staging: Staging | None = None
         if self.async_mode is not AsyncMode.SYNC:
             self._staging = Staging(
+                guard=self._guard,
                 shared_memory=self.async_mode is AsyncMode.PROCESS,
                 background=background_staging and self.async_mode is AsyncMode.THREAD,
                 device_snapshot=device_snapshot and self.async_mode is AsyncMode.THREAD,
@@ -202,7 +205,8 @@ class Checkpointer:
             options = memory if isinstance(memory, MemoryOptions) else MemoryOptions()
             self._memory = MemoryTier(options, self.root.url, self.rank, self.world_size,
                                       job_id)
-            self._snapshots = Snapshots(self._memory, self._ranks, self.root)
+            self._snapshots = Snapshots(self._memory, self._ranks, self.root,
+                                        self._guard if options.background_copy else None)
 
     # ------------------------------------------------------------------ public API
 
@@ -317,14 +321,14 @@ class Checkpointer:
         return self._snapshot(step, resolve(state))
 
     def wait_staged(self) -> None:
-        """Block until the save in flight no longer reads the live model/optimizer tensors.
+        """Block until the save or snapshot in flight no longer reads the live model and
+        optimizer tensors.
 
-        Only needed with ``background_staging`` before changing model or optimizer state by
-        other means than ``optimizer.step()`` or the model's forward (which wait by
-        themselves), e.g. editing weights in place.
+        Only needed with ``background_staging`` or ``MemoryOptions(background_copy=True)``
+        before changing model or optimizer state by other means than ``optimizer.step()`` or
+        the model's forward (which wait by themselves), e.g. editing weights in place.
         """
-        if self._staging is not None:
-            self._staging.wait_staged()
+        self._guard.wait()
 
     def load(self, state: dict[str, Any], step: int | None = None) -> int | None:
         """Load the newest complete checkpoint (or ``step``) into ``state`` in place.
@@ -398,6 +402,7 @@ class Checkpointer:
                 self._memory.close()
             if self._staging is not None:
                 self._staging.close()
+            self._guard.close()
             if self._lease is not None:
                 self._lease.close()
             self._ranks.close()

@@ -25,7 +25,8 @@ space is not written (a warning; the previous slot stays whole) and training goe
 disk tiers.
 
 The slot files' format is memory_format.py's; opening them safely and the checksummed reads
-and writes of their bytes, memory_files.py's; a restore's checks, memory_restore.py's.
+and writes of their bytes, memory_files.py's; finishing a snapshot, memory_write.py's; a
+restore's checks, memory_restore.py's.
 
 Thread safety: one training thread per MemoryTier (and the tier's own finishing thread, which
 every method waits for).
@@ -35,11 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
-import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -48,17 +47,19 @@ import torch
 
 from ..errors import NativeError
 from .errors import CheckpointError
+from .guards import Hold
 from .memory_files import (
     ReadHandle,
     SlotMap,
     copy_tensor,
     digest,
     file_problem,
-    piece_digests,
+    folder_name,
+    open_for_write,
     private_dir,
-    pwrite_all,
     read_manifest,
     read_tensors,
+    remove_sibling_folders,
 )
 from .memory_format import (
     FORMAT_VERSION,
@@ -79,16 +80,15 @@ from .memory_format import (
     K_WORLD,
     EmptySlot,
     FormatProblem,
-    Header,
     Manifest,
     SlotSummary,
     align,
     decode_tree,
     encode_tree,
-    pack_header,
     tensor_record,
     unpack_header,
 )
+from .memory_write import DeferredCopy, PendingSnapshot
 from .staging import rank_cores
 
 log = logging.getLogger("streamcache.checkpoint")
@@ -105,10 +105,18 @@ class MemoryOptions:
             this user's under it.
         max_bytes: the largest slot this rank may write (None: as much as the free space
             allows); a larger state is not snapshotted (a warning).
+        background_copy: (opt-in) copy the model and optimizer entries' tensors on the tier's
+            thread after ``snapshot`` returns; only ``optimizer.step()`` (and the forward of
+            models with buffers) waits for the copy (guards.py). Any other in-place write of
+            those tensors meanwhile moves their version counters and the snapshot is given
+            up (a warning), except writes that bypass them (``.data``): call
+            ``Checkpointer.wait_staged()`` before such a write. Off, every tensor is copied
+            before ``snapshot`` returns.
     """
 
     directory: str = "/dev/shm"
     max_bytes: int | None = None
+    background_copy: bool = False
 
 
 @dataclass
@@ -118,14 +126,6 @@ class Prepared:
     step: int
     manifest: Manifest
     trees: dict[str, Any]
-
-
-def folder_name(root_url: str, job_id: str | None) -> str:
-    """``<root digest>-<job digest>``: the restarts of one job (one job id) share a folder,
-    another job or another root never does."""
-    root = hashlib.sha256(root_url.encode()).hexdigest()[:20]
-    job = hashlib.sha256((job_id or "").encode()).hexdigest()[:12]
-    return f"{root}-{job}"
 
 
 class MemoryTier:
@@ -146,6 +146,7 @@ class MemoryTier:
         self._seqs: list[int | None] = [None] * SLOTS  # the valid slots' sequence numbers
         self._maps = [SlotMap() for _ in range(SLOTS)]
         self._finishing: Future[None] | None = None  # the snapshot being finished
+        self._copy: DeferredCopy | None = None  # its background copy, checked by ``wait``
         self._finisher: tuple[int, ThreadPoolExecutor] | None = None  # (pid, its thread)
         self._kept = True  # whether the last finished snapshot was kept
         self._warned = False
@@ -159,7 +160,7 @@ class MemoryTier:
 
     def write(self, step: int, entries: Mapping[str, tuple[str, Any]], rng_state: dict[str, Any],
               *, timeline: str, started: str | None, committed: str | None,
-              root_id: str) -> bool:
+              root_id: str, later: Collection[str] = (), hold: Hold | None = None) -> bool:
         """Snapshot ``entries`` ({key: (kind, value)}) as ``step`` into the older slot.
 
         ``started``/``committed`` are the last save started and the last known committed,
@@ -167,24 +168,43 @@ class MemoryTier:
         snapshot continues (memory_format.usable).
 
         The tensors are copied into the slot before this returns (the training may change
-        them from then on). Their checksums, the manifest and the header are written by a
-        background thread, a few milliseconds later: until then the slot is not whole, and a
-        kill restores the snapshot before (as a kill inside the copy would). :meth:`wait`
-        waits for it; every other method does.
+        them from then on), except those of the entries in ``later``: the tier's thread
+        copies them, then releases ``hold`` (the caller's hold on their updates, guards.py;
+        released whatever happens). That thread then writes the checksums, the manifest and
+        the header (memory_write.py); until then the slot is not whole, and a kill restores
+        the snapshot before. :meth:`wait` waits for it, and says whether it was kept; every
+        other method waits for it too.
 
         Returns False (after a warning) when the snapshot is not taken: the state is larger
         than ``max_bytes``, the tier's filesystem is full, or another process truncated the
-        slot file during the copy; the newer slot is then untouched. What goes wrong while
-        the snapshot is finished, :meth:`wait` reports.
+        slot file during the copy; the newer slot is then untouched.
 
         Raises:
             CheckpointError: a value cannot be kept in the memory tier (names it).
         """
-        self.wait()
-        tensors: list[torch.Tensor] = []
+        handed = False  # whether the thread took over ``hold``
         try:
-            encoded = {k: {K_KIND: kind, K_TREE: encode_tree(v, tensors)}
-                       for k, (kind, v) in entries.items()}
+            self.wait()
+            handed = self._write(step, entries, rng_state, later, hold, {
+                K_TIMELINE: timeline, K_STARTED: started, K_COMMITTED: committed,
+                K_ROOT_ID: root_id})
+            return handed
+        finally:
+            if not handed and hold is not None:
+                hold.release()
+
+    def _write(self, step: int, entries: Mapping[str, tuple[str, Any]],
+               rng_state: dict[str, Any], later: Collection[str], hold: Hold | None,
+               continues: dict[str, Any]) -> bool:
+        tensors: list[torch.Tensor] = []
+        deferred: dict[int, str] = {}  # the tensors the thread copies: index -> entry key
+        try:
+            encoded = {}
+            for key, (kind, value) in entries.items():
+                first = len(tensors)
+                encoded[key] = {K_KIND: kind, K_TREE: encode_tree(value, tensors)}
+                if key in later:
+                    deferred.update((i, key) for i in range(first, len(tensors)))
             records, data_len = [], 0
             for tensor in tensors:
                 records.append(tensor_record(tensor, data_len))
@@ -198,7 +218,7 @@ class MemoryTier:
         seq = max((s for s in self._seqs if s is not None), default=0) + 1
         self._seqs[slot] = None
         try:
-            fd = self._open_for_write(slot)
+            fd = open_for_write(self._dir_fd, self.slot_name(slot))
         except OSError as exc:
             return self._skip(step, f"cannot open {self.slot_name(slot)}: {exc}")
         try:
@@ -207,9 +227,10 @@ class MemoryTier:
                 os.posix_fallocate(fd, 0, HEADER_SIZE + data_len)  # ENOSPC here, not a fault
             data = self._maps[slot].array(fd, HEADER_SIZE + data_len)[HEADER_SIZE:]
             threads = rank_cores()
-            for tensor, record in zip(tensors, records, strict=True):
-                at = record["offset"]
-                copy_tensor(data[at: at + record["nbytes"]], tensor, threads)
+            for index, (tensor, record) in enumerate(zip(tensors, records, strict=True)):
+                if index not in deferred:
+                    at = record["offset"]
+                    copy_tensor(data[at: at + record["nbytes"]], tensor, threads)
         except (OSError, NativeError) as exc:
             os.close(fd)
             return self._failed(step, slot, exc)
@@ -217,10 +238,20 @@ class MemoryTier:
             os.close(fd)
             raise
         doc = {K_VERSION: FORMAT_VERSION, K_ROOT: self.root_url, K_RANK: self.rank,
-               K_WORLD: self.world_size, K_STEP: step, K_TIMELINE: timeline,
-               K_STARTED: started, K_COMMITTED: committed, K_ROOT_ID: root_id,
+               K_WORLD: self.world_size, K_STEP: step, **continues,
                K_ENTRIES: encoded, K_TENSORS: records, K_RNG: rng_state}
-        self._finishing = self._finishing_thread().submit(self._finish, slot, fd, seq, data, doc)
+        later_copy = DeferredCopy([(tensors[i], records[i], key)
+                                   for i, key in deferred.items()], hold)
+        try:
+            self._finishing = self._finishing_thread().submit(
+                self._finish, PendingSnapshot(slot, fd, seq, data, doc, later_copy))
+        except BaseException:
+            os.close(fd)
+            later_copy.release()
+            raise
+        self._copy = later_copy
+        if hold is not None:
+            hold.then_verify(later_copy.verify)
         return True
 
     def _finishing_thread(self) -> ThreadPoolExecutor:
@@ -238,35 +269,26 @@ class MemoryTier:
         finish, self._finishing = self._finishing, None
         # (in a child forked while the parent's thread finished one, that snapshot is the
         # parent's: the child has no thread to wait for)
+        later_copy, self._copy = self._copy, None
         if finish is not None and self._finisher is not None and \
                 self._finisher[0] == os.getpid():
+            if later_copy is not None:
+                later_copy.verify()  # (this is the training thread: see DeferredCopy)
             finish.result()  # (_finish reports its own errors; it never raises)
         kept, self._kept = self._kept, True
         return kept
 
-    def _finish(self, slot: int, fd: int, seq: int, data: Any, doc: dict[str, Any]) -> None:
-        """Checksum the copied tensors, then write the manifest and, last, the header."""
-        step = doc[K_STEP]
+    def _finish(self, pending: PendingSnapshot) -> None:
+        step = pending.step
         try:
-            for record in doc[K_TENSORS]:
-                at = record["offset"]
-                record["digests"] = piece_digests(data[at: at + record["nbytes"]])
-            manifest = json.dumps(doc, separators=(",", ":")).encode()
-            m_off = HEADER_SIZE + len(data)
-            needed = m_off + len(manifest)
-            if self.options.max_bytes is not None and needed > self.options.max_bytes:
-                self._kept = self._skip(step, f"a slot of {needed} bytes exceeds max_bytes="
-                                              f"{self.options.max_bytes}")
-                return
-            if os.fstat(fd).st_size < needed:
-                os.posix_fallocate(fd, 0, needed)
-            pwrite_all(fd, manifest, m_off)
-            header = Header(seq, step, len(data), m_off, len(manifest), digest(manifest))
-            pwrite_all(fd, pack_header(header, digest), 0)
-            self._seqs[slot] = seq
+            why = pending.finish(self.options.max_bytes)
+            if why is None:
+                self._seqs[pending.slot] = pending.seq
+            else:
+                self._kept = self._skip(step, why)
         except (OSError, NativeError) as exc:
             try:
-                self._kept = self._failed(step, slot, exc)
+                self._kept = self._failed(step, pending.slot, exc)
             except CheckpointError as error:  # not a full disk: say so, the other slot stays
                 log.error("%s (the previous snapshot and the disk tiers are intact)", str(error))
                 self._kept = False
@@ -274,7 +296,7 @@ class MemoryTier:
             log.error("memory tier: snapshot of step %d failed: %r", step, exc)
             self._kept = False
         finally:
-            os.close(fd)
+            pending.close()
 
     def _failed(self, step: int, slot: int, exc: BaseException) -> bool:
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
@@ -290,24 +312,6 @@ class MemoryTier:
             if seq is None:
                 return slot
         return min(range(SLOTS), key=lambda s: self._seqs[s] or 0)
-
-    def _open_for_write(self, slot: int) -> int:
-        name = self.slot_name(slot)
-        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(name, flags, dir_fd=self._dir_fd)
-        except FileNotFoundError:
-            return os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=self._dir_fd)
-        except OSError as exc:
-            if exc.errno != errno.ELOOP:
-                raise
-            fd = -1
-        if fd < 0 or file_problem(os.fstat(fd)) is not None:
-            if fd >= 0:
-                os.close(fd)
-            os.unlink(name, dir_fd=self._dir_fd)  # not a file of ours: replace it
-            return os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=self._dir_fd)
-        return fd
 
     def _skip(self, step: int, why: str) -> bool:
         log_fn = log.debug if self._warned else log.warning
@@ -424,16 +428,7 @@ class MemoryTier:
     def remove_other_jobs(self) -> None:
         """Delete the folders of earlier jobs on this root (this job holds the root's lease,
         so they are not running): what a killed job left is reclaimed by the next one."""
-        parent = os.path.dirname(self.folder)
-        mine = os.path.basename(self.folder)
-        prefix = mine.split("-")[0] + "-"
-        for name in os.listdir(parent):
-            if name.startswith(prefix) and name != mine:
-                folder = os.path.join(parent, name)
-                with contextlib.suppress(OSError):  # another rank of the node removed it
-                    for entry in os.listdir(folder):
-                        os.unlink(os.path.join(folder, entry))
-                    os.rmdir(folder)
+        remove_sibling_folders(self.folder)
 
     def close(self) -> None:
         """Finish the snapshot in flight, then release the slots' mappings and the folder."""

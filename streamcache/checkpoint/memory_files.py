@@ -6,6 +6,8 @@ tier, memory.py)."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
 import mmap
 import os
@@ -185,3 +187,46 @@ def read_tensors(fd: int, manifest: Manifest) -> list[torch.Tensor]:
                 raise FormatProblem(f"tensor {i} checksum mismatch (torn or edited)")
         tensors.append(buffer[at: at + spec.nbytes].view(spec.dtype).reshape(spec.shape))
     return tensors
+
+
+def folder_name(root_url: str, job_id: str | None) -> str:
+    """``<root digest>-<job digest>``: the restarts of one job (one job id) share a folder,
+    another job or another root never does."""
+    root = hashlib.sha256(root_url.encode()).hexdigest()[:20]
+    job = hashlib.sha256((job_id or "").encode()).hexdigest()[:12]
+    return f"{root}-{job}"
+
+
+def remove_sibling_folders(folder: str) -> None:
+    """Delete the other folders of ``folder``'s root (the same root digest, other jobs) and
+    their files; a folder another process removes meanwhile is skipped."""
+    parent = os.path.dirname(folder)
+    mine = os.path.basename(folder)
+    prefix = mine.split("-")[0] + "-"
+    for name in os.listdir(parent):
+        if name.startswith(prefix) and name != mine:
+            other = os.path.join(parent, name)
+            with contextlib.suppress(OSError):  # another rank of the node removed it
+                for entry in os.listdir(other):
+                    os.unlink(os.path.join(other, entry))
+                os.rmdir(other)
+
+
+def open_for_write(dir_fd: int, name: str) -> int:
+    """An fd of slot file ``name`` in the tier's folder, read-write: made if missing, and
+    made again if what is there is a link or not this user's private regular file."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        fd = -1
+    if fd < 0 or file_problem(os.fstat(fd)) is not None:
+        if fd >= 0:
+            os.close(fd)
+        os.unlink(name, dir_fd=dir_fd)  # not a file of ours: replace it
+        return os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd)
+    return fd

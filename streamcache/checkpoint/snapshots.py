@@ -11,18 +11,24 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import layout, rng
+from .guards import UpdateGuard
 from .memory import MemoryTier
 from .memory_format import RootView
 from .memory_restore import restore_agreed, snapshot_entries
 from .ranks import Ranks
+from .staging import MODEL_ENTRIES
 from .tiers import Location
 
 
 class Snapshots:
-    """A Checkpointer's memory tier (``tier``) and what its snapshots continue."""
+    """A Checkpointer's memory tier (``tier``) and what its snapshots continue; with
+    ``guard``, model and optimizer entries are copied on the tier's thread while ``guard``
+    holds back their updates (``MemoryOptions.background_copy``)."""
 
-    def __init__(self, tier: MemoryTier, ranks: Ranks, root: Location) -> None:
+    def __init__(self, tier: MemoryTier, ranks: Ranks, root: Location,
+                 guard: UpdateGuard | None = None) -> None:
         self.tier = tier
+        self._guard = guard
         self._ranks = ranks
         self._root = root
         # (the last save started, the last known committed): what snapshots continue
@@ -49,9 +55,13 @@ class Snapshots:
             self.tier.remove_other_jobs()
             self._pruned = True
         started, committed = self._saves
-        return self.tier.write(step, snapshot_entries(entries), rng.capture(),
-                               timeline=timeline, started=started, committed=committed,
-                               root_id=root_id)
+        collected, rng_state = snapshot_entries(entries), rng.capture()
+        later = [k for k, v in entries.items() if isinstance(v, MODEL_ENTRIES)] \
+            if self._guard is not None else []
+        hold = self._guard.hold(entries[k] for k in later) \
+            if self._guard is not None and later else None  # the tier releases it
+        return self.tier.write(step, collected, rng_state, timeline=timeline, started=started,
+                               committed=committed, root_id=root_id, later=later, hold=hold)
 
     def restore(self, state: dict[str, Any]) -> int | None:
         """Restore the newest step every rank holds in memory into ``state``, or None (and

@@ -4,10 +4,10 @@ Blocking staging (the default) copies everything before ``save`` returns, so no 
 training loop makes afterwards can reach the checkpoint. Background staging (opt-in) copies
 the tensors of model and optimizer entries (the bulk of a checkpoint) in the writer thread while
 the training loop goes on, and makes the only operations that change them wait until the
-copy is done: the optimizers' ``step`` (a step pre-hook) and, for models that have buffers
-(BatchNorm statistics change in ``forward``), the model's forward (a forward pre-hook).
-Everything else is small and is staged before ``save`` returns. Other in-place writes (EMA,
-``.data``) are not guarded: with background staging they can tear the snapshot.
+copy is done (guards.py: the optimizers' ``step`` and, for models that have buffers, the
+model's forward). Everything else is small and is staged before ``save`` returns. Other
+in-place writes (EMA, ``.data``) are not guarded: with background staging they can tear the
+snapshot.
 
 Copies run at memory speed as states grow: a blocking copy on the CPU uses this rank's share
 of the cores (torch's intra-op threads, raised for the copy when the job runs with fewer,
@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -37,10 +36,11 @@ import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ..processes import usable_cores
+from .guards import Hold, UpdateGuard
 from .host_buffers import HostBuffers
 from .state import ModelState, ModuleEntry, OptimizerEntry
 
-_MODEL_ENTRIES = (ModelState, ModuleEntry, OptimizerEntry)
+MODEL_ENTRIES = (ModelState, ModuleEntry, OptimizerEntry)
 
 
 class Staging:
@@ -49,10 +49,11 @@ class Staging:
     Args:
         shared_memory: stage into shared memory (for DCP's checkpoint process).
         background: stage model/optimizer tensors in the writer thread (see module doc).
+        guard: the Checkpointer's guard of those tensors' updates (its owner closes it).
         device_snapshot: snapshot CUDA tensors on their GPU first where memory allows.
     """
 
-    def __init__(self, *, shared_memory: bool, background: bool,
+    def __init__(self, *, shared_memory: bool, background: bool, guard: UpdateGuard,
                  device_snapshot: bool = False) -> None:
         on_gpu = torch.cuda.is_available()
         self.background = background
@@ -68,9 +69,8 @@ class Staging:
         self.copy_threads = rank_cores()
         self._host = HostBuffers(self.copy_threads) if not on_gpu and not shared_memory \
             else None
-        self._staged = threading.Event()
-        self._staged.set()
-        self._hooks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._guard = guard
+        self._hold: Hold | None = None
 
     def split(
         self, state: Mapping[str, Any], state_dict: dict[str, Any]
@@ -82,13 +82,11 @@ class Staging:
         """
         if not self.background:
             return state_dict, {}
-        later_keys = [k for k, v in state.items() if isinstance(v, _MODEL_ENTRIES)]
-        for key in later_keys:
-            self._guard(state[key])
+        later_keys = [k for k, v in state.items() if isinstance(v, MODEL_ENTRIES)]
         later = {k: _freeze_leaves(state_dict[k]) for k in later_keys}
         now = {k: v for k, v in state_dict.items() if k not in later}
         if later:
-            self._staged.clear()
+            self._hold = self._guard.hold(state[k] for k in later_keys)
         return now, later
 
     def stage_now(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -118,26 +116,27 @@ class Staging:
         try:
             return self.stage_now(state_dict) if state_dict else {}
         finally:
-            self._staged.set()
+            self._release()
 
     def wait_staged(self) -> None:
         """Block until the save in flight no longer needs the live tensors."""
-        self._staged.wait()
+        self._guard.wait()
 
     @property
     def stager(self) -> DefaultStager:
         return self._stager
 
     def close(self) -> None:
-        self._staged.set()
-        for handles in list(self._hooks.values()):
-            for handle in handles:
-                handle.remove()
-        self._hooks.clear()
+        self._release()
         self._stager.close()
         if self._host is not None:
             self._host.close()
         self._snapshot = None
+
+    def _release(self) -> None:
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            hold.release()
 
     @contextlib.contextmanager
     def _copy_threads(self) -> Iterator[None]:
@@ -151,17 +150,6 @@ class Staging:
             yield
         finally:
             torch.set_num_threads(before)
-
-    def _guard(self, model_state: ModelState | ModuleEntry | OptimizerEntry) -> None:
-        def before(*_: Any) -> None:
-            self._staged.wait()
-
-        for optimizer in model_state.optimizers:
-            if optimizer not in self._hooks:
-                self._hooks[optimizer] = [optimizer.register_step_pre_hook(before)]
-        model = model_state.model
-        if model not in self._hooks and any(True for _ in model.buffers()):
-            self._hooks[model] = [model.register_forward_pre_hook(before)]
 
 
 def _freeze_leaves(value: Any) -> Any:

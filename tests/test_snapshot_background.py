@@ -1,0 +1,315 @@
+"""Snapshots copied in the background (``MemoryOptions(background_copy=True)``, guards.py,
+memory_write.py): the snapshot holds the state of its call whatever the loop does meanwhile,
+or is given up (never a torn one kept); guarded updates wait, and nothing the copy can meet
+(a failure, a refused value, a forked child) leaves the loop blocked.
+
+The copy is held back by wrapping the copy function the tier's thread calls, so the loop's
+operations land before, during or after it: the copy, the guards and the checks are real.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamcache.checkpoint import Checkpointer, CheckpointError, ModelState, memory_write
+from streamcache.checkpoint.guards import UpdateGuard
+from streamcache.checkpoint.memory import MemoryOptions
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _ckpt(folder: Path, background: bool = True) -> Checkpointer:
+    (folder / "shm").mkdir(exist_ok=True)
+    return Checkpointer(folder / "root", memory=MemoryOptions(directory=str(folder / "shm"),
+                                                              background_copy=background))
+
+
+def _model(buffers: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(16, 16)]
+    if buffers:
+        layers.append(torch.nn.BatchNorm1d(16))
+    model = torch.nn.Sequential(*layers)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _forward_backward(model: torch.nn.Module) -> None:
+    model(torch.randn(8, 16)).square().mean().backward()
+
+
+def _values(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    values = [v.detach().clone() for v in model.state_dict().values()]
+    for per_param in optimizer.state.values():
+        values += [v.clone() for v in per_param.values() if isinstance(v, torch.Tensor)]
+    return values
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _whole(ckpt: Checkpointer) -> dict[int, Any]:
+    """{step: prepared snapshot} of the slots that scan and verify whole."""
+    tier = ckpt._memory
+    assert tier is not None
+    found = {}
+    for slot, summary in tier.scan():
+        prepared = tier.prepare(slot, summary)
+        if prepared is not None:
+            found[summary.step] = prepared
+    return found
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """While clear, the tier's thread waits before its background copy."""
+    opened = threading.Event()
+    real = memory_write.copy_tensor
+
+    def gated(*args: Any, **kwargs: Any) -> None:
+        assert opened.wait(30), "the test never opened the gate"
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(memory_write, "copy_tensor", gated)
+    yield opened
+    opened.set()
+
+
+def test_guarded_updates_wait_and_the_snapshot_holds_the_call(
+        tmp_path: Path, gate: threading.Event) -> None:
+    model, optimizer = _model(buffers=True)
+    state = {"train": ModelState(model, optimizer)}
+    _forward_backward(model)
+    optimizer.step()
+    with _ckpt(tmp_path) as ckpt:
+        expected = _values(model, optimizer)
+        started = time.perf_counter()
+        assert ckpt.snapshot(1, state)
+        returned = time.perf_counter() - started
+        threading.Timer(0.3, gate.set).start()
+        _forward_backward(model)  # BatchNorm's statistics: the forward waits for the copy
+        optimizer.step()
+        waited = time.perf_counter() - started
+        ckpt.wait()
+        assert returned < 0.25 < waited
+        assert not _same(_values(model, optimizer), expected)  # the step did happen
+        assert set(_whole(ckpt)) == {1}
+        ckpt._close(finished=False)  # as a kill would leave it
+    model2, optimizer2 = _model(buffers=True)
+    with _ckpt(tmp_path) as ckpt:
+        assert ckpt.load({"train": ModelState(model2, optimizer2)}) == 1
+    assert _same(_values(model2, optimizer2), expected)
+
+
+def test_an_unguarded_write_during_the_copy_gives_the_snapshot_up(
+        tmp_path: Path, gate: threading.Event, caplog: pytest.LogCaptureFixture) -> None:
+    model, optimizer = _model()
+    state = {"train": ModelState(model, optimizer)}
+    with _ckpt(tmp_path) as ckpt:
+        gate.set()
+        assert ckpt.snapshot(1, state)
+        kept = _values(model, optimizer)
+        ckpt.wait()
+        gate.clear()
+        _forward_backward(model)
+        optimizer.step()
+        assert ckpt.snapshot(2, state)
+        with torch.no_grad():  # an EMA-like write the guards cannot see
+            model[0].weight.mul_(0.5)
+        gate.set()
+        with caplog.at_level(logging.WARNING, "streamcache.checkpoint"):
+            ckpt.wait()
+        assert "changed while they were copied in the background" in caplog.text
+        assert "'train'" in caplog.text and "wait_staged" in caplog.text
+        assert set(_whole(ckpt)) == {1}  # step 2 is given up, step 1 stays whole
+        ckpt._close(finished=False)
+    model2, optimizer2 = _model()
+    with _ckpt(tmp_path) as ckpt:
+        assert ckpt.load({"train": ModelState(model2, optimizer2)}) == 1
+    assert _same(_values(model2, optimizer2), kept)
+
+
+def test_wait_staged_before_an_unguarded_write_keeps_the_snapshot(
+        tmp_path: Path, gate: threading.Event) -> None:
+    model, optimizer = _model()
+    state = {"train": ModelState(model, optimizer)}
+    with _ckpt(tmp_path) as ckpt:
+        assert ckpt.snapshot(1, state)
+        expected = _values(model, optimizer)
+        threading.Timer(0.1, gate.set).start()
+        ckpt.wait_staged()  # the copy is done and checked: later writes do not reach it
+        with torch.no_grad():
+            model[0].weight.mul_(0.5)
+        ckpt.wait()
+        whole = _whole(ckpt)
+        assert set(whole) == {1}
+    values = whole[1].trees["train"][1]
+    assert torch.equal(values["model"]["0.weight"], expected[0])
+
+
+def test_a_failed_background_copy_releases_the_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    model, optimizer = _model()
+    state = {"train": ModelState(model, optimizer)}
+    real = memory_write.copy_tensor
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the device went away")
+
+    with _ckpt(tmp_path) as ckpt:
+        monkeypatch.setattr(memory_write, "copy_tensor", failing)
+        with caplog.at_level(logging.WARNING, "streamcache.checkpoint"):
+            assert ckpt.snapshot(1, state)
+            _forward_backward(model)
+            stepped = threading.Thread(target=optimizer.step, daemon=True)
+            stepped.start()
+            stepped.join(20)
+            assert not stepped.is_alive(), "optimizer.step() still waits for a failed copy"
+            ckpt.wait()
+        assert "the device went away" in caplog.text
+        assert _whole(ckpt) == {}
+        monkeypatch.setattr(memory_write, "copy_tensor", real)
+        assert ckpt.snapshot(2, state)
+        ckpt.wait()
+        assert set(_whole(ckpt)) == {2}
+
+
+def test_a_snapshot_refused_in_its_call_holds_nothing(tmp_path: Path) -> None:
+    model, optimizer = _model()
+    with _ckpt(tmp_path) as ckpt:
+        with pytest.raises(CheckpointError, match="cannot be kept in the memory tier"):
+            ckpt.snapshot(1, {"train": ModelState(model, optimizer), "bad": object()})
+        assert not ckpt._guard.held
+        _forward_backward(model)
+        optimizer.step()  # does not wait: nothing is held
+
+
+def test_a_forked_child_does_not_wait_for_the_parents_copy(
+        tmp_path: Path, gate: threading.Event) -> None:
+    model, optimizer = _model()
+    state = {"train": ModelState(model, optimizer)}
+    with _ckpt(tmp_path) as ckpt:
+        assert ckpt.snapshot(1, state)  # held: the copy waits at the gate
+        assert ckpt._guard.held
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                signal.alarm(20)  # (a child waiting for the parent's copy: killed here)
+                ckpt._guard.wait()  # what a guarded update in the child runs; no torch kernel
+                code = 0 if not ckpt._guard.held else 3
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert ckpt._guard.held  # the parent's hold is still the parent's
+        gate.set()
+        ckpt.wait()
+        assert set(_whole(ckpt)) == {1}
+
+
+def test_the_default_copies_in_the_call(tmp_path: Path, gate: threading.Event) -> None:
+    model, optimizer = _model()
+    with _ckpt(tmp_path, background=False) as ckpt:
+        assert ckpt.snapshot(1, {"train": ModelState(model, optimizer)})
+        assert not ckpt._guard.held  # nothing deferred: the gate is never reached
+        with torch.no_grad():
+            model[0].weight.mul_(0.5)
+        ckpt.wait()
+        assert set(_whole(ckpt)) == {1}
+
+
+def test_a_hold_released_twice_counts_once() -> None:
+    guard = UpdateGuard()
+    model = torch.nn.Linear(2, 2)
+    entry = SimpleNamespace(model=model, optimizers=[torch.optim.SGD(model.parameters())])
+    first, second = guard.hold([entry]), guard.hold([entry])
+    first.release()
+    first.release()
+    assert guard.held
+    second.release()
+    assert not guard.held
+    guard.close()
+
+
+# ---------------------------------------------------------------------------- property
+
+_OPS = st.lists(st.sampled_from(["snapshot", "step", "write", "wait_staged", "wait"]),
+                min_size=1, max_size=14)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=_OPS, delays=st.lists(st.sampled_from([0.0, 0.0, 0.002, 0.01]), min_size=14,
+                                 max_size=14))
+def test_kept_snapshots_hold_their_call_and_only_unverified_writes_give_one_up(
+        ops: list[str], delays: list[float]) -> None:
+    # Whatever the copy's timing, a snapshot is given up exactly when an unguarded write
+    # comes between its call and the next point where the training thread checks it (a
+    # guarded update, wait_staged, wait, the next snapshot); every whole slot holds the values
+    # of its call, and the newest kept snapshot is whole.
+    real = memory_write.copy_tensor
+    timing = iter(delays * 20)
+
+    def late(*args: Any, **kwargs: Any) -> None:
+        time.sleep(next(timing, 0.0))
+        real(*args, **kwargs)
+
+    memory_write.copy_tensor = late  # type: ignore[assignment]
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            _run_schedule(Path(tmp), ops)
+    finally:
+        memory_write.copy_tensor = real  # type: ignore[assignment]
+
+
+def _run_schedule(folder: Path, ops: list[str]) -> None:
+    model, optimizer = _model()
+    state = {"train": ModelState(model, optimizer)}
+    expected: dict[int, list[torch.Tensor]] = {}
+    kept: dict[int, bool] = {}
+    pending: int | None = None  # the snapshot not yet checked
+    with _ckpt(folder) as ckpt:
+        for op in [*ops, "wait"]:
+            if op in ("step", "wait_staged", "wait", "snapshot"):
+                pending = None  # each is a point where the check runs
+            if op == "snapshot":
+                step = len(expected) + 1
+                expected[step] = _values(model, optimizer)
+                assert ckpt.snapshot(step, state)
+                kept[step], pending = True, step
+            elif op == "step":
+                _forward_backward(model)
+                optimizer.step()
+            elif op == "write":
+                if pending is not None:
+                    kept[pending] = False
+                with torch.no_grad():
+                    model[0].bias.add_(1.0)
+            elif op == "wait_staged":
+                ckpt.wait_staged()
+            else:
+                ckpt.wait()
+        whole = _whole(ckpt)
+    for step, prepared in whole.items():
+        assert kept[step], f"snapshot {step} is whole though a write came before its check"
+        tree = prepared.trees["train"][1]
+        assert torch.equal(tree["model"]["0.bias"], expected[step][1]), step
+        assert torch.equal(tree["model"]["0.weight"], expected[step][0]), step
+    newest_kept = max((s for s, k in kept.items() if k), default=None)
+    if newest_kept is not None:
+        assert newest_kept in whole, f"snapshot {newest_kept} was kept but is not whole"
