@@ -2,7 +2,8 @@
 
 Public names: :class:`Checkpointer`, :class:`GlobalState`, :class:`ModelState`,
 :class:`CheckpointInfo`, :class:`AsyncMode`, :class:`IfBusy`, :class:`SaveStats`,
-:class:`MemoryOptions` (the memory tier's options) and the errors. ``add_arguments``/``run`` implement ``streamcache checkpoints``.
+:class:`MemoryOptions` (the memory tier's options) and the errors.
+``add_arguments``/``run`` implement ``streamcache checkpoints``.
 Design and measured defaults: docs/checkpoint.md.
 """
 
