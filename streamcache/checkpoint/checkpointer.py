@@ -85,8 +85,8 @@ class Checkpointer:
             entries in the writer thread instead of before ``save`` returns; only
             ``optimizer.step()`` of the state's optimizers (and the forward of its models
             with buffers) waits for the copy. Any other in-place write before the copy is
-            done (an EMA update, a ``.data`` write, an optimizer outside the state) lands in
-            the checkpoint: a torn snapshot, unless the loop calls :meth:`wait_staged`
+            done (an EMA update, an optimizer outside the state) fails the save (version
+            counters); a ``.data`` write tears it unless the loop calls :meth:`wait_staged`
             first. Off (the default), every tensor is copied to host memory before ``save``
             returns, so nothing the loop does afterwards reaches the checkpoint.
         storage_options: fsspec options for ``root`` (credentials, endpoint).
@@ -281,6 +281,7 @@ class Checkpointer:
         Raises:
             CheckpointWriteError: that save failed on some rank; nothing was published.
         """
+        self._guard.wait()  # a background copy's check is this thread's (guards.VersionCheck)
         if self._memory is not None:
             self._memory.wait()
         job, thread = self._job, self._thread

@@ -99,9 +99,13 @@ class Committer:
                 job.known_files[GLOBAL_NAME] = FileEntry(len(job.global_bytes),
                                                          checksum_bytes(job.global_bytes))
             files = self._checksum_and_upload(job)
+            error = self._torn(job)
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             error = describe(exc, self.ranks.rank)
             log.error("checkpoint step %d failed on this rank: %s", job.step, error)
+        finally:
+            if self.staging is not None:
+                self.staging.release_later()  # (a write that failed before staging them)
         try:
             outcome = self._commit(job, files, error)
         except Exception as exc:  # a rank died or the group broke: nothing was published
@@ -115,6 +119,19 @@ class Committer:
             return
         job.durable_s = time.perf_counter() - job.started
         self._after_commit(job)
+
+    def _torn(self, job: SaveJob) -> str | None:
+        """Why the state staged in the background is not the ``save`` call's, or None."""
+        changed = self.staging.changed_while_staged() if self.staging is not None else []
+        if not changed:
+            return None
+        error = (f"rank {self.ranks.rank}: tensors of {', '.join(map(repr, changed))} changed "
+                 "while they were staged in the background (an in-place write other than "
+                 "optimizer.step() or the model's forward, after save() and before its copy): "
+                 "call Checkpointer.wait_staged() before such a write, or save without "
+                 "background_staging")
+        log.error("checkpoint step %d failed on this rank: %s", job.step, error)
+        return error
 
     def _write(self, job: SaveJob) -> None:
         """Write this rank's DCP files (and note in ``job`` those whose checksum is known)."""

@@ -22,8 +22,10 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
+
+import torch
 
 
 class Hold:
@@ -110,3 +112,69 @@ class UpdateGuard:
         model = entry.model
         if model not in self._hooks and any(True for _ in model.buffers()):
             self._hooks[model] = [model.register_forward_pre_hook(before)]
+
+
+class VersionCheck:
+    """Whether the tensors of a background copy were written to while it ran.
+
+    Made in the training thread when the state is taken (it records each tensor's version
+    counter); :meth:`copied` marks the copy done (or failed, or never to run); :meth:`verify`,
+    in the training thread after that (its next guarded operation or wait:
+    :meth:`Hold.then_verify`), compares the counters: there, every in-place write that thread
+    started before the copy ended has finished and counted (on the copying thread a write
+    still running at the copy's end would be missed). :meth:`changed`, on the copying
+    thread, waits for that verdict.
+    """
+
+    def __init__(self, items: Iterable[tuple[torch.Tensor, str]]) -> None:
+        self._items = list(items)  # (tensor, the key of its entry)
+        self._versions = [_version(tensor) for tensor, _ in self._items]
+        self._done = threading.Event()
+        self._verdict = threading.Event()
+        self._changed: list[str] = []
+        if not self._items:
+            self._done.set()
+            self._verdict.set()
+
+    @classmethod
+    def of(cls, entries: Mapping[str, Any]) -> VersionCheck:
+        """The check of every tensor of ``entries`` ({key: state tree})."""
+        return cls((tensor, key) for key, value in entries.items()
+                   for tensor in tensor_leaves(value))
+
+    def copied(self) -> None:
+        """The live tensors are no longer read (any thread, idempotent)."""
+        self._done.set()
+
+    def verify(self) -> None:
+        """Training thread, once :meth:`copied` (waits for it): compare the counters, once."""
+        if self._verdict.is_set():
+            return
+        self._done.wait()
+        self._changed = sorted({key for (tensor, key), version in zip(
+            self._items, self._versions, strict=True) if _version(tensor) != version})
+        self._items = []
+        self._verdict.set()
+
+    def changed(self) -> list[str]:
+        """The keys of the entries whose tensors were written to during the copy (none: the
+        copy is true); waits for :meth:`verify`."""
+        self._verdict.wait()
+        return self._changed
+
+
+def tensor_leaves(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a state tree (dicts, lists, tuples)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensor_leaves(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensor_leaves(item)
+
+
+def _version(tensor: torch.Tensor) -> int:
+    # a DTensor's writes land in its local tensor
+    return int(getattr(tensor, "_local_tensor", tensor)._version)

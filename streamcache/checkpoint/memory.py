@@ -251,7 +251,7 @@ class MemoryTier:
             raise
         self._copy = later_copy
         if hold is not None:
-            hold.then_verify(later_copy.verify)
+            hold.then_verify(later_copy.check.verify)
         return True
 
     def _finishing_thread(self) -> ThreadPoolExecutor:
@@ -273,7 +273,7 @@ class MemoryTier:
         if finish is not None and self._finisher is not None and \
                 self._finisher[0] == os.getpid():
             if later_copy is not None:
-                later_copy.verify()  # (this is the training thread: see DeferredCopy)
+                later_copy.check.verify()  # (the training thread: see guards.VersionCheck)
             finish.result()  # (_finish reports its own errors; it never raises)
         kept, self._kept = self._kept, True
         return kept

@@ -5,7 +5,7 @@ slot's mapping, except those copied in the background (``Checkpointer(memory=
 MemoryOptions(background_copy=True))``: the model and optimizer entries' tensors, whose
 updates the guards hold back meanwhile, guards.py). The thread then copies those, releases the
 guards, checksums every tensor, writes the manifest and, once the training thread found the
-copied tensors unchanged (:class:`DeferredCopy`), the header: the slot is whole only from that
+copied tensors unchanged (guards.VersionCheck), the header: the slot is whole only from that
 write on (memory_format.py).
 
 Thread safety: a :class:`PendingSnapshot` is built in the training thread and finished in the
@@ -16,38 +16,26 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from typing import Any
 
 import torch
 
-from .guards import Hold
+from .guards import Hold, VersionCheck
 from .memory_files import copy_tensor, digest, piece_digests, pwrite_all
 from .memory_format import HEADER_SIZE, K_STEP, K_TENSORS, Header, pack_header
 from .staging import rank_cores
 
 
 class DeferredCopy:
-    """The tensors a snapshot's thread copies, their version counters as the snapshot call saw
-    them, and the hold on their updates (released once they are copied).
-
-    Whether the copy is true is decided in the training thread (:meth:`verify`, after the
-    copy, at its next guarded operation or wait): there, every in-place write that thread
-    started before the copy ended has finished and moved its tensors' counters; checked on
-    the copying thread, a write still running at the copy's end would be missed.
-    """
+    """The tensors a snapshot's thread copies, the check that they were not written to
+    meanwhile (guards.VersionCheck), and the hold on their updates, released once they are
+    copied."""
 
     def __init__(self, items: list[tuple[torch.Tensor, dict[str, Any], str]],
                  hold: Hold | None) -> None:
         self.items = items  # (tensor, its record in the manifest, its entry's key)
-        self.versions = [tensor._version for tensor, _, _ in items]
+        self.check = VersionCheck((tensor, key) for tensor, _, key in items)
         self._hold = hold
-        self._done = threading.Event()  # copied, failed, or never to run
-        self._verdict = threading.Event()
-        self._changed: list[str] = []
-        if not items:
-            self._done.set()
-            self._verdict.set()
 
     def run(self, data: Any) -> None:
         """Copy into the slot's data (the tier's thread).
@@ -65,26 +53,11 @@ class DeferredCopy:
 
     def release(self) -> None:
         """The live tensors are no longer read (any thread, idempotent)."""
-        self._done.set()
+        self.items = []
+        self.check.copied()
         hold, self._hold = self._hold, None
         if hold is not None:
             hold.release()
-
-    def verify(self) -> None:
-        """Training thread, after :meth:`release`: compare the version counters (once)."""
-        if self._verdict.is_set():
-            return
-        self._done.wait()
-        self._changed = sorted({key for (tensor, _, key), version in zip(
-            self.items, self.versions, strict=True) if tensor._version != version})
-        self.items = []
-        self._verdict.set()
-
-    def changed(self) -> list[str]:
-        """The tier's thread: the entries whose tensors were written to during the copy
-        (none: the copy is true); waits for :meth:`verify`."""
-        self._verdict.wait()
-        return self._changed
 
 
 class PendingSnapshot:
@@ -118,7 +91,7 @@ class PendingSnapshot:
         if os.fstat(self.fd).st_size < needed:
             os.posix_fallocate(self.fd, 0, needed)
         pwrite_all(self.fd, manifest, m_off)
-        changed = self.later.changed()  # (the training thread decides: at once, or a step on)
+        changed = self.later.check.changed()  # (the training thread decides: at once, or a step on)
         if changed:
             return ("tensors of " + ", ".join(repr(key) for key in changed) + " changed "
                     "while they were copied in the background (an in-place write other than "

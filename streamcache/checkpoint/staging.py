@@ -6,8 +6,10 @@ the tensors of model and optimizer entries (the bulk of a checkpoint) in the wri
 the training loop goes on, and makes the only operations that change them wait until the
 copy is done (guards.py: the optimizers' ``step`` and, for models that have buffers, the
 model's forward). Everything else is small and is staged before ``save`` returns. Other
-in-place writes (EMA, ``.data``) are not guarded: with background staging they can tear the
-snapshot.
+in-place writes (EMA, weight clipping) are not held back but detected by the tensors' version
+counters (guards.VersionCheck): such a save fails (nothing is published for it, the next
+``save`` or ``wait`` raises, saying so). Writes through ``.data`` move no counter: with
+background staging they can tear the checkpoint unless the loop calls ``wait_staged`` first.
 
 Copies run at memory speed as states grow: a blocking copy on the CPU uses this rank's share
 of the cores (torch's intra-op threads, raised for the copy when the job runs with fewer,
@@ -36,7 +38,7 @@ import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ..processes import usable_cores
-from .guards import Hold, UpdateGuard
+from .guards import Hold, UpdateGuard, VersionCheck
 from .host_buffers import HostBuffers
 from .state import ModelState, ModuleEntry, OptimizerEntry
 
@@ -71,6 +73,7 @@ class Staging:
             else None
         self._guard = guard
         self._hold: Hold | None = None
+        self._check: VersionCheck | None = None  # the save in flight's later entries
 
     def split(
         self, state: Mapping[str, Any], state_dict: dict[str, Any]
@@ -86,7 +89,9 @@ class Staging:
         later = {k: _freeze_leaves(state_dict[k]) for k in later_keys}
         now = {k: v for k, v in state_dict.items() if k not in later}
         if later:
+            self._check = VersionCheck.of(later)
             self._hold = self._guard.hold(state[k] for k in later_keys)
+            self._hold.then_verify(self._check.verify)
         return now, later
 
     def stage_now(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -116,7 +121,21 @@ class Staging:
         try:
             return self.stage_now(state_dict) if state_dict else {}
         finally:
-            self._release()
+            self.release_later()
+
+    def release_later(self) -> None:
+        """The later entries are no longer read (copied, or never to be): the guards let
+        their updates through (any thread, idempotent)."""
+        if self._check is not None:
+            self._check.copied()
+        self._release()
+
+    def changed_while_staged(self) -> list[str]:
+        """Writer thread, after :meth:`stage_later`: the later entries written to during
+        their copy (none: the staged state is the one of the ``save`` call). Waits for the
+        training thread's check (its next guarded operation or wait, guards.VersionCheck)."""
+        check, self._check = self._check, None
+        return check.changed() if check is not None else []
 
     def wait_staged(self) -> None:
         """Block until the save in flight no longer needs the live tensors."""
@@ -127,7 +146,7 @@ class Staging:
         return self._stager
 
     def close(self) -> None:
-        self._release()
+        self.release_later()
         self._stager.close()
         if self._host is not None:
             self._host.close()

@@ -1,10 +1,13 @@
-"""Snapshots copied in the background (``MemoryOptions(background_copy=True)``, guards.py,
-memory_write.py): the snapshot holds the state of its call whatever the loop does meanwhile,
-or is given up (never a torn one kept); guarded updates wait, and nothing the copy can meet
-(a failure, a refused value, a forked child) leaves the loop blocked.
+"""Copies of the live state made in the background (guards.py): memory-tier snapshots
+(``MemoryOptions(background_copy=True)``, memory_write.py) and saves with
+``background_staging`` (staging.py). A snapshot holds the state of its call whatever the loop
+does meanwhile, or is given up, and a save holds it or fails (never a torn one kept or
+published); guarded updates wait, and nothing the copy can meet (a failure, a refused value,
+a forked child) leaves the loop blocked.
 
-The copy is held back by wrapping the copy function the tier's thread calls, so the loop's
-operations land before, during or after it: the copy, the guards and the checks are real.
+The copy is held back by wrapping the copy function the background thread calls, so the
+loop's operations land before, during or after it: the copy, the guards and the checks are
+real.
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamcache.checkpoint import Checkpointer, CheckpointError, ModelState, memory_write
+from streamcache.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointWriteError,
+    ModelState,
+    memory_write,
+    staging,
+)
 from streamcache.checkpoint.guards import UpdateGuard
 from streamcache.checkpoint.memory import MemoryOptions
 
@@ -245,6 +255,92 @@ def test_a_hold_released_twice_counts_once() -> None:
     second.release()
     assert not guard.held
     guard.close()
+
+
+# ---------------------------------------------------------------------------- saves
+
+
+@pytest.fixture
+def staging_gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """While clear, the writer thread waits before staging the model/optimizer entries."""
+    opened = threading.Event()
+    real = staging.Staging.stage_later
+
+    def gated(self: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        assert opened.wait(30), "the test never opened the gate"
+        return real(self, state_dict)
+
+    monkeypatch.setattr(staging.Staging, "stage_later", gated)
+    yield opened
+    opened.set()
+
+
+def _saver(folder: Path) -> Checkpointer:
+    return Checkpointer(folder, async_mode="thread", background_staging=True)
+
+
+def test_an_unguarded_write_during_background_staging_fails_the_save(
+        tmp_path: Path, staging_gate: threading.Event) -> None:
+    model, optimizer = _model()
+    state = {"train": ModelState(model, optimizer)}
+    with _saver(tmp_path) as ckpt:
+        staging_gate.set()
+        ckpt.save(1, state)
+        committed = _values(model, optimizer)
+        ckpt.wait()
+        staging_gate.clear()
+        ckpt.save(2, state)
+        with torch.no_grad():  # an EMA-like write the guards cannot see
+            model[0].weight.mul_(0.5)
+        staging_gate.set()
+        with pytest.raises(CheckpointWriteError, match="changed while they were staged") as err:
+            ckpt.wait()
+        assert "'train'" in str(err.value) and "wait_staged" in str(err.value)
+        assert [c.step for c in ckpt.list() if c.complete] == [1]  # nothing for step 2
+    model2, optimizer2 = _model()
+    with _saver(tmp_path) as ckpt:
+        assert ckpt.load({"train": ModelState(model2, optimizer2)}) == 1
+    assert _same(_values(model2, optimizer2), committed)
+
+
+def test_wait_staged_before_an_unguarded_write_keeps_the_save(
+        tmp_path: Path, staging_gate: threading.Event) -> None:
+    model, optimizer = _model()
+    state = {"train": ModelState(model, optimizer)}
+    with _saver(tmp_path) as ckpt:
+        ckpt.save(1, state)
+        expected = _values(model, optimizer)
+        threading.Timer(0.1, staging_gate.set).start()
+        ckpt.wait_staged()
+        with torch.no_grad():
+            model[0].weight.mul_(0.5)
+        _forward_backward(model)
+        optimizer.step()
+        ckpt.wait()
+    model2, optimizer2 = _model()
+    with _saver(tmp_path) as ckpt:
+        assert ckpt.load({"train": ModelState(model2, optimizer2)}) == 1
+    assert _same(_values(model2, optimizer2), expected)
+
+
+def test_a_save_that_fails_before_staging_releases_the_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, optimizer = _model()
+    state = {"train": ModelState(model, optimizer)}
+
+    def failing(self: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        raise RuntimeError("the device went away")
+
+    monkeypatch.setattr(staging.Staging, "to_host", failing)  # the writer's step before
+    with _saver(tmp_path) as ckpt:
+        ckpt.save(1, state)
+        _forward_backward(model)
+        stepped = threading.Thread(target=optimizer.step, daemon=True)
+        stepped.start()
+        stepped.join(20)
+        assert not stepped.is_alive(), "optimizer.step() still waits for a failed save"
+        with pytest.raises(CheckpointWriteError, match="the device went away"):
+            ckpt.wait()
 
 
 # ---------------------------------------------------------------------------- property
