@@ -36,8 +36,8 @@ from streamcache.checkpoint import (
     memory_write,
     staging,
 )
-from streamcache.checkpoint.guards import UpdateGuard
-from streamcache.checkpoint.memory import MemoryOptions
+from streamcache.checkpoint.guards import UpdateGuard, VersionCheck
+from streamcache.checkpoint.memory import MemoryOptions, MemoryTier
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -255,6 +255,27 @@ def test_a_hold_released_twice_counts_once() -> None:
     second.release()
     assert not guard.held
     guard.close()
+
+
+def test_a_snapshot_with_no_step_after_it_is_whole_without_the_training_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the last snapshot of a script that then ends (or evaluates) without another guarded
+    # update or wait: the tier's thread checks the counters itself after a while, so the
+    # snapshot becomes whole and the interpreter's exit does not wait on that thread forever
+    monkeypatch.setattr(VersionCheck, "SELF_CHECK_AFTER_S", 0.2)
+    model, optimizer = _model()
+    ckpt = _ckpt(tmp_path)
+    assert ckpt.snapshot(1, {"train": ModelState(model, optimizer)})
+    tier = ckpt._memory
+    assert tier is not None
+    reader = MemoryTier(tier.options, tier.root_url, 0, 1)  # another view of the slots
+    assert reader.folder == tier.folder
+    deadline = time.monotonic() + 20
+    while not any(s.step == 1 for _, s in reader.scan()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert any(s.step == 1 for _, s in reader.scan())
+    reader.close()
+    ckpt.close()
 
 
 # ---------------------------------------------------------------------------- saves

@@ -123,14 +123,20 @@ class VersionCheck:
     :meth:`Hold.then_verify`), compares the counters: there, every in-place write that thread
     started before the copy ended has finished and counted (on the copying thread a write
     still running at the copy's end would be missed). :meth:`changed`, on the copying
-    thread, waits for that verdict.
+    thread, waits for that verdict; if the training thread does not come by within
+    ``SELF_CHECK_AFTER_S`` of the copy (a script that ends, or evaluates, after its last
+    snapshot), the copying thread compares the counters itself: only a write that started
+    before the copy ended and runs that long after it would be missed.
     """
+
+    SELF_CHECK_AFTER_S = 5.0
 
     def __init__(self, items: Iterable[tuple[torch.Tensor, str]]) -> None:
         self._items = list(items)  # (tensor, the key of its entry)
         self._versions = [_version(tensor) for tensor, _ in self._items]
         self._done = threading.Event()
         self._verdict = threading.Event()
+        self._comparing = threading.Lock()
         self._changed: list[str] = []
         if not self._items:
             self._done.set()
@@ -151,15 +157,18 @@ class VersionCheck:
         if self._verdict.is_set():
             return
         self._done.wait()
-        self._changed = sorted({key for (tensor, key), version in zip(
-            self._items, self._versions, strict=True) if _version(tensor) != version})
-        self._items = []
-        self._verdict.set()
+        with self._comparing:
+            if not self._verdict.is_set():
+                self._changed = sorted({key for (tensor, key), version in zip(
+                    self._items, self._versions, strict=True) if _version(tensor) != version})
+                self._items = []
+                self._verdict.set()
 
     def changed(self) -> list[str]:
         """The keys of the entries whose tensors were written to during the copy (none: the
-        copy is true); waits for :meth:`verify`."""
-        self._verdict.wait()
+        copy is true); waits for :meth:`verify` (see the class doc for how long)."""
+        if not self._verdict.wait(self.SELF_CHECK_AFTER_S):
+            self.verify()
         return self._changed
 
 
