@@ -54,7 +54,10 @@ def _model(buffers: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimize
     if buffers:
         layers.append(torch.nn.BatchNorm1d(16))
     model = torch.nn.Sequential(*layers)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _forward_backward(model)
+    optimizer.step()  # the optimizer has its state from here on
+    return model, optimizer
 
 
 def _forward_backward(model: torch.nn.Module) -> None:
@@ -430,3 +433,74 @@ def _run_schedule(folder: Path, ops: list[str]) -> None:
     newest_kept = max((s for s, k in kept.items() if k), default=None)
     if newest_kept is not None:
         assert newest_kept in whole, f"snapshot {newest_kept} was kept but is not whole"
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=st.lists(st.sampled_from(["save", "step", "write", "wait_staged", "wait"]),
+                    min_size=1, max_size=12),
+       delays=st.lists(st.sampled_from([0.0, 0.0, 0.002, 0.01]), min_size=12, max_size=12))
+def test_published_saves_hold_their_call_and_only_unverified_writes_fail_one(
+        ops: list[str], delays: list[float]) -> None:
+    # The same for saves with background staging: a save fails (nothing published, the next
+    # save or wait raises) exactly when an unguarded write comes between its call and the
+    # training thread's next check; every published checkpoint holds its call's values.
+    real = staging.Staging.stage_later
+    timing = iter(delays * 20)
+
+    def late(self: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(next(timing, 0.0))
+        return real(self, state_dict)
+
+    staging.Staging.stage_later = late  # type: ignore[method-assign]
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            _run_saves(Path(tmp), ops)
+    finally:
+        staging.Staging.stage_later = real  # type: ignore[method-assign]
+
+
+def _run_saves(folder: Path, ops: list[str]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = _model()
+    state = {"train": ModelState(model, optimizer)}
+    expected: dict[int, list[torch.Tensor]] = {}
+    published: set[int] = set()
+    pending: int | None = None  # the save not yet checked
+    failed = False  # the last save failed: the next save or wait raises
+    with Checkpointer(folder, async_mode="thread", background_staging=True,
+                      keep_last=100) as ckpt:
+        for op in [*ops, "wait"]:
+            if op in ("step", "wait_staged", "wait", "save"):
+                pending = None
+            if op in ("save", "wait") and failed:
+                failed = False
+                with pytest.raises(CheckpointWriteError, match="changed while they were"):
+                    ckpt.save(len(expected) + 1, state) if op == "save" else ckpt.wait()
+                continue  # (a save that raises was not started)
+            if op == "save":
+                step = len(expected) + 1
+                expected[step] = _values(model, optimizer)
+                ckpt.save(step, state)
+                published.add(step)
+                pending = step
+            elif op == "step":
+                _forward_backward(model)
+                optimizer.step()
+            elif op == "write":
+                if pending is not None:
+                    published.discard(pending)
+                    failed, pending = True, None
+                with torch.no_grad():
+                    model[0].bias.add_(1.0)
+            elif op == "wait_staged":
+                ckpt.wait_staged()
+            else:
+                ckpt.wait()
+        complete = {c.step: c for c in ckpt.list() if c.complete}
+    assert set(complete) == published
+    for step, info in complete.items():
+        model2, optimizer2 = _model()
+        dcp.load({"train": ModelState(model2, optimizer2)}, checkpoint_id=info.url,
+                 no_dist=True)
+        assert _same(_values(model2, optimizer2), expected[step]), step
