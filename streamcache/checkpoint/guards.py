@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -172,18 +172,22 @@ class VersionCheck:
         return self._changed
 
 
-def tensor_leaves(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a state tree (dicts, lists, tuples)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensor_leaves(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from tensor_leaves(item)
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors of a state tree (dicts, lists, tuples), in order."""
+    found: list[torch.Tensor] = []
+    stack = [value]
+    while stack:  # (a loop, not recursion: it runs in the training thread at every call)
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, dict):
+            stack.extend(reversed(item.values()))
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+    return found
 
 
 def _version(tensor: torch.Tensor) -> int:
-    # a DTensor's writes land in its local tensor
-    return int(getattr(tensor, "_local_tensor", tensor)._version)
+    if type(tensor) is not torch.Tensor:  # a DTensor's writes land in its local tensor
+        tensor = getattr(tensor, "_local_tensor", tensor)
+    return tensor._version
