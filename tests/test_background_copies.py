@@ -18,7 +18,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -75,6 +75,15 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+def _restored(make: Callable[[Path], Checkpointer], folder: Path, step: int,
+              buffers: bool = False) -> list[torch.Tensor]:
+    """What a restart (a new Checkpointer, fresh model and optimizer) loads: step ``step``."""
+    model, optimizer = _model(buffers)
+    with make(folder) as ckpt:
+        assert ckpt.load({"train": ModelState(model, optimizer)}) == step
+    return _values(model, optimizer)
+
+
 def _whole(ckpt: Checkpointer) -> dict[int, Any]:
     """{step: prepared snapshot} of the slots that scan and verify whole."""
     tier = ckpt._memory
@@ -122,10 +131,7 @@ def test_guarded_updates_wait_and_the_snapshot_holds_the_call(
         assert not _same(_values(model, optimizer), expected)  # the step did happen
         assert set(_whole(ckpt)) == {1}
         ckpt._close(finished=False)  # as a kill would leave it
-    model2, optimizer2 = _model(buffers=True)
-    with _ckpt(tmp_path) as ckpt:
-        assert ckpt.load({"train": ModelState(model2, optimizer2)}) == 1
-    assert _same(_values(model2, optimizer2), expected)
+    assert _same(_restored(_ckpt, tmp_path, 1, buffers=True), expected)
 
 
 def test_an_unguarded_write_during_the_copy_gives_the_snapshot_up(
@@ -150,28 +156,7 @@ def test_an_unguarded_write_during_the_copy_gives_the_snapshot_up(
         assert "'train'" in caplog.text and "wait_staged" in caplog.text
         assert set(_whole(ckpt)) == {1}  # step 2 is given up, step 1 stays whole
         ckpt._close(finished=False)
-    model2, optimizer2 = _model()
-    with _ckpt(tmp_path) as ckpt:
-        assert ckpt.load({"train": ModelState(model2, optimizer2)}) == 1
-    assert _same(_values(model2, optimizer2), kept)
-
-
-def test_wait_staged_before_an_unguarded_write_keeps_the_snapshot(
-        tmp_path: Path, gate: threading.Event) -> None:
-    model, optimizer = _model()
-    state = {"train": ModelState(model, optimizer)}
-    with _ckpt(tmp_path) as ckpt:
-        assert ckpt.snapshot(1, state)
-        expected = _values(model, optimizer)
-        threading.Timer(0.1, gate.set).start()
-        ckpt.wait_staged()  # the copy is done and checked: later writes do not reach it
-        with torch.no_grad():
-            model[0].weight.mul_(0.5)
-        ckpt.wait()
-        whole = _whole(ckpt)
-        assert set(whole) == {1}
-    values = whole[1].trees["train"][1]
-    assert torch.equal(values["model"]["0.weight"], expected[0])
+    assert _same(_restored(_ckpt, tmp_path, 1), kept)
 
 
 def test_a_failed_background_copy_releases_the_loop(
@@ -321,30 +306,28 @@ def test_an_unguarded_write_during_background_staging_fails_the_save(
             ckpt.wait()
         assert "'train'" in str(err.value) and "wait_staged" in str(err.value)
         assert [c.step for c in ckpt.list() if c.complete] == [1]  # nothing for step 2
-    model2, optimizer2 = _model()
-    with _saver(tmp_path) as ckpt:
-        assert ckpt.load({"train": ModelState(model2, optimizer2)}) == 1
-    assert _same(_values(model2, optimizer2), committed)
+    assert _same(_restored(_saver, tmp_path, 1), committed)
 
 
-def test_wait_staged_before_an_unguarded_write_keeps_the_save(
-        tmp_path: Path, staging_gate: threading.Event) -> None:
+@pytest.mark.parametrize("kind", ["snapshot", "save"])
+def test_wait_staged_before_an_unguarded_write_keeps_the_copy(
+        tmp_path: Path, kind: str, gate: threading.Event,
+        staging_gate: threading.Event) -> None:
     model, optimizer = _model()
     state = {"train": ModelState(model, optimizer)}
-    with _saver(tmp_path) as ckpt:
-        ckpt.save(1, state)
+    make = _ckpt if kind == "snapshot" else _saver
+    with make(tmp_path) as ckpt:
+        (ckpt.snapshot if kind == "snapshot" else ckpt.save)(1, state)
         expected = _values(model, optimizer)
-        threading.Timer(0.1, staging_gate.set).start()
-        ckpt.wait_staged()
+        threading.Timer(0.1, (gate if kind == "snapshot" else staging_gate).set).start()
+        ckpt.wait_staged()  # the copy is done and checked: later writes do not reach it
         with torch.no_grad():
             model[0].weight.mul_(0.5)
         _forward_backward(model)
         optimizer.step()
         ckpt.wait()
-    model2, optimizer2 = _model()
-    with _saver(tmp_path) as ckpt:
-        assert ckpt.load({"train": ModelState(model2, optimizer2)}) == 1
-    assert _same(_values(model2, optimizer2), expected)
+        ckpt._close(finished=False)  # (the memory tier's slots stay for the restart)
+    assert _same(_restored(make, tmp_path, 1), expected)
 
 
 def test_a_save_that_fails_before_staging_releases_the_loop(
@@ -397,6 +380,21 @@ def test_kept_snapshots_hold_their_call_and_only_unverified_writes_give_one_up(
         memory_write.copy_tensor = real  # type: ignore[assignment]
 
 
+def _loop_op(op: str, ckpt: Checkpointer, model: torch.nn.Module,
+             optimizer: torch.optim.Optimizer) -> None:
+    """A schedule's training-loop operation: a step, an unguarded write, or a wait."""
+    if op == "step":
+        _forward_backward(model)
+        optimizer.step()
+    elif op == "write":
+        with torch.no_grad():
+            model[0].bias.add_(1.0)
+    elif op == "wait_staged":
+        ckpt.wait_staged()
+    else:
+        ckpt.wait()
+
+
 def _run_schedule(folder: Path, ops: list[str]) -> None:
     model, optimizer = _model()
     state = {"train": ModelState(model, optimizer)}
@@ -412,18 +410,10 @@ def _run_schedule(folder: Path, ops: list[str]) -> None:
                 expected[step] = _values(model, optimizer)
                 assert ckpt.snapshot(step, state)
                 kept[step], pending = True, step
-            elif op == "step":
-                _forward_backward(model)
-                optimizer.step()
-            elif op == "write":
-                if pending is not None:
-                    kept[pending] = False
-                with torch.no_grad():
-                    model[0].bias.add_(1.0)
-            elif op == "wait_staged":
-                ckpt.wait_staged()
             else:
-                ckpt.wait()
+                if op == "write" and pending is not None:
+                    kept[pending] = False
+                _loop_op(op, ckpt, model, optimizer)
         whole = _whole(ckpt)
     for step, prepared in whole.items():
         assert kept[step], f"snapshot {step} is whole though a write came before its check"
@@ -484,19 +474,11 @@ def _run_saves(folder: Path, ops: list[str]) -> None:
                 ckpt.save(step, state)
                 published.add(step)
                 pending = step
-            elif op == "step":
-                _forward_backward(model)
-                optimizer.step()
-            elif op == "write":
-                if pending is not None:
+            else:
+                if op == "write" and pending is not None:
                     published.discard(pending)
                     failed, pending = True, None
-                with torch.no_grad():
-                    model[0].bias.add_(1.0)
-            elif op == "wait_staged":
-                ckpt.wait_staged()
-            else:
-                ckpt.wait()
+                _loop_op(op, ckpt, model, optimizer)
         complete = {c.step: c for c in ckpt.list() if c.complete}
     assert set(complete) == published
     for step, info in complete.items():
