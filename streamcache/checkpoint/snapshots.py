@@ -47,6 +47,8 @@ class Snapshots:
     def write(self, step: int, entries: Mapping[str, Any], *, timeline: str,
               root_id: str) -> bool:
         """Snapshot the resolved ``entries`` as ``step``; False when it did not fit."""
+        if self._guard is not None:  # the previous copy checked here, not left to a hook
+            self._guard.wait()       # (a loop of snapshots without steps queues nothing)
         if not self._saves_known:  # no load yet: the root's newest is what we continue
             newest = layout.latest(self._root) if self._ranks.rank == 0 else None
             known = self._ranks.broadcast(newest.name if newest else None, self._ranks.control)
