@@ -350,6 +350,27 @@ def test_a_save_that_fails_before_staging_releases_the_loop(
             ckpt.wait()
 
 
+def test_a_save_whose_copy_now_fails_releases_the_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, optimizer = _model()
+    state = {"train": ModelState(model, optimizer)}
+
+    def failing(self: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        raise MemoryError("no host memory for the staging buffers")
+
+    with _saver(tmp_path) as ckpt:
+        with monkeypatch.context() as patch:
+            patch.setattr(staging.Staging, "stage_now", failing)
+            with pytest.raises(MemoryError):
+                ckpt.save(1, state)
+        assert not ckpt._guard.held
+        _forward_backward(model)
+        optimizer.step()  # does not wait: nothing is held
+        ckpt.save(2, state)
+        ckpt.wait()
+        assert [c.step for c in ckpt.list() if c.complete] == [2]
+
+
 # ---------------------------------------------------------------------------- property
 
 _OPS = st.lists(st.sampled_from(["snapshot", "step", "write", "wait_staged", "wait"]),

@@ -262,8 +262,7 @@ class Checkpointer:
                 async_stager=self._staging.stager,
             )
         else:
-            now, job.stage_later = self._staging.split(entries, state_dict)
-            job.state = self._staging.stage_now(now)
+            job.state, job.stage_later = self._staging.stage(entries, state_dict)
         job.blocked_s = time.perf_counter() - started
         self.last_save = SaveStats(step, job.blocked_s)
         self._job = job

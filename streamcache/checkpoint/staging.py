@@ -94,6 +94,18 @@ class Staging:
             self._hold.then_verify(self._check.verify)
         return now, later
 
+    def stage(self, state: Mapping[str, Any], state_dict: dict[str, Any]
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the state staged now, the entries left to :meth:`stage_later`): :meth:`split`,
+        then :meth:`stage_now`; a failure of the copy now releases the guards of the
+        entries left for later (no writer will copy them)."""
+        now, later = self.split(state, state_dict)
+        try:
+            return self.stage_now(now), later
+        except BaseException:
+            self.release_later()
+            raise
+
     def stage_now(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict`` before ``save`` returns (CUDA tensors possibly only to their
         GPU: then :meth:`to_host` finishes the copy in the writer thread)."""
