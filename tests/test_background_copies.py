@@ -159,6 +159,32 @@ def test_an_unguarded_write_during_the_copy_gives_the_snapshot_up(
     assert _same(_restored(_ckpt, tmp_path, 1), kept)
 
 
+def test_a_torn_snapshot_is_warned_of_after_a_warning_of_another_kind(
+        tmp_path: Path, gate: threading.Event, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    import errno
+
+    from streamcache.checkpoint import memory
+
+    model, optimizer = _model()
+    state = {"train": ModelState(model, optimizer)}
+
+    def full(*args: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with _ckpt(tmp_path) as ckpt, caplog.at_level(logging.WARNING, "streamcache.checkpoint"):
+        with monkeypatch.context() as patch:
+            patch.setattr(memory, "open_for_write", full)
+            assert not ckpt.snapshot(1, state)  # warned: not kept, no space
+        assert "No space left" in caplog.text
+        assert ckpt.snapshot(2, state)
+        with torch.no_grad():
+            model[0].weight.mul_(0.5)
+        gate.set()
+        ckpt.wait()
+        assert "changed while they were copied in the background" in caplog.text
+
+
 def test_a_failed_background_copy_releases_the_loop(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:

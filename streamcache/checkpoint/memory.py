@@ -149,7 +149,7 @@ class MemoryTier:
         self._copy: DeferredCopy | None = None  # its background copy, checked by ``wait``
         self._finisher: tuple[int, ThreadPoolExecutor] | None = None  # (pid, its thread)
         self._kept = True  # whether the last finished snapshot was kept
-        self._warned = False
+        self._warned: set[str] = set()  # the kinds of skip already warned of
         for slot in range(SLOTS):
             self._seqs[slot] = self._header_seq(slot)
 
@@ -285,7 +285,7 @@ class MemoryTier:
             if why is None:
                 self._seqs[pending.slot] = pending.seq
             else:
-                self._kept = self._skip(step, why)
+                self._kept = self._skip(step, why, "torn" if pending.torn else "space")
         except (OSError, NativeError) as exc:
             try:
                 self._kept = self._failed(step, pending.slot, exc)
@@ -313,11 +313,14 @@ class MemoryTier:
                 return slot
         return min(range(SLOTS), key=lambda s: self._seqs[s] or 0)
 
-    def _skip(self, step: int, why: str) -> bool:
-        log_fn = log.debug if self._warned else log.warning
+    def _skip(self, step: int, why: str, kind: str = "space") -> bool:
+        """Log why a snapshot was not kept: a warning the first time for each ``kind``
+        (a full disk, a torn background copy, ...), then at debug level."""
+        log_fn = log.debug if kind in self._warned else log.warning
         log_fn("memory tier: snapshot of step %d not kept: %s (the previous snapshot and the "
-               "disk tiers are intact)", step, why)
-        self._warned = True
+               "disk tiers are intact; later ones for this reason are logged at debug level)",
+               step, why)
+        self._warned.add(kind)
         return False
 
     # ------------------------------------------------------------------ reading

@@ -67,6 +67,7 @@ class PendingSnapshot:
                  later: DeferredCopy) -> None:
         self.slot, self.fd, self.seq, self.data, self.doc = slot, fd, seq, data, doc
         self.later = later
+        self.torn = False  # given up because the copied tensors were written to meanwhile
 
     @property
     def step(self) -> int:
@@ -93,6 +94,7 @@ class PendingSnapshot:
         pwrite_all(self.fd, manifest, m_off)
         changed = self.later.check.changed()  # (the training thread decides: at once, or a step on)
         if changed:
+            self.torn = True
             return ("tensors of " + ", ".join(repr(key) for key in changed) + " changed "
                     "while they were copied in the background (an in-place write other than "
                     "optimizer.step() or the model's forward: call Checkpointer.wait_staged() "
