@@ -84,6 +84,15 @@ def _restored(make: Callable[[Path], Checkpointer], folder: Path, step: int,
     return _values(model, optimizer)
 
 
+def _step_does_not_hang(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A training step whose optimizer.step() must not wait (on a thread: a hang fails)."""
+    _forward_backward(model)
+    stepped = threading.Thread(target=optimizer.step, daemon=True)
+    stepped.start()
+    stepped.join(20)
+    assert not stepped.is_alive(), "optimizer.step() still waits for a copy that failed"
+
+
 def _whole(ckpt: Checkpointer) -> dict[int, Any]:
     """{step: prepared snapshot} of the slots that scan and verify whole."""
     tier = ckpt._memory
@@ -199,11 +208,7 @@ def test_a_failed_background_copy_releases_the_loop(
         monkeypatch.setattr(memory_write, "copy_tensor", failing)
         with caplog.at_level(logging.WARNING, "streamcache.checkpoint"):
             assert ckpt.snapshot(1, state)
-            _forward_backward(model)
-            stepped = threading.Thread(target=optimizer.step, daemon=True)
-            stepped.start()
-            stepped.join(20)
-            assert not stepped.is_alive(), "optimizer.step() still waits for a failed copy"
+            _step_does_not_hang(model, optimizer)
             ckpt.wait()
         assert "the device went away" in caplog.text
         assert _whole(ckpt) == {}
@@ -367,11 +372,7 @@ def test_a_save_that_fails_before_staging_releases_the_loop(
     monkeypatch.setattr(staging.Staging, "to_host", failing)  # the writer's step before
     with _saver(tmp_path) as ckpt:
         ckpt.save(1, state)
-        _forward_backward(model)
-        stepped = threading.Thread(target=optimizer.step, daemon=True)
-        stepped.start()
-        stepped.join(20)
-        assert not stepped.is_alive(), "optimizer.step() still waits for a failed save"
+        _step_does_not_hang(model, optimizer)
         with pytest.raises(CheckpointWriteError, match="the device went away"):
             ckpt.wait()
 
