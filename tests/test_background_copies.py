@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from dist import run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -534,3 +535,47 @@ def _run_saves(folder: Path, ops: list[str]) -> None:
         dcp.load({"train": ModelState(model2, optimizer2)}, checkpoint_id=info.url,
                  no_dist=True)
         assert _same(_values(model2, optimizer2), expected[step]), step
+
+
+# ---------------------------------------------------------------------------- real ranks
+
+
+def _ddp_background(rank: int, world: int, tmp: str) -> tuple[int | None, bool, int | None]:
+    """Two gloo ranks under DDP, both background copies on: a save at step 10 and snapshots
+    every other step, killed at step 15; restored: (step loaded, values equal, newest save)."""
+    torch.manual_seed(rank)
+    model, optimizer = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = {"train": ModelState(model, optimizer)}
+
+    def checkpointer() -> Checkpointer:
+        return Checkpointer(f"{tmp}/root", job_id="job", background_staging=True,
+                            memory=MemoryOptions(directory=f"{tmp}/shm", background_copy=True))
+
+    expected: list[torch.Tensor] = []
+    with checkpointer() as ckpt:
+        for step in range(1, 16):
+            ddp(torch.randn(8, 16)).square().mean().backward()
+            optimizer.step()  # waits for the copy in flight, on each rank
+            optimizer.zero_grad()
+            if step == 10:
+                ckpt.save(step, state)
+            elif step % 2 == 0:
+                ckpt.snapshot(step, state)
+                expected = _values(model, optimizer)
+        ckpt.wait()
+        latest = ckpt.latest()
+        ckpt._close(finished=False)  # as a kill would leave it
+    torch.manual_seed(100 + rank)
+    model2, optimizer2 = _model()
+    with checkpointer() as ckpt:
+        loaded = ckpt.load({"train": ModelState(model2, optimizer2)})
+    return loaded, _same(_values(model2, optimizer2), expected), \
+        None if latest is None else latest.step
+
+
+def test_both_background_copies_under_ddp_restore_the_newest_snapshot_on_every_rank(
+        tmp_path: Path) -> None:
+    (tmp_path / "shm").mkdir()
+    results = run_ranks(_ddp_background, 2, str(tmp_path))
+    assert [r.value for r in results] == [(14, True, 10), (14, True, 10)]
