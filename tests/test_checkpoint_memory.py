@@ -483,8 +483,9 @@ def _write_under_fsize_limit(directory: str) -> None:
 # ---------------------------------------------------------------------------- SIGKILL
 
 def _snapshot_loop(directory: str, rank: int, world: int, barrier: Any, done: Any,
-                   first: int) -> None:
-    """One rank: snapshots of steps first, first+1, ... (values = step), in lockstep."""
+                   first: int, background: bool) -> None:
+    """One rank: snapshots of steps first, first+1, ... (values = step), in lockstep; with
+    ``background``, the tier's thread copies the tensors (a background copy)."""
     tier = MemoryTier(MemoryOptions(directory=directory), ROOT, rank, world)
     # one tensor spanning two digested pieces and a small one; numpy fills them (no torch
     # kernel runs in a forked child: its OpenMP threads did not survive the fork)
@@ -495,7 +496,7 @@ def _snapshot_loop(directory: str, rank: int, world: int, barrier: Any, done: An
         entries = {"w": ("stateful", {"big": big, "small": small}),
                    "g": ("global", {"position": step})}
         tier.write(step, entries, {"step": step}, timeline="", started=None, committed=None,
-                   root_id=ROOT_ID)
+                   root_id=ROOT_ID, later=("w",) if background else ())
         tier.wait()                                  # its checksums and header are written
         done[rank] = step                           # so this rank's snapshot is whole
         barrier.wait()                               # lockstep, as a collective in training
@@ -520,8 +521,9 @@ def _agreed_step(directory: str, world: int) -> int | None:
     return step
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["in-call copy", "background copy"])
 def test_no_sigkill_inside_snapshots_loses_a_committed_step_or_loads_a_torn_one(
-        tmp_path: Path) -> None:
+        tmp_path: Path, background: bool) -> None:
     seed = schedule_seed("STREAMCACHE_MEMORY_CRASH_SEED")
     chooser = random.Random(seed)
     ctx = mp.get_context("fork")
@@ -529,7 +531,8 @@ def test_no_sigkill_inside_snapshots_loses_a_committed_step_or_loads_a_torn_one(
     for round_ in range(12):
         barrier, done = ctx.Barrier(world), ctx.Array("q", [-1] * world, lock=False)
         ranks = [ctx.Process(target=_snapshot_loop,
-                             args=(str(tmp_path), r, world, barrier, done, first))
+                             args=(str(tmp_path), r, world, barrier, done, first,
+                                   background))
                  for r in range(world)]
         for process in ranks:
             process.start()
