@@ -27,6 +27,15 @@ from typing import Any
 
 import torch
 
+from .state import ModelState, ModuleEntry, OptimizerEntry
+
+
+def guarded_keys(entries: Mapping[str, Any]) -> list[str]:
+    """The keys of a resolved state's model and optimizer entries: the ones a background
+    copy copies late, whose updates the guards can hold back."""
+    return [key for key, value in entries.items()
+            if isinstance(value, (ModelState, ModuleEntry, OptimizerEntry))]
+
 
 class Hold:
     """One copy's hold on the updates (:meth:`UpdateGuard.hold`)."""

@@ -11,12 +11,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import layout, rng
-from .guards import UpdateGuard
+from .guards import UpdateGuard, guarded_keys
 from .memory import MemoryTier
 from .memory_format import RootView
 from .memory_restore import restore_agreed, snapshot_entries
 from .ranks import Ranks
-from .staging import MODEL_ENTRIES
 from .tiers import Location
 
 
@@ -58,10 +57,11 @@ class Snapshots:
             self._pruned = True
         started, committed = self._saves
         collected, rng_state = snapshot_entries(entries), rng.capture()
-        later = [k for k, v in entries.items() if isinstance(v, MODEL_ENTRIES)] \
-            if self._guard is not None else []
-        hold = self._guard.hold(entries[k] for k in later) \
-            if self._guard is not None and later else None  # the tier releases it
+        later, hold = [], None
+        if self._guard is not None:
+            later = guarded_keys(entries)
+            if later:
+                hold = self._guard.hold(entries[k] for k in later)  # the tier releases it
         return self.tier.write(step, collected, rng_state, timeline=timeline, started=started,
                                committed=committed, root_id=root_id, later=later, hold=hold)
 

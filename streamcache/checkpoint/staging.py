@@ -38,11 +38,8 @@ import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ..processes import usable_cores
-from .guards import Hold, UpdateGuard, VersionCheck
+from .guards import Hold, UpdateGuard, VersionCheck, guarded_keys
 from .host_buffers import HostBuffers
-from .state import ModelState, ModuleEntry, OptimizerEntry
-
-MODEL_ENTRIES = (ModelState, ModuleEntry, OptimizerEntry)
 
 
 class Staging:
@@ -85,7 +82,7 @@ class Staging:
         """
         if not self.background:
             return state_dict, {}
-        later_keys = [k for k, v in state.items() if isinstance(v, MODEL_ENTRIES)]
+        later_keys = guarded_keys(state)
         later = {k: _freeze_leaves(state_dict[k]) for k in later_keys}
         now = {k: v for k, v in state_dict.items() if k not in later}
         if later:
@@ -148,10 +145,6 @@ class Staging:
         training thread's check (its next guarded operation or wait, guards.VersionCheck)."""
         check, self._check = self._check, None
         return check.changed() if check is not None else []
-
-    def wait_staged(self) -> None:
-        """Block until the save in flight no longer needs the live tensors."""
-        self._guard.wait()
 
     @property
     def stager(self) -> DefaultStager:
