@@ -13,9 +13,15 @@ The project's own helper for multi-rank tests (not torch's private testing packa
         results = run_ranks(_body, 2, str(tmp_path))
         assert [r.value for r in results] == [1.0, 1.0]
 
-Each rank runs in a fresh ``spawn`` process with ``MASTER_ADDR=127.0.0.1``, a free
-``MASTER_PORT``, ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` set, and the
-default process group initialized on gloo before ``fn(rank, world_size, *args)`` is called.
+Each rank runs in a new process with ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``,
+``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` set, and the default process
+group initialized on gloo before ``fn(rank, world_size, *args)`` is called. By default the
+process is forked from multiprocessing's fork server, which imported torch and streamcache
+once for the whole session (a ``spawn`` process imports torch again: 1-2 s a rank, most of a
+short test); it starts with the parent's environment and working folder, as a spawned one
+does, and has started no thread of its own. ``start_method="spawn"`` gives a fresh
+interpreter, for a test whose environment must be read when torch is imported
+(``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES``, ``TORCH_CPP_LOG_LEVEL``).
 A rank's return value (or its exception, as type name, message and traceback) is written to
 a result file atomically, so it survives the other ranks being killed.
 
@@ -29,9 +35,10 @@ For crash tests, :class:`RankGroup` gives control over the running processes::
 ``fail_fast`` (default on) mirrors torchrun: when one rank dies, the others are killed
 after ``grace_s`` instead of hanging in a collective until the timeout.
 
-A function runs in a new interpreter, so it must be importable (defined at module level);
-the parent's ``sys.path`` is passed on by ``spawn``. Importing torch costs 1-2 s per process,
-so do several phases in one function rather than several groups in one test.
+A function is sent by reference, so it must be importable (defined at module level); the
+parent's ``sys.path`` is passed on. Starting a group still costs about half a second (the
+process group, the fork server's first start 2-3 s), so do several phases in one function
+rather than several groups in one test.
 """
 
 from __future__ import annotations
@@ -51,8 +58,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RankError", "RankGroup", "RankResult", "free_port", "run_ranks",
-           "torchrun_environment"]
+__all__ = ["RankError", "RankGroup", "RankResult", "free_port", "process_context",
+           "run_ranks", "torchrun_environment"]
 
 
 @dataclass
@@ -83,6 +90,21 @@ def torchrun_environment(node: int, local: int, per_node: int, nodes: int) -> di
             "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(node)}
 
 
+# What the fork server imports before it forks the first rank: what every rank imports.
+_PRELOAD = ["torch", "torch.distributed", "streamcache", "streamcache.checkpoint"]
+
+
+def process_context(start_method: str = "forkserver") -> Any:
+    """The multiprocessing context rank processes start with (see the module docstring: a
+    fork server's children start with the server's environment, not the caller's)."""
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method={start_method!r}: 'forkserver' or 'spawn'")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # (read when the server first starts)
+    return ctx
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -101,6 +123,7 @@ def _child(
     pg_timeout_s: float,
     env: dict[str, str],
 ) -> None:
+    os.environ.clear()  # (a fork server's child starts with the server's environment)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -151,7 +174,9 @@ class RankGroup:
         backend: process group backend ("gloo"); None: no default group is made, the
             function makes its own (an in-process restart engine such as NVRx's Wrapper
             requires that no group exists when it starts).
-        env: extra environment variables for the children.
+        env: extra environment variables for the children (on top of the parent's).
+        start_method: ``"forkserver"`` (default: forks of a server that imported torch and
+            streamcache) or ``"spawn"`` (fresh interpreters; see the module docstring).
         fail_fast: when a rank exits abnormally, SIGKILL the others after ``grace_s``.
 
     Thread safety: one owner thread.
@@ -168,6 +193,7 @@ class RankGroup:
         env: dict[str, str] | None = None,
         fail_fast: bool = True,
         grace_s: float = 2.0,
+        start_method: str = "forkserver",
     ) -> None:
         self.world_size = world_size
         self.timeout_s = timeout_s
@@ -177,13 +203,14 @@ class RankGroup:
         self._killed: set[int] = set()
         self._joined = False
         self.results: list[RankResult] = []
-        ctx = mp.get_context("spawn")
+        ctx = process_context(start_method)
+        environment = {**os.environ, **(env or {})}
         port = free_port()
         self.processes = [
             ctx.Process(
                 target=_child,
                 args=(fn, rank, world_size, port, tuple(args), self._result_dir, backend,
-                      timeout_s, dict(env or {})),
+                      timeout_s, environment),
                 name=f"rank-{rank}",
                 # not daemonic, like torchrun's workers: a rank may start processes of its
                 # own (DCP's checkpoint process, DataLoader workers); join() bounds its life
@@ -294,6 +321,7 @@ def run_ranks(
     *args: Any,
     timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
+    start_method: str = "forkserver",
 ) -> list[RankResult]:
     """Run ``fn(rank, world_size, *args)`` on every rank; the per-rank results.
 
@@ -301,5 +329,6 @@ def run_ranks(
         RankError: a rank raised (its traceback is in the message), died, or the run timed
             out; every rank is killed before it is raised.
     """
-    group = RankGroup(fn, world_size, args=args, timeout_s=timeout_s, env=env)
+    group = RankGroup(fn, world_size, args=args, timeout_s=timeout_s, env=env,
+                      start_method=start_method)
     return group.join(check=True)

@@ -250,12 +250,13 @@ def run_killed(trace: list[TraceStep], url: str, cache: str, plan_args: dict[str
         AssertionError: a process exited other than by its planned SIGKILL or normally, or
             the run outlived ``timeout_s``.
     """
-    import multiprocessing as mp
     import os
     import signal
     import time
 
-    ctx = mp.get_context("spawn")
+    from dist import process_context
+
+    ctx = process_context()  # forks of a server that imported torch (spawn: 1-2 s a process)
     # The store lives in a process of its own, so that nothing of it (its server thread, its
     # connections to SIGKILLed clients) can outlive or block the caller.
     receive, send = ctx.Pipe(duplex=False)

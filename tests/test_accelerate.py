@@ -149,7 +149,8 @@ def test_an_accelerator_that_runs_each_process_alone_is_refused(
     loader splits every global batch in 2: two unsynchronized models, unless refused."""
     url, cache = data
     results = run_ranks(_accelerate_in_a_two_process_group, 2, url, cache, timeout_s=240,
-                        env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+                        env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
+                        start_method="spawn")  # (variables read when torch is imported)
     for result in results:
         refusal, ids = result.value
         assert "Accelerator(cpu=True)" in refusal, refusal

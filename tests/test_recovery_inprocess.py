@@ -127,7 +127,7 @@ def test_a_raised_fault_restarts_in_process_from_the_memory_tier_with_the_same_b
     _dataset(tmp_path / "data")
     (tmp_path / "shm").mkdir()
     with RankGroup(_train_under_nvrx, 2, args=(str(tmp_path),), backend=None,
-                   timeout_s=240) as group:
+                   timeout_s=240, start_method="spawn") as group:  # (the log level above)
         pass
     results = group.join(check=True)
     clean = StreamDataset(str(tmp_path / "data"), batch_size=2 * PER_RANK, seed=1,
