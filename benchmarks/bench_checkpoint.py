@@ -28,7 +28,11 @@ workers or another job would). For each save, the maximum over the ranks of:
 - ``window cpu`` and ``window wall``: the same two costs summed over the steps until the
   first one that ended with the save durable (the steps after it add only noise: 8 s of
   steps vary by more than the cost); ``steps`` is that window's length, ``call cpu`` the
-  loop thread's CPU time in the save call alone.
+  loop thread's CPU time in the save call alone;
+- ``of it runq``: how much of the window's extra wall time the loop thread spent waiting
+  for a core while runnable (Linux schedstat): wall time lost to the CPU the save's threads
+  and the other processes took, not to a lock or the GIL (those would show as neither CPU
+  nor run-queue time).
 
 ``--step-wait F`` makes each fake step wait for ``F`` of its time after computing, as the
 thread of a GPU job waits for its device; with the default 0 the loop keeps every core busy,
@@ -59,6 +63,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -128,6 +133,22 @@ def _fake_step(a: torch.Tensor, wait_s: float = 0.0) -> None:
         a = torch.tanh(a @ a)
     if wait_s:
         time.sleep(wait_s)
+
+
+def _run_queue_clock() -> Any:
+    """A function giving the calling thread's total time spent waiting for a core
+    (runnable, not running), in seconds, from ``/proc/self/task/<tid>/schedstat``; one
+    that gives 0.0 where the kernel does not keep it."""
+    path = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+
+    def waited() -> float:
+        try:
+            with open(path) as f:
+                return int(f.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
+    return waited
 
 
 class Saver:
@@ -220,16 +241,19 @@ def _loop(saver: Saver | None, steps: int, step: int, wait_s: float) -> dict[str
 
     Returns this rank's ``wall`` time of the loop, ``durable`` (time until the save is
     durable), ``cpu`` (the loop thread's CPU time), ``step_cpu`` (the thread's CPU time of
-    each step, the save's call in the first) and ``window`` (the steps until the first one
-    that ended with the save durable, included).
+    each step, the save's call in the first), ``step_runq`` (the time the thread waited for
+    a core in each step, runnable but not running: Linux's schedstat, else zeros) and
+    ``window`` (the steps until the first one that ended with the save durable, included).
     """
     work = torch.randn(512, 512) / 25
     step_cpu: list[float] = []
     step_wall: list[float] = []
+    step_runq: list[float] = []
     window, call_cpu = 0, 0.0
+    runq = _run_queue_clock()
     dist.barrier()
     started, cpu_started = time.perf_counter(), time.thread_time()
-    last, last_wall = cpu_started, started
+    last, last_wall, last_runq = cpu_started, started, runq()
     for i in range(steps):
         if saver is not None and i == 0:
             saver.start(step)
@@ -242,12 +266,15 @@ def _loop(saver: Saver | None, steps: int, step: int, wait_s: float) -> dict[str
         now, wall = time.thread_time(), time.perf_counter()
         step_cpu.append(now - last)
         step_wall.append(wall - last_wall)
-        last, last_wall = now, wall
+        waited = runq()
+        step_runq.append(waited - last_runq)
+        last, last_wall, last_runq = now, wall, waited
     elapsed, cpu = time.perf_counter() - started, time.thread_time() - cpu_started
     if saver is not None:
         saver.durable()
     return {"wall": elapsed, "durable": time.perf_counter() - started, "cpu": cpu,
-            "step_cpu": step_cpu, "step_wall": step_wall, "window": window or steps,
+            "step_cpu": step_cpu, "step_wall": step_wall, "step_runq": step_runq,
+            "window": window or steps,
             "call_cpu": call_cpu}
 
 
@@ -260,12 +287,14 @@ def _loop_costs(steps: int, saver: Saver, step: int, wait_s: float) -> dict[str,
     window = with_save["window"]
     window_cpu = sum(with_save["step_cpu"][:window]) - sum(without["step_cpu"][:window])
     window_wall = sum(with_save["step_wall"][:window]) - sum(without["step_wall"][:window])
+    window_runq = sum(with_save["step_runq"][:window]) - sum(without["step_runq"][:window])
     return {"loop_cost": _max_over_ranks(with_save["wall"] - without["wall"]),
             "loop_s": _max_over_ranks(without["wall"]),
             "durable_in_loop": _max_over_ranks(with_save["durable"]),
             "loop_cpu_cost": _max_over_ranks(with_save["cpu"] - without["cpu"]),
             "window_cpu_cost": _max_over_ranks(window_cpu),
             "window_wall_cost": _max_over_ranks(window_wall),
+            "window_runq_cost": _max_over_ranks(window_runq),
             "window_steps": _max_over_ranks(window),
             "call_cpu": _max_over_ranks(with_save["call_cpu"])}
 
@@ -378,7 +407,8 @@ def _table(summary: dict[str, Any]) -> str:
                   f"{'method':31} {'blocked s':>9} {'/copy':>6} {'durable s':>9} "
                   f"{'/dcp-sync':>9} {'loop cost s':>11} {'/dcp-sync':>9} {'loop cpu s':>10} "
                   f"{'/sync save':>10} {'window cpu s':>12} {'/sync save':>10} "
-                  f"{'window wall s':>13} {'/sync save':>10} {'steps':>5} "
+                  f"{'window wall s':>13} {'/sync save':>10} {'of it runq s':>12} "
+                  f"{'steps':>5} "
                   f"{'loop s':>7} {'durable in loop s':>17}"]
         for method, m in med.items():
             durable_ratio = m["durable"] / sync["durable"] if sync else float("nan")
@@ -391,6 +421,7 @@ def _table(summary: dict[str, Any]) -> str:
                          f"{cost_ratio:8.3f}x {m['loop_cpu_cost']:10.3f} {cpu_ratio:9.3f}x "
                          f"{m['window_cpu_cost']:12.3f} {window_ratio:9.3f}x "
                          f"{m['window_wall_cost']:13.3f} {wall_ratio:9.3f}x "
+                         f"{m.get('window_runq_cost', float('nan')):12.3f} "
                          f"{m['window_steps']:5.0f} "
                          f"{m['loop_s']:7.2f} {m['durable_in_loop']:17.3f}")
     return "\n".join(lines)
@@ -449,7 +480,10 @@ def main(argv: list[str] | None = None) -> int:
                "loop_s": args.loop_s, "methods": args.methods, "step_wait": args.step_wait}
     load_before = _load_average()
     try:
-        group = RankGroup(_bench, args.ranks, args=(options,), timeout_s=6 * 3600)
+        # fresh interpreters, as a launcher starts ranks (the tests' default forks them from
+        # a server that imported torch)
+        group = RankGroup(_bench, args.ranks, args=(options,), timeout_s=6 * 3600,
+                          start_method="spawn")
         results = group.join(check=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
