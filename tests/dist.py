@@ -90,13 +90,19 @@ def torchrun_environment(node: int, local: int, per_node: int, nodes: int) -> di
             "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(node)}
 
 
-# What the fork server imports before it forks the first rank: what every rank imports.
-_PRELOAD = ["torch", "torch.distributed", "streamcache", "streamcache.checkpoint"]
+# What the fork server imports before it forks the first process: what the ranks and the
+# cache tests' processes import (the server does not get the tests folder on its sys.path:
+# packages only). One server serves every caller of the session, so one list.
+_PRELOAD = ["torch", "torch.distributed", "streamcache", "streamcache.checkpoint",
+            "streamcache.cache.node", "streamcache.cache.prefetch",
+            "fsspec.implementations.http", "pytest"]
 
 
 def process_context(start_method: str = "forkserver") -> Any:
-    """The multiprocessing context rank processes start with (see the module docstring: a
-    fork server's children start with the server's environment, not the caller's)."""
+    """The multiprocessing context rank processes start with: by default fresh processes
+    forked from a server (not from pytest) that did the imports once; a spawned interpreter
+    would pay seconds of imports each. A fork server's children start with the server's
+    environment, not the caller's (RankGroup passes the caller's on)."""
     if start_method not in ("forkserver", "spawn"):
         raise ValueError(f"start_method={start_method!r}: 'forkserver' or 'spawn'")
     ctx = mp.get_context(start_method)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -25,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from dist import process_context  # fresh processes forked from a server, imports done once
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from servers import FaultServer, S3Bucket
@@ -464,16 +464,6 @@ def _stream_in_process(index_url: str, cache_dir: str, seed: int, prefetch: bool
         store.update(order, np.arange(len(order)))
     with DatasetReader(index, store=store) as reader:
         results.put((seed, read_everything(reader, seed=seed)))
-
-
-def process_context() -> Any:
-    """Fresh processes (forked from a clean, single-threaded server, not from pytest), with
-    the imports done once: a spawned interpreter would pay seconds of imports each."""
-    ctx = mp.get_context("forkserver")
-    # (the server does not get the tests folder on its sys.path: preload the package only)
-    ctx.set_forkserver_preload(["streamcache.cache.node", "streamcache.cache.prefetch",
-                                "fsspec.implementations.http", "pytest"])
-    return ctx
 
 
 def run_processes(index_url: str, cache_dir: Path, count: int, prefetch: bool,
