@@ -274,8 +274,7 @@ def _loop(saver: Saver | None, steps: int, step: int, wait_s: float) -> dict[str
         saver.durable()
     return {"wall": elapsed, "durable": time.perf_counter() - started, "cpu": cpu,
             "step_cpu": step_cpu, "step_wall": step_wall, "step_runq": step_runq,
-            "window": window or steps,
-            "call_cpu": call_cpu}
+            "window": window or steps, "call_cpu": call_cpu}
 
 
 def _loop_costs(steps: int, saver: Saver, step: int, wait_s: float) -> dict[str, float]:
@@ -285,9 +284,12 @@ def _loop_costs(steps: int, saver: Saver, step: int, wait_s: float) -> dict[str,
     without = _loop(None, steps, 0, wait_s)
     with_save = _loop(saver, steps, step, wait_s)
     window = with_save["window"]
-    window_cpu = sum(with_save["step_cpu"][:window]) - sum(without["step_cpu"][:window])
-    window_wall = sum(with_save["step_wall"][:window]) - sum(without["step_wall"][:window])
-    window_runq = sum(with_save["step_runq"][:window]) - sum(without["step_runq"][:window])
+
+    def extra(per_step: str) -> float:  # the save's extra over the window's steps
+        return sum(with_save[per_step][:window]) - sum(without[per_step][:window])
+
+    window_cpu, window_wall, window_runq = (extra("step_cpu"), extra("step_wall"),
+                                            extra("step_runq"))
     return {"loop_cost": _max_over_ranks(with_save["wall"] - without["wall"]),
             "loop_s": _max_over_ranks(without["wall"]),
             "durable_in_loop": _max_over_ranks(with_save["durable"]),
@@ -421,7 +423,7 @@ def _table(summary: dict[str, Any]) -> str:
                          f"{cost_ratio:8.3f}x {m['loop_cpu_cost']:10.3f} {cpu_ratio:9.3f}x "
                          f"{m['window_cpu_cost']:12.3f} {window_ratio:9.3f}x "
                          f"{m['window_wall_cost']:13.3f} {wall_ratio:9.3f}x "
-                         f"{m.get('window_runq_cost', float('nan')):12.3f} "
+                         f"{m['window_runq_cost']:12.3f} "
                          f"{m['window_steps']:5.0f} "
                          f"{m['loop_s']:7.2f} {m['durable_in_loop']:17.3f}")
     return "\n".join(lines)
