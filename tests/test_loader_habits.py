@@ -261,6 +261,15 @@ def main():
         for step, _ in enumerate(workers):
             if step == 3:
                 break
+    # an epoch read whole, then iter() again: the next epoch's reads start and are still
+    # running at exit (chunked shards: each reader holds its chunks' native views)
+    global following
+    looped = [StreamLoader(StreamDataset(sys.argv[4], global_batch_size=8,
+                                         cache_dir=f"{cache}/next-{i}")) for i in range(4)]
+    for each in looped:
+        for _ in each:
+            pass
+    following = [iter(each) for each in looped]
     print("done", flush=True)
 
 if __name__ == "__main__":
@@ -271,18 +280,55 @@ if __name__ == "__main__":
 def test_loaders_closed_dropped_or_abandoned_print_nothing_at_exit(data: tuple[str, str],
                                                                    tmp_path) -> None:
     """Every process that made loaders (closed, dropped, abandoned mid-iteration, alive at
-    exit, with spawned and forked worker processes) exits without a word on stderr (the
-    extension reported the native objects still alive at exit as leaks: a user reads that as
-    a memory bug)."""
+    exit, with spawned and forked worker processes, the next epoch's reads running at exit)
+    exits without a word on stderr (the extension reported the native objects still alive at
+    exit as leaks: a user reads that as a memory bug)."""
+    import numpy as np
+
+    from streamcache import ShardWriter
+
     url, _ = data
+    chunked = str(tmp_path / "chunked")
+    rng = np.random.default_rng(0)
+    with ShardWriter(chunked) as writer:  # the defaults: zstd, 64 KiB chunks (~47 here)
+        for i in range(3000):
+            writer.write({"x": i, "data": rng.integers(0, 255, 1000, dtype=np.uint8).tobytes()})
     script = tmp_path / "loaders_at_exit.py"
     script.write_text(_LOADERS_LEFT_AT_EXIT)
     tests = os.path.dirname(os.path.abspath(__file__))
-    result = subprocess.run([sys.executable, str(script), tests, url, str(tmp_path / "cache")],
+    result = subprocess.run([sys.executable, str(script), tests, url, str(tmp_path / "cache"),
+                             chunked],
                             capture_output=True, text=True, timeout=240,
                             env={**os.environ, "TMPDIR": "/tmp"})
     assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr[-3000:]
     assert result.stderr == "", result.stderr[-3000:]
+
+
+def test_the_exit_hook_ends_the_reader_threads_of_iterations_still_alive(
+        data: tuple[str, str]) -> None:
+    """What the interpreter's exit runs for iterations the program still holds (one parked
+    mid-epoch, one whose next epoch has just started): their reader threads end, so none is
+    left holding shard readers when the extension is torn down."""
+    import threading
+
+    from streamcache.loading import thread_batches
+
+    url, cache = data
+    before = {t for t in threading.enumerate() if t.name.startswith("streamcache-loader")}
+    parked, following = loader(url, cache + "/parked"), loader(url, cache + "/following")
+    stream = iter(parked)
+    next(stream)
+    for _ in following:
+        pass
+    started = iter(following)
+    ours = {t for t in threading.enumerate()
+            if t.name.startswith("streamcache-loader")} - before
+    assert len(ours) == 4 and all(t.is_alive() for t in ours)
+    thread_batches._end_at_exit()
+    assert not any(t.is_alive() for t in ours)
+    del stream, started
+    parked.close()
+    following.close()
 
 
 def test_a_dataset_folder_given_as_a_path_reads_as_its_string(data: tuple[str, str]) -> None:

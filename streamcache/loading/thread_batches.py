@@ -4,9 +4,12 @@ training loop, and the loop takes them in step order."""
 
 from __future__ import annotations
 
+import atexit
 import collections
+import os
 import threading
 import time
+import weakref
 from concurrent.futures import CancelledError
 from typing import Any
 
@@ -76,8 +79,8 @@ class _Producer:
         with self._changed:
             self._changed.notify_all()
 
-    def join(self) -> None:
-        self._thread.join()
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
 
 
 class _Failed:
@@ -106,8 +109,10 @@ class ThreadBatches:
         self._pin = pin
         self._closed = False
         self._next = 0
+        self._pid = os.getpid()
         self._producers = [_Producer(self, index, threads, schedule)
                            for index in range(threads)]
+        _running.add(self)
 
     def work(self, ref: StepRef, part: RankBatch) -> Any:
         """One step's arrays (with a transform: finished on the loop's thread) or batch."""
@@ -152,6 +157,32 @@ class ThreadBatches:
         self.stop()
         for producer in self._producers:
             producer.join()
+
+
+# Iterations whose reader threads may still run, for the interpreter's exit (weakly: one the
+# loop dropped is collected as usual).
+_running: weakref.WeakSet[ThreadBatches] = weakref.WeakSet()
+EXIT_JOIN_S = 10.0  # the longest the exit waits for the reads in hand of live iterations
+
+
+def _end_at_exit() -> None:
+    """At the interpreter's exit, end the reader threads of iterations still alive (the loop
+    kept one, or iter() had started the next epoch's reads): a daemon thread left parked
+    holds its shards' readers and native objects past the extension's teardown, which
+    reports them as leaked. Each iteration stops and its dataset's reader is closed (its
+    downloads end at once, as on Ctrl-C); the threads are then joined, within EXIT_JOIN_S in
+    all, so an exit never hangs on a read."""
+    live = [batches for batches in list(_running) if batches._pid == os.getpid()]
+    for batches in live:
+        batches.stop()
+        batches.dataset.close()
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for batches in live:
+        for producer in batches._producers:
+            producer.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_end_at_exit)
 
 
 def gather_width(readers: int) -> int:
