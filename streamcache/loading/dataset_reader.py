@@ -54,6 +54,7 @@ from ..remote.fetch import Fetcher
 from ..remote.options import FetchOptions
 from ..remote.retry import FetchError
 from .cold_reads import ColdReads, is_gone
+from .single_flight import SingleFlight
 
 #: Steps of a cold start read by range whatever their density (ranges.COLD_BUDGET applies
 #: afterwards), with the store's downloads held back meanwhile.
@@ -141,6 +142,7 @@ class DatasetReader(ColdReads):
         self._readers: collections.OrderedDict[int, ShardReader] = collections.OrderedDict()
         self._max_open = max(1, max_open_shards)
         self._lock = threading.Lock()
+        self._opening: SingleFlight[ShardReader] = SingleFlight()  # each shard opened once
         # Evicted shards are dropped from the open ones (their mapping then goes once no
         # batch refers to it, which frees their disk space): this process's evictions as
         # they happen, other processes' by a look at the open files every few seconds.
@@ -224,6 +226,9 @@ class DatasetReader(ColdReads):
             if reader is not None:
                 self._readers.move_to_end(shard)
                 return reader
+        return self._opening.run(shard, lambda: self._open_and_keep(shard))
+
+    def _open_and_keep(self, shard: int) -> ShardReader:
         reader = self._open(shard)
         try:
             st = os.stat(reader.path)

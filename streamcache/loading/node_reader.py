@@ -37,6 +37,7 @@ from ..remote.fetch import Fetcher
 from .dataset_reader import DatasetReader
 from .mixture_store import MixtureCache
 from .nodes import NodeLocality, node_working_set, scan_span, units_in_span
+from .single_flight import SingleFlight
 
 #: Open readers of units kept per process (a window's pieces and the chunks in use).
 MAX_OPEN_UNITS = 4096
@@ -99,6 +100,7 @@ class NodeReader:
                        for index, options in zip(self.indexes, storage, strict=True)]
         self._readers: collections.OrderedDict[int, ShardReader] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._opening: SingleFlight[ShardReader] = SingleFlight()  # each unit opened once
         self._opener: ThreadPoolExecutor | None = None
         self._opener_pid = -1
 
@@ -168,6 +170,9 @@ class NodeReader:
             if reader is not None:
                 self._readers.move_to_end(unit)
                 return reader
+        return self._opening.run(unit, lambda: self._open_and_keep(unit))
+
+    def _open_and_keep(self, unit: int) -> ShardReader:
         reader = self._open(unit)
         with self._lock:
             reader = self._readers.setdefault(unit, reader)
