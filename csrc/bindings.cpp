@@ -28,6 +28,7 @@
 
 #include "copy.h"
 #include "gather.h"
+#include "ipc.h"
 #include "scheduler.h"
 #include "seeding.h"
 #include "split.h"
@@ -411,6 +412,45 @@ StatusTuple py_release_moves(MutInt64s& nodes, const Int64s& surplus, const Int6
   return to_tuple(s);
 }
 
+
+// A vector handed to Python as a numpy array that owns it (freed with the array).
+nb::ndarray<nb::numpy, int64_t, nb::ndim<1>> owned_array(std::vector<int64_t>&& values) {
+  auto* held = new std::vector<int64_t>(std::move(values));
+  nb::capsule owner(held, [](void* p) noexcept { delete static_cast<std::vector<int64_t>*>(p); });
+  return nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>(held->data(), {held->size()}, owner);
+}
+
+using Int64Array = nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>;
+
+std::tuple<int, int64_t, std::string, Int64Array, Int64Array, Int64Array> py_ipc_record_batches(
+    const Bytes& file, size_t nodes_per_batch, size_t buffers_per_batch) {
+  std::vector<int64_t> rows, nodes, buffers;
+  Status s;
+  {
+    nb::gil_scoped_release release;
+    s = guarded([&] {
+      return ipc_record_batches(file.data(), file.size(), nodes_per_batch, buffers_per_batch,
+                                &rows, &nodes, &buffers);
+    });
+  }
+  if (!s.ok()) rows.clear(), nodes.clear(), buffers.clear();
+  return {static_cast<int>(s.code), s.item, s.message, owned_array(std::move(rows)),
+          owned_array(std::move(nodes)), owned_array(std::move(buffers))};
+}
+
+StatusTuple py_check_ipc_offsets(const Bytes& file, const Int64s& at, const Int64s& count,
+                                 const Int64s& values_bytes, int64_t elem_size) {
+  if (count.size() != at.size() || values_bytes.size() != at.size()) {
+    return to_tuple(Status::Error(StatusCode::kInvalid, -1,
+                                  "at, count and values_bytes must hold one entry per batch"));
+  }
+  nb::gil_scoped_release release;
+  return to_tuple(guarded([&] {
+    return check_ipc_offsets(file.data(), file.size(), at.data(), count.data(),
+                             values_bytes.data(), at.size(), elem_size);
+  }));
+}
+
 // Keeps the GIL (an exception to the rule): the job takes a microsecond or two, less than
 // releasing and taking back the GIL would cost.
 std::tuple<int, int64_t, std::string, int64_t> py_group_shards(const Int64s& shards,
@@ -788,6 +828,15 @@ NB_MODULE(_core, m) {
         "XXH64 of each piece of piece bytes of data into out (uint64); guard: data may be a "
         "mapped file another process truncates (an error, not SIGBUS); returns (code, item, "
         "message).");
+  m.def("ipc_record_batches", &py_ipc_record_batches, nb::arg("file").noconvert(),
+        nb::arg("nodes_per_batch"), nb::arg("buffers_per_batch"),
+        "The record batches of an Arrow IPC file's bytes (csrc/ipc.h): (code, item, message, "
+        "rows, nodes as (length, null_count) pairs, buffers as (file offset, length) pairs).");
+  m.def("check_ipc_offsets", &py_check_ipc_offsets, nb::arg("file").noconvert(),
+        nb::arg("at").noconvert(), nb::arg("count").noconvert(),
+        nb::arg("values_bytes").noconvert(), nb::arg("elem_size"),
+        "Each batch's int64 offsets checked in order and within its values (csrc/ipc.h); "
+        "returns (code, item, message).");
   m.def("group_shards", &py_group_shards, nb::arg("shards").noconvert(),
         nb::arg("unique_out").noconvert(), nb::arg("which_out").noconvert(),
         "The distinct shards of a batch in increasing order into unique_out, each row's "

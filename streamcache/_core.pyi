@@ -68,6 +68,16 @@ def xxh64_pieces(data: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order
     XXH64 of each piece of piece bytes of data into out (uint64); guard: data may be a mapped file another process truncates (an error, not SIGBUS); returns (code, item, message).
     """
 
+def ipc_record_batches(file: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)], nodes_per_batch: int, buffers_per_batch: int) -> tuple[int, int, str, Annotated[NDArray[numpy.int64], dict(shape=(None,))], Annotated[NDArray[numpy.int64], dict(shape=(None,))], Annotated[NDArray[numpy.int64], dict(shape=(None,))]]:
+    """
+    The record batches of an Arrow IPC file's bytes (csrc/ipc.h): (code, item, message, rows, nodes as (length, null_count) pairs, buffers as (file offset, length) pairs).
+    """
+
+def check_ipc_offsets(file: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu', writable=False)], at: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], count: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], values_bytes: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], elem_size: int) -> tuple[int, int, str]:
+    """
+    Each batch's int64 offsets checked in order and within its values (csrc/ipc.h); returns (code, item, message).
+    """
+
 def group_shards(shards: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], unique_out: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')], which_out: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu')]) -> tuple[int, int, str, int]:
     """
     The distinct shards of a batch in increasing order into unique_out, each row's position among them into which_out; returns (code, item, message, count).

@@ -283,6 +283,36 @@ def xxh64_pieces(data: np.ndarray, piece: int, guard: bool = False) -> list[int]
     return [int(d) for d in out]
 
 
+def ipc_record_batches(file: np.ndarray, nodes_per_batch: int, buffers_per_batch: int,
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every record batch of an Arrow IPC file, from its bytes (``file``: uint8, the whole
+    file; csrc/ipc.h): its rows, its field nodes as ``[batches, nodes, (length, null_count)]``
+    and its buffers as ``[batches, buffers, (file offset, length)]``.
+
+    Raises:
+        CorruptDataError: the file is malformed (an offset outside it, a count that
+            contradicts the schema's).
+        NativeError: a file the walk does not read (compressed bodies, dictionaries).
+    """
+    code, item, message, rows, nodes, buffers = _native_backend.active.ipc_record_batches(
+        file, nodes_per_batch, buffers_per_batch)
+    raise_error(code, item, message)
+    return (rows, nodes.reshape(-1, nodes_per_batch, 2),
+            buffers.reshape(-1, buffers_per_batch, 2))
+
+
+def check_ipc_offsets(file: np.ndarray, at: np.ndarray, count: np.ndarray,
+                      values_bytes: np.ndarray, elem_size: int) -> None:
+    """Each batch's ``count[b] + 1`` int64 offsets at ``file[at[b]:]`` (8-byte aligned) start
+    at 0 or more, never decrease and end within ``values_bytes[b] // elem_size``.
+
+    Raises:
+        CorruptDataError: a batch's offsets do not (the batch is the error's subject).
+    """
+    raise_error(*_native_backend.active.check_ipc_offsets(file, at, count, values_bytes,
+                                                          elem_size))
+
+
 def group_shards(shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct shards of a batch in increasing order, and each row's position among them
     (int32): ``numpy.unique(shards, return_inverse=True)``, in a microsecond or two.
@@ -369,6 +399,7 @@ __all__ = [
     "Xxh64",
     "available_backends",
     "backend_name",
+    "check_ipc_offsets",
     "gather_bytes",
     "gather_bytes_chunks",
     "gather_fixed",
@@ -379,6 +410,7 @@ __all__ = [
     "get_num_threads",
     "global_rngs",
     "group_shards",
+    "ipc_record_batches",
     "owner_nodes",
     "paid_moves",
     "release_moves",

@@ -28,6 +28,7 @@ from ._twin_checks import (
     check_var_args,
     check_var_request,
 )
+from ._twin_ipc import check_ipc_offsets, ipc_record_batches  # noqa: F401 (_twin_ipc.py)
 from ._twin_rngs import GlobalRngs as GlobalRngs  # the Backend protocol's GlobalRngs
 from ._twin_scheduler import Scheduler as Scheduler  # the Backend protocol's Scheduler
 from ._twin_split import owner_nodes as owner_nodes  # the Backend protocol's split kernels

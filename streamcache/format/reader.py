@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from .. import _native
 from ..errors import SchemaError, ShardCorruptError
 from .buffers import POOL, BufferPool, settle_allocator
 from .columns import ColumnBuffers, chunk_buffers
+from .ipc_chunks import located_columns
 from .materialize import COPY_OF_KEY
 from .schema import Field, Schema
 
@@ -165,21 +167,44 @@ class ShardReader:
         except (pa.ArrowException, OSError) as exc:
             raise corrupt_shard_error(path, exc) from exc
         try:
-            batches = self._read_batches()
-            self.num_rows = sum(batch.num_rows for batch in batches)
+            located = self._located()
+            if located is not None:  # chunks located natively: no Arrow object per chunk
+                rows, self.__dict__["_columns"] = located
+                self._views = {}
+            else:
+                batches = self._read_batches()
+                rows = [batch.num_rows for batch in batches]
+                self._views = self._field_views(batches)
+            self.num_rows = sum(rows)
             if expected_rows is not None and self.num_rows != expected_rows:
                 raise ShardCorruptError(
                     f"{path} holds {self.num_rows} rows, the index says {expected_rows}")
-            self._views = self._field_views(batches)
         except BaseException:
             self.close()
             raise
-        if len(batches) == 1:
+        if len(rows) == 1:
             self._buffers = {name: views[0] for name, views in self._views.items()}
-            self._batch: pa.RecordBatch | pa.Table = batches[0]
+            self.__dict__["_batch"] = batches[0]
         else:
-            self._chunks = ChunkTable([batch.num_rows for batch in batches])
-            self._batch = pa.Table.from_batches(batches)  # (zero-copy; for inspection)
+            self._chunks = ChunkTable(rows)
+
+    @functools.cached_property
+    def _batch(self) -> pa.RecordBatch | pa.Table:
+        """The file's rows as Arrow, zero-copy (for inspection)."""
+        return ipc.open_file(self._mmap).read_all()
+
+    def _located(self) -> tuple[list[int], dict[str, _native.ColumnChunks]] | None:
+        """A file of several record batches read from its own bytes (:mod:`.ipc_chunks`)."""
+        try:
+            reader = ipc.open_file(self._mmap)  # (the footer and the schema only)
+        except (pa.ArrowException, OSError, ValueError):
+            return None
+        if self._copy_of is not None:
+            self._check_copy_of(reader.schema.metadata or {})
+        if reader.num_record_batches < 2:
+            return None
+        self._mmap.seek(0)
+        return located_columns(self._mmap.read_buffer(), reader.schema, list(self.schema))
 
     def _read_batches(self) -> list[pa.RecordBatch]:
         """The shard's record batches, each checked whole: offsets in order and inside their
