@@ -26,36 +26,35 @@ The page cache is dropped with /proc/sys/vm/drop_caches (root); where that is no
 Goals (issue 32): raw first batch <= 2x the DataLoader's, raw-cold rate >= 0.9x raw-warm, the
 cache gains no shard (<= 1 MB); zstd first batch <= 0.5 s, zstd-cold >= 0.5x zstd-warm.
 
-Last result (2026-12-06 20:40-20:43 UTC, commit d50370e, ``--mb 1000 --repeats 3``, the
-2-core machine otherwise quiet, load average 1.40 before and 1.77 after; page cache dropped
-before each cold case; medians; "vs warm": the warm case of the same reader; "vs DL": to
-dataloader-cold's first batch):
+Last result (2026-12-07 05:16-05:20 UTC, commit 07a68ca, ``--mb 1000 --repeats 3`` with the
+data built, the 2-core machine otherwise quiet, load average 0.77 before and 1.20 after; page
+cache dropped before each cold case; medians; "vs warm": the warm case of the same reader; "vs
+DL": to dataloader-cold's first batch):
 
   data    case               samples/s vs warm 1st batch s  vs DL construct s cache +MB  RSS MB
-  blobs   dataloader-cold        9,691    0.37      0.1918    1.0      0.0009       0.0    1189
-  blobs   dataloader-warm       25,970    1.00      0.0094    0.0      0.0007       0.0    1195
-  blobs   raw-cold              10,586    0.52      0.7606    4.0      0.5033       0.0    1256
-  blobs   raw-warm              20,337    1.00      0.3571    1.9      0.4517       0.0    1255
-  blobs   zstd-cold              9,142    0.39      0.9468    4.9      0.5283       0.0    1256
-  blobs   zstd-warm             23,335    1.00      0.2948    1.5      0.4437       0.0    1255
-  tokens  dataloader-cold      186,269    0.92      0.5382    1.0      0.0010       0.0    1225
-  tokens  dataloader-warm      203,110    1.00      0.0748    0.1      0.0006       0.0    1226
-  tokens  raw-cold             440,310    0.74      0.3225    0.6      0.4991       0.0    1323
-  tokens  raw-warm             598,379    1.00      0.1508    0.3      0.4322       0.0    1322
-  tokens  zstd-cold            309,538    0.26      0.4510    0.8      0.5376    1000.0    1499
-  tokens  zstd-warm          1,187,555    1.00      0.0244    0.0      0.4178       0.0    1243
+  blobs   dataloader-cold        8,167    0.34      0.1992    1.0      0.0013       0.0    1192
+  blobs   dataloader-warm       23,881    1.00      0.0104    0.1      0.0009       0.0    1189
+  blobs   raw-cold               8,185    0.23      0.9860    4.9      0.8410       0.0    1245
+  blobs   raw-warm              35,500    1.00      0.0954    0.5      0.5902       0.0    1243
+  blobs   zstd-cold              9,580    0.26      0.8852    4.4      0.6833       0.0    1245
+  blobs   zstd-warm             36,279    1.00      0.0968    0.5      0.7501       0.0    1243
+  tokens  dataloader-cold      138,118    0.94      0.6720    1.0      0.0011       0.0    1225
+  tokens  dataloader-warm      146,855    1.00      0.0954    0.1      0.0008       0.0    1226
+  tokens  raw-cold             326,620    0.56      0.3778    0.6      0.6325       0.0    1253
+  tokens  raw-warm             579,066    1.00      0.0560    0.1      0.6137       0.0    1251
+  tokens  zstd-cold            231,027    0.29      0.5099    0.8      0.5813    1000.0    1467
+  tokens  zstd-warm            807,796    1.00      0.0292    0.0      0.4811       0.0    1243
 
-("construct s" includes importing streamcache.) Against the goals: uncompressed shards are
-read in place (cache +0.0 MB: met); first batch 0.6x the DataLoader's for 1 KB rows (met),
-4.0x for 100 KB rows (not met: a shuffled first batch touches every shard of the window and
-each file read in place is hashed whole before its first row is served); first-epoch rate
-0.74x and 0.52x of warm (goal 0.9x: not met). zstd: first batch 0.45 s for 1 KB rows (met;
-1.34 s on 2026-12-04) and 0.95 s for the 100 KB rows, which the defaults now store
-uncompressed (the raw path); first epoch 0.26x of warm for 1 KB rows (goal 0.5x: not met: 16
-installs of 0.26-0.34 s of CPU each, and two cores install 1.2-1.4x as fast as one; the
-measurements are in RESULTS.md, "A local dataset's first run"). The run of 2026-12-04, before
-chunk-by-chunk installs and before ShardWriter chose the codec per shard: zstd tokens cold
-233,122 samples/s (0.22x), first batch 1.34 s; raw blobs cold first batch 0.71 s (4.8x).
+("construct s" includes importing streamcache, read from disk in the cold cases.) Against the
+goals: uncompressed shards are read in place (cache +0.0 MB: met); first batch 0.6x the
+DataLoader's for 1 KB rows (met), 4.9x for 100 KB rows (not met: a shuffled first batch
+touches every shard of the window and each file read in place is hashed whole from disk before
+its first row is served; warm, where the files are known, 0.095 s: the shards' opens, which
+were 0.36 s before they were made from the files' bytes and once per process); first-epoch
+rate 0.56x and 0.23x of warm (goal 0.9x: not met); zstd: first batch 0.51 s for 1 KB rows
+(goal 0.5 s: at it; 0.45 s the day before) and first epoch 0.29x of warm (goal 0.5x: not
+met: the installs' CPU). RESULTS.md, "A local dataset's first run", has the earlier runs and
+the measurements behind these reasons.
 """
 
 from __future__ import annotations
