@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -13,7 +14,31 @@ from loader_helpers import make_dataset
 from streamcache.loading.single_flight import SingleFlight
 
 
-def test_threads_that_ask_while_a_call_runs_get_its_result_and_a_later_ask_calls_again() -> None:
+def _waiting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the threads that wait for another's call (one entry each)."""
+    from streamcache.loading import single_flight
+
+    waiting: list[int] = []
+
+    class Counted(Future):  # type: ignore[type-arg]
+        def result(self, timeout: float | None = None) -> object:
+            waiting.append(1)
+            return super().result(timeout)
+
+    monkeypatch.setattr(single_flight, "Future", Counted)
+    return waiting
+
+
+def _until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert condition()
+
+
+def test_threads_that_ask_while_a_call_runs_get_its_result_and_a_later_ask_calls_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    waiting = _waiting(monkeypatch)
     flight: SingleFlight[object] = SingleFlight()
     calls: list[int] = []
     release = threading.Event()
@@ -25,17 +50,16 @@ def test_threads_that_ask_while_a_call_runs_get_its_result_and_a_later_ask_calls
 
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(flight.run, "k", call) for _ in range(6)]
-        deadline = time.monotonic() + 10
-        while not calls and time.monotonic() < deadline:
-            time.sleep(0.001)
-        time.sleep(0.05)  # the others are waiting on the first one's call now
+        _until(lambda: len(waiting) == 5)  # the others wait for the first one's call now
         release.set()
         results = [f.result(10) for f in futures]
     assert len(calls) == 1 and all(r is results[0] for r in results)
     assert flight.run("k", lambda: "again") == "again"  # nothing kept after the call
 
 
-def test_an_error_reaches_every_thread_that_waited_and_the_key_is_free_again() -> None:
+def test_an_error_reaches_every_thread_that_waited_and_the_key_is_free_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    waiting = _waiting(monkeypatch)
     flight: SingleFlight[int] = SingleFlight()
     started, release = threading.Event(), threading.Event()
 
@@ -47,10 +71,10 @@ def test_an_error_reaches_every_thread_that_waited_and_the_key_is_free_again() -
     with ThreadPoolExecutor(3) as pool:
         first = pool.submit(flight.run, 1, failing)
         assert started.wait(10)
-        waiting = [pool.submit(flight.run, 1, lambda: 7) for _ in range(2)]
-        time.sleep(0.05)
+        others = [pool.submit(flight.run, 1, lambda: 7) for _ in range(2)]
+        _until(lambda: len(waiting) == 2)
         release.set()
-        for future in [first, *waiting]:
+        for future in [first, *others]:
             with pytest.raises(OSError, match="disk gone"):
                 future.result(10)
     assert flight.run(1, lambda: 7) == 7
