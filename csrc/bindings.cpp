@@ -412,15 +412,14 @@ StatusTuple py_release_moves(MutInt64s& nodes, const Int64s& surplus, const Int6
   return to_tuple(s);
 }
 
+using Int64Array = nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>;
 
 // A vector handed to Python as a numpy array that owns it (freed with the array).
-nb::ndarray<nb::numpy, int64_t, nb::ndim<1>> owned_array(std::vector<int64_t>&& values) {
+Int64Array owned_array(std::vector<int64_t>&& values) {
   auto* held = new std::vector<int64_t>(std::move(values));
   nb::capsule owner(held, [](void* p) noexcept { delete static_cast<std::vector<int64_t>*>(p); });
-  return nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>(held->data(), {held->size()}, owner);
+  return Int64Array(held->data(), {held->size()}, owner);
 }
-
-using Int64Array = nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>;
 
 std::tuple<int, int64_t, std::string, Int64Array, Int64Array, Int64Array> py_ipc_record_batches(
     const Bytes& file, size_t nodes_per_batch, size_t buffers_per_batch) {

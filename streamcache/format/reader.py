@@ -167,12 +167,17 @@ class ShardReader:
         except (pa.ArrowException, OSError) as exc:
             raise corrupt_shard_error(path, exc) from exc
         try:
-            located = self._located()
+            reader = self._open_reader()
+            located = None
+            if reader.num_record_batches > 1:  # located from the file's own bytes (ipc_chunks)
+                self._mmap.seek(0)
+                located = located_columns(self._mmap.read_buffer(), reader.schema,
+                                          list(self.schema))
             if located is not None:  # chunks located natively: no Arrow object per chunk
                 rows, self.__dict__["_columns"] = located
                 self._views = {}
             else:
-                batches = self._read_batches()
+                batches = self._read_batches(reader)
                 rows = [batch.num_rows for batch in batches]
                 self._views = self._field_views(batches)
             self.num_rows = sum(rows)
@@ -193,27 +198,21 @@ class ShardReader:
         """The file's rows as Arrow, zero-copy (for inspection)."""
         return ipc.open_file(self._mmap).read_all()
 
-    def _located(self) -> tuple[list[int], dict[str, _native.ColumnChunks]] | None:
-        """A file of several record batches read from its own bytes (:mod:`.ipc_chunks`)."""
+    def _open_reader(self) -> ipc.RecordBatchFileReader:
+        """The file's footer and schema, the file checked to be the copy it must be."""
         try:
-            reader = ipc.open_file(self._mmap)  # (the footer and the schema only)
-        except (pa.ArrowException, OSError, ValueError):
-            return None
+            reader = ipc.open_file(self._mmap)
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise corrupt_shard_error(self.path, exc) from exc
         if self._copy_of is not None:
             self._check_copy_of(reader.schema.metadata or {})
-        if reader.num_record_batches < 2:
-            return None
-        self._mmap.seek(0)
-        return located_columns(self._mmap.read_buffer(), reader.schema, list(self.schema))
+        return reader
 
-    def _read_batches(self) -> list[pa.RecordBatch]:
+    def _read_batches(self, reader: ipc.RecordBatchFileReader) -> list[pa.RecordBatch]:
         """The shard's record batches, each checked whole: offsets in order and inside their
         values, strings UTF-8 (this reads the offsets, 8 bytes a row, and str values), so no
         later read meets a contradiction."""
         try:
-            reader = ipc.open_file(self._mmap)
-            if self._copy_of is not None:
-                self._check_copy_of(reader.schema.metadata or {})
             table = reader.read_all()  # (every batch at once: a chunked shard has ~1,000)
             table.validate(full=True)
             # the names are decoded here, inside this check (a flipped bit may leave one that
