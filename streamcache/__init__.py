@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time these load laz
     )
     from .format.convert import convert
     from .format.index import DatasetIndex, build_index, load_index
-    from .format.reader import Ragged
+    from .format.ragged import Ragged
     from .format.schema import Field, Schema
     from .format.writer import ShardWriter, write_dataset
     from .goodput import GoodputError
@@ -82,7 +82,7 @@ _LAZY = {
     "DatasetIndex": "streamcache.format.index",
     "build_index": "streamcache.format.index",
     "load_index": "streamcache.format.index",
-    "Ragged": "streamcache.format.reader",
+    "Ragged": "streamcache.format.ragged",
     "Field": "streamcache.format.schema",
     "Schema": "streamcache.format.schema",
     "ShardWriter": "streamcache.format.writer",

@@ -108,7 +108,7 @@ def test_a_child_forked_while_the_pool_is_locked_can_take_buffers() -> None:
 def test_gather_into_takes_the_outputs_from_the_pool_given(tmp_path: Path) -> None:
     """What the loader's pin_memory path uses (a pool of page-locked buffers on CUDA): the
     gathered arrays are views of that pool's buffers, not copies."""
-    from streamcache.format.reader import gather_into
+    from streamcache.format.buffers import gather_into
 
     made: list[np.ndarray] = []
 

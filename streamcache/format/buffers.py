@@ -21,9 +21,11 @@ Thread safety: :meth:`BufferPool.take` may be called from any thread.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -125,3 +127,23 @@ def settle_allocator() -> None:
 
 #: The gather's pool (shared by every reader of the process).
 POOL = BufferPool()
+
+_OUTPUTS: contextvars.ContextVar[BufferPool] = contextvars.ContextVar(
+    "streamcache_gather_outputs", default=POOL)
+
+
+def output_pool() -> BufferPool:
+    """The pool the gather (and padding) on this thread takes its output buffers from."""
+    return _OUTPUTS.get()
+
+
+@contextlib.contextmanager
+def gather_into(pool: BufferPool) -> Iterator[None]:
+    """Inside the block, the gather (on this thread) takes its output buffers from ``pool``
+    (e.g. one of page-locked memory, so that the batch's tensors are pinned as they are
+    gathered, with no copy after)."""
+    token = _OUTPUTS.set(pool)
+    try:
+        yield
+    finally:
+        _OUTPUTS.reset(token)

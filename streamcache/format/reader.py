@@ -21,111 +21,12 @@ import pyarrow.ipc as ipc
 
 from .. import _native
 from ..errors import SchemaError, ShardCorruptError
-from .buffers import POOL, BufferPool, settle_allocator
+from .buffers import output_pool, settle_allocator
 from .columns import ColumnBuffers, chunk_buffers
 from .ipc_chunks import located_columns
 from .materialize import COPY_OF_KEY
+from .ragged import Ragged
 from .schema import Field, Schema
-
-
-class Ragged:
-    """A batch of variable-length rows: row i is ``values[offsets[i]:offsets[i+1]]``.
-
-    ``kind`` is the field kind: for ``str`` and ``bytes`` the values are UTF-8 / raw bytes.
-
-    A batch of a ``bytes`` field may also hold its rows as ``bytes`` objects
-    (:meth:`from_rows`, what the gather makes inside :func:`bytes_as_rows`): then indexing and
-    :meth:`tolist` hand out those objects as they are, and ``values``/``offsets`` are built
-    (one copy) only if asked for.
-
-    Thread safety: read-only after construction (building ``values`` from rows twice on two
-    threads gives equal arrays).
-    """
-
-    __slots__ = ("_offsets", "_rows", "_values", "kind")
-
-    def __init__(self, values: np.ndarray, offsets: np.ndarray, kind: str = "sequence") -> None:
-        self._values: np.ndarray | None = values
-        self._offsets: np.ndarray | None = offsets  # int64, len(self) + 1 entries
-        self._rows: list[bytes] | None = None
-        self.kind = kind
-
-    @classmethod
-    def from_rows(cls, rows: list[bytes]) -> Ragged:
-        """A ``bytes`` batch whose rows are these objects (kept, not copied)."""
-        ragged = cls.__new__(cls)
-        ragged._values = ragged._offsets = None
-        ragged._rows = rows
-        ragged.kind = "bytes"
-        return ragged
-
-    @property
-    def values(self) -> np.ndarray:
-        if self._values is None:
-            assert self._rows is not None
-            self._values = np.frombuffer(b"".join(self._rows), dtype=np.uint8)
-        return self._values
-
-    @property
-    def offsets(self) -> np.ndarray:
-        if self._offsets is None:
-            assert self._rows is not None
-            offsets = np.zeros(len(self._rows) + 1, dtype=np.int64)
-            np.cumsum([len(row) for row in self._rows], out=offsets[1:])
-            self._offsets = offsets
-        return self._offsets
-
-    def __len__(self) -> int:
-        return len(self._rows) if self._rows is not None else len(self.offsets) - 1
-
-    def __getitem__(self, i: int) -> Any:
-        if self._rows is not None:
-            return self._rows[i]
-        row = self.values[self.offsets[i]:self.offsets[i + 1]]
-        if self.kind == "bytes":
-            return row.tobytes()
-        if self.kind == "str":
-            return row.tobytes().decode("utf-8")
-        return row
-
-    def __iter__(self) -> Iterator[Any]:
-        if self._rows is not None:
-            return iter(self._rows)
-        return (self[i] for i in range(len(self)))
-
-    def tolist(self) -> list[Any]:
-        return list(self)
-
-    def __repr__(self) -> str:
-        return f"Ragged(rows={len(self)}, kind={self.kind!r})"
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    def to_padded(self, pad_value: Any = 0, max_length: int | None = None, *,
-                  share: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """``(padded [B, L], lengths [B])``; rows longer than ``max_length`` are cut.
-
-        ``share=True`` lets ``padded`` be a view of :attr:`values` where every row already has
-        length L (sequences packed to one length, the common case: no copy at all); otherwise
-        it is a new array (from the gather's buffer pool), filled by one copy per row.
-        """
-        offsets = self.offsets
-        values = self.values
-        lengths = np.diff(offsets)
-        width = int(lengths.max(initial=0)) if max_length is None else max_length
-        kept = np.minimum(lengths, width)
-        n = len(lengths)
-        if (share and n and values.ndim == 1 and offsets[0] == 0
-                and offsets[-1] == n * width and bool((lengths == width).all())):
-            return values[:n * width].reshape(n, width), kept
-        nbytes = n * width * values.dtype.itemsize
-        out = _OUTPUTS.get().take(nbytes).view(values.dtype).reshape(n, width)
-        _native.pad_rows(np.ascontiguousarray(values), np.ascontiguousarray(offsets,
-                                                                            dtype=np.int64),
-                         width, pad_value, out)
-        return out, kept
 
 
 class ShardReader:
@@ -333,21 +234,6 @@ def first_row(field: Field, value: Any) -> Any:
 
 _BYTES_AS_ROWS: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "streamcache_bytes_as_rows", default=False)
-_OUTPUTS: contextvars.ContextVar[BufferPool] = contextvars.ContextVar(
-    "streamcache_gather_outputs", default=POOL)
-
-
-@contextlib.contextmanager
-def gather_into(pool: BufferPool) -> Iterator[None]:
-    """Inside the block, :func:`gather` (on this thread) takes its output buffers from
-    ``pool`` (e.g. one of page-locked memory, so that the batch's tensors are pinned as they
-    are gathered, with no copy after)."""
-    token = _OUTPUTS.set(pool)
-    try:
-        yield
-    finally:
-        _OUTPUTS.reset(token)
-
 
 @contextlib.contextmanager
 def bytes_as_rows() -> Iterator[None]:
@@ -424,7 +310,7 @@ def gather(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray,
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     if any(shard._chunks is not None for shard in shards):
         which, rows = locate_in_chunks(shards, which, rows)
-    pool = _OUTPUTS.get()
+    pool = output_pool()
     out: dict[str, np.ndarray | Ragged] = {}
     for field in fields:
         columns = [shard.column_chunks(field.name) for shard in shards]

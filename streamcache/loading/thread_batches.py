@@ -14,7 +14,7 @@ from concurrent.futures import CancelledError
 from typing import Any
 
 from .. import _native
-from ..format.reader import gather_into
+from ..format.buffers import gather_into
 from ..plan import RankBatch
 from ..processes import usable_cores
 from .dataset import StreamDataset
