@@ -3,7 +3,8 @@ variable-width field, and what a batch hands out as values plus offsets or pads.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -79,6 +80,15 @@ class Ragged:
 
     def tolist(self) -> list[Any]:
         return list(self)
+
+    def split(self, bounds: Sequence[int]) -> list[Ragged]:
+        """The rows ``[bounds[k], bounds[k + 1])`` as one batch each: views of these values
+        (the offsets of each made to start at 0), or slices of the row objects."""
+        if self._rows is not None:
+            return [Ragged.from_rows(self._rows[a:b]) for a, b in itertools.pairwise(bounds)]
+        offsets = self.offsets
+        return [Ragged(self.values[offsets[a]:offsets[b]], offsets[a:b + 1] - offsets[a],
+                       self.kind) for a, b in itertools.pairwise(bounds)]
 
     def __repr__(self) -> str:
         return f"Ragged(rows={len(self)}, kind={self.kind!r})"

@@ -354,6 +354,13 @@ class StreamDataset(IterableDataset):
         return step_batch.read_arrays(self.options, self.tail, self._feed, self.reader, ref,
                                       part)
 
+    def read_steps(self, steps: Sequence[tuple[StepRef, RankBatch]],
+                   ) -> list[dict[str, Any]] | None:
+        """:meth:`read_step` of each of ``steps`` from one gather, or None where they must be
+        read one by one (:func:`~streamcache.loading.step_batch.read_steps_together`)."""
+        return step_batch.read_steps_together(self.options, self.tail, self._feed,
+                                              self.reader, steps)
+
     def finish_step(self, ref: StepRef, arrays: dict[str, Any]) -> Any:
         """Transform (if any) and convert one step's arrays to the batch the loop receives.
 

@@ -290,6 +290,21 @@ class DatasetReader(ColdReads):
         readers, rows = self.batch_readers(unique, which, rows, first=first)
         return gather(readers, which, rows, list(self.schema))
 
+    def read_warm(self, shards: np.ndarray, rows: np.ndarray,
+                  ) -> dict[str, np.ndarray | Ragged] | None:
+        """:meth:`read_located` where it is a plain gather from shards open already (no
+        step of a cold start left, nothing read by range); None otherwise, reading nothing
+        (the rows of several steps are read so at once: the cold-start rule counts steps)."""
+        if self.by_range is not None or self._cold_steps_left > 0:
+            return None
+        unique, which = batch_shards(shards)
+        self._drop_evicted()
+        with self._lock:
+            readers = self._readers
+            if not all(shard in readers for shard in unique.tolist()):
+                return None
+        return gather(self.shard_readers(unique.tolist()), which, rows, list(self.schema))
+
     def batch_readers(self, unique: np.ndarray, which: np.ndarray, rows: np.ndarray, *,
                       first: bool = False) -> tuple[list[ShardReader], np.ndarray]:
         """A reader for each shard ``unique[k]`` of a batch, and the rows to gather (row ``i``
