@@ -121,7 +121,8 @@ def split_samples(arrays: Mapping[str, Any], fields: Mapping[str, Field]) -> lis
 def apply_sample_transform(arrays: Mapping[str, Any], fields: Mapping[str, Field],
                            transform: Callable[[dict[str, Any]], Any],
                            collate: Callable[[list[Any]], Any] | None = None,
-                           seeder: GlobalRngSeeder | None = None) -> Any:
+                           seeder: GlobalRngSeeder | None = None,
+                           samples: list[dict[str, Any]] | None = None) -> Any:
     """Run ``transform`` on every sample (each with its ``__id__`` and ``__seed__``), collate.
 
     Each call runs with the global RNGs seeded from its sample's ``__seed__`` (the caller
@@ -132,12 +133,13 @@ def apply_sample_transform(arrays: Mapping[str, Any], fields: Mapping[str, Field
     dropped them, so every batch can be checked against the plan. ``collate`` None means
     torch's ``default_collate``, for which the transform must return dicts; a custom
     ``collate`` batches whatever the transform returns. ``seeder``: the batch's
-    :class:`GlobalRngSeeder`, if the caller has made one already.
+    :class:`GlobalRngSeeder`, if the caller has made one already. ``samples``: what
+    :func:`split_samples` gives of ``arrays``, where the caller made it already.
 
     Raises:
         TransformError: with the default collate, the transform returned no dict.
     """
-    samples = split_samples(arrays, fields)
+    samples = split_samples(arrays, fields) if samples is None else samples
     plan_seeds = np.asarray(arrays[SEED_KEY], dtype=np.uint64)
     seeds = global_rng_seeds(plan_seeds)
     seed_all = seeder or GlobalRngSeeder()

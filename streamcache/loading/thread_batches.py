@@ -153,7 +153,7 @@ class ThreadBatches:
         if arrays is None:
             return None
         if self.dataset.transformed:
-            batches: list[Any] = [_Arrays(ref, step)
+            batches: list[Any] = [_Arrays(ref, step, self.dataset.sample_dicts(step))
                                   for (ref, _), step in zip(steps, arrays, strict=True)]
         else:
             batches = [self.dataset.finish_step(ref, step)
@@ -172,7 +172,7 @@ class ThreadBatches:
             arrays = self.dataset.read_step(ref, part)
         if self.dataset.transformed:
             self._counters.read(time.perf_counter() - started)
-            return _Arrays(ref, arrays)
+            return _Arrays(ref, arrays, self.dataset.sample_dicts(arrays))
         batch = self.dataset.finish_step(ref, arrays)
         batch = pinned(batch) if self._pin else batch
         self._counters.read(time.perf_counter() - started)
@@ -187,7 +187,7 @@ class ThreadBatches:
         self._counters.took(ready, behind)
         if isinstance(result, _Arrays):
             started = time.perf_counter()
-            batch = self.dataset.finish_step(result.ref, result.arrays)
+            batch = self.dataset.finish_step(result.ref, result.arrays, result.samples)
             self._counters.transformed(time.perf_counter() - started)
             return pinned(batch) if self._pin else batch
         return result
@@ -242,13 +242,16 @@ def gather_width(readers: int) -> int:
 
 
 class _Arrays:
-    """A step's arrays, read ahead, to be transformed on the loop's thread."""
+    """A step's arrays, read ahead, to be transformed on the loop's thread (with a per-sample
+    transform, its samples already split on the reader thread)."""
 
-    __slots__ = ("arrays", "ref")
+    __slots__ = ("arrays", "ref", "samples")
 
-    def __init__(self, ref: StepRef, arrays: dict[str, Any]) -> None:
+    def __init__(self, ref: StepRef, arrays: dict[str, Any],
+                 samples: list[dict[str, Any]] | None) -> None:
         self.ref = ref
         self.arrays = arrays
+        self.samples = samples
 
 
 #: A reader thread reads up to this many bytes of its steps with one gather (rows of 1 KB,
