@@ -26,7 +26,9 @@ from .stats import StepCounters
 
 class _Producer:
     """One reader thread: the steps ``t % threads == index`` of a pass, in order, read (and
-    made into batches, without a transform) at most ``depth`` ahead of the loop."""
+    made into batches, without a transform) at most ``depth`` ahead of the loop, or a group
+    of small steps read with one gather (up to ``together`` steps, grown from 1 by doubling)
+    whenever fewer than ``depth`` are ready."""
 
     _END = object()
 
@@ -118,10 +120,11 @@ class ThreadBatches:
     """Steps of a schedule read by ``threads`` reader threads, each at most ``depth`` steps
     ahead of the loop, delivered in order (step ``t`` comes from thread ``t % threads``).
 
-    Each thread plans and reads its own steps: one hand-over per step, from the thread that
-    made the batch to the loop (a pool of per-step tasks cost two hand-overs, a future and a
-    task each, and ran the plan on the loop's thread: 1.3-1.9 times the CPU of reading the
-    steps inline, measured on 1 KB samples).
+    Each thread plans and reads its own steps and hands their batches to the loop (a pool of
+    per-step tasks cost two hand-overs, a future and a task each, and ran the plan on the
+    loop's thread: 1.3-1.9 times the CPU of reading the steps inline, measured on 1 KB
+    samples). Small steps are read a few at a time with one gather and handed over together
+    (:func:`steps_together`; docs/design.md).
     """
 
     def __init__(self, dataset: StreamDataset, schedule: Schedule, depth: int, threads: int,
