@@ -209,6 +209,13 @@ class DatasetReader(ColdReads):
 
     def shard_readers(self, shards: list[int]) -> list[ShardReader]:
         """:meth:`shard_reader` of each, with one eviction check and one lock for all."""
+        found = self._open_readers(shards)
+        return [reader if reader is not None else self.shard_reader(shard)
+                for shard, reader in zip(shards, found, strict=True)]
+
+    def _open_readers(self, shards: list[int]) -> list[ShardReader | None]:
+        """The readers of ``shards`` open now (None: not open), after one eviction check,
+        each marked as used last."""
         self._drop_evicted()
         with self._lock:
             readers = self._readers
@@ -216,8 +223,7 @@ class DatasetReader(ColdReads):
             for shard, reader in zip(shards, found, strict=True):
                 if reader is not None:
                     readers.move_to_end(shard)
-        return [reader if reader is not None else self.shard_reader(shard)
-                for shard, reader in zip(shards, found, strict=True)]
+        return found
 
     def shard_reader(self, shard: int) -> ShardReader:
         self._drop_evicted()
@@ -298,12 +304,11 @@ class DatasetReader(ColdReads):
         if self.by_range is not None or self._cold_steps_left > 0:
             return None
         unique, which = batch_shards(shards)
-        self._drop_evicted()
-        with self._lock:
-            readers = self._readers
-            if not all(shard in readers for shard in unique.tolist()):
-                return None
-        return gather(self.shard_readers(unique.tolist()), which, rows, list(self.schema))
+        found = self._open_readers(unique.tolist())
+        readers = [reader for reader in found if reader is not None]
+        if len(readers) < len(found):
+            return None
+        return gather(readers, which, rows, list(self.schema))
 
     def batch_readers(self, unique: np.ndarray, which: np.ndarray, rows: np.ndarray, *,
                       first: bool = False) -> tuple[list[ShardReader], np.ndarray]:
