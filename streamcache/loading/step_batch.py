@@ -47,8 +47,7 @@ def transformed(options: StreamOptions) -> bool:
 def read_arrays(options: StreamOptions, tail: TailPolicy, feed: ShardFeed | MixtureFeed,
                 reader: Reader, ref: StepRef, part: RankBatch) -> dict[str, Any]:
     """This rank's raw arrays of one step (no transform). Safe from any thread."""
-    with gathering(options.ragged, transform=options.transform is not None,
-                   batch_transform=options.batch_transform is not None):
+    with _gathering(options):
         arrays: dict[str, Any] = dict(reader.read_located(part.shards, part.rows,
                                                           first=part.step == 0))
     return _with_keys(options, tail, feed, ref, part, arrays)
@@ -69,8 +68,7 @@ def read_steps_together(options: StreamOptions, tail: TailPolicy,
         return None
     parts = [part for _, part in steps]
     bounds = np.cumsum([0] + [len(part.rows) for part in parts]).tolist()
-    with gathering(options.ragged, transform=options.transform is not None,
-                   batch_transform=options.batch_transform is not None):
+    with _gathering(options):
         arrays = read_warm(np.concatenate([part.shards for part in parts]),
                            np.concatenate([part.rows for part in parts]))
     if arrays is None:
@@ -81,6 +79,12 @@ def read_steps_together(options: StreamOptions, tail: TailPolicy,
     return [_with_keys(options, tail, feed, ref, part,
                        {name: pieces[k] for name, pieces in split.items()})
             for k, (ref, part) in enumerate(steps)]
+
+
+def _gathering(options: StreamOptions) -> contextlib.AbstractContextManager[None]:
+    """The form the options' batches gather ``bytes`` fields in (:func:`gathering`)."""
+    return gathering(options.ragged, transform=options.transform is not None,
+                     batch_transform=options.batch_transform is not None)
 
 
 def _with_keys(options: StreamOptions, tail: TailPolicy, feed: ShardFeed | MixtureFeed,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import itertools
 import os
 import threading
@@ -148,38 +149,35 @@ class ThreadBatches:
         """:meth:`work` of each of ``steps`` from one gather, or None where the reader
         cannot read them together (:meth:`StreamDataset.read_steps`)."""
         started = time.perf_counter()
-        if self._pin:
-            with gather_into(pinned_pool()):
-                arrays = self.dataset.read_steps(steps)
-        else:
+        with self._outputs():
             arrays = self.dataset.read_steps(steps)
         if arrays is None:
             return None
-        if self.dataset.transformed:
-            batches: list[Any] = [_Arrays(ref, step, self.dataset.sample_dicts(step))
-                                  for (ref, _), step in zip(steps, arrays, strict=True)]
-        else:
-            batches = [self.dataset.finish_step(ref, step)
-                       for (ref, _), step in zip(steps, arrays, strict=True)]
-            batches = [pinned(batch) for batch in batches] if self._pin else batches
+        batches = [self._made(ref, step) for (ref, _), step in zip(steps, arrays, strict=True)]
         self._counters.read(time.perf_counter() - started)
         return batches
 
     def work(self, ref: StepRef, part: RankBatch) -> Any:
         """One step's arrays (with a transform: finished on the loop's thread) or batch."""
         started = time.perf_counter()
-        if self._pin:  # gathered straight into page-locked buffers: pinned with no copy
-            with gather_into(pinned_pool()):
-                arrays = self.dataset.read_step(ref, part)
-        else:
+        with self._outputs():
             arrays = self.dataset.read_step(ref, part)
-        if self.dataset.transformed:
-            self._counters.read(time.perf_counter() - started)
-            return _Arrays(ref, arrays, self.dataset.sample_dicts(arrays))
-        batch = self.dataset.finish_step(ref, arrays)
-        batch = pinned(batch) if self._pin else batch
+        batch = self._made(ref, arrays)
         self._counters.read(time.perf_counter() - started)
         return batch
+
+    def _outputs(self) -> contextlib.AbstractContextManager[None]:
+        """Where a read gathers into: with ``pin``, page-locked buffers (pinned with no
+        copy); else the gather's own pool."""
+        return gather_into(pinned_pool()) if self._pin else contextlib.nullcontext()
+
+    def _made(self, ref: StepRef, arrays: dict[str, Any]) -> Any:
+        """A step's batch from its arrays; with a transform, its arrays and samples, finished
+        on the loop's thread."""
+        if self.dataset.transformed:
+            return _Arrays(ref, arrays, self.dataset.sample_dicts(arrays))
+        batch = self.dataset.finish_step(ref, arrays)
+        return pinned(batch) if self._pin else batch
 
     def __next__(self) -> Any:
         if self._closed:
