@@ -11,11 +11,13 @@
 // uint8 are truncated. streamcache/_native.py explains a refused array in words.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <array>
+#include <cstddef>
 #include <atomic>
 #include <condition_variable>
 #include <exception>
@@ -586,6 +588,36 @@ struct NumpyMtLayout {
   int pos;
 };
 
+// torch's CPUGeneratorImpl (aten/src/ATen/CPUGeneratorImpl.h) from its engine on: the
+// mt19937_data_pod of ATen/core/MT19937RNGEngine.h, then the cached normals (std::optional).
+struct TorchMtData {
+  uint64_t seed;
+  int32_t left;
+  bool seeded;
+  uint32_t next;
+  uint32_t state[kMtStateWords];
+};
+struct TorchEngineLayout {
+  TorchMtData data;
+  struct {
+    float value;
+    bool engaged;
+  } float_normal;
+  struct {
+    double value;
+    bool engaged;
+  } double_normal;
+};
+static_assert(sizeof(TorchMtData) == 2520 && offsetof(TorchEngineLayout, float_normal) == 2520 &&
+              offsetof(TorchEngineLayout, double_normal) == 2528);
+
+// numpy's legacy normal cache (aug_bitgen_t of numpy/random/src/legacy/legacy-distributions.h,
+// inside the RandomState object), from has_gauss on.
+struct NumpyGaussLayout {
+  int has_gauss;
+  double gauss;
+};
+
 // The bytes torch.Generator.get_state() returns for a CPU generator (CPUGeneratorImplState in
 // aten/src/ATen/CPUGeneratorImpl.cpp): a legacy 64-bit-per-word layout plus the float cache.
 constexpr size_t kTorchStateBytes = 5056;
@@ -621,6 +653,7 @@ class GlobalRngs {
   // last call wrote. Else (numpy was drawn from since, which may have left a cached normal
   // that only numpy's own seeding clears) writes nothing and returns false.
   bool seed(uint64_t seed, bool force_numpy) {
+    if (torch_engine_ != nullptr) return seed_direct(seed);
     if (!force_numpy && !(numpy_written_ && numpy_->pos == static_cast<int>(kMtStateWords) &&
                           std::memcmp(numpy_->key, numpy_words_.data(), sizeof numpy_->key) == 0)) {
       return false;
@@ -637,7 +670,82 @@ class GlobalRngs {
     return true;
   }
 
+  // Direct mode, from here on: torch's engine and numpy's normal cache are at these addresses
+  // (streamcache/loading/rng_layouts.py finds them and checks this mode against the libraries'
+  // public functions before using it). seed() then writes torch's generator itself and clears
+  // numpy's cache itself (always writing, always true), and save()/restore() work.
+  void attach(uintptr_t torch_engine, uintptr_t numpy_gauss) {
+    if (torch_engine == 0 || numpy_gauss == 0 || torch_engine % alignof(TorchEngineLayout) != 0 ||
+        numpy_gauss % alignof(NumpyGaussLayout) != 0) {
+      throw nb::value_error("attach needs the aligned addresses of torch's engine and numpy's "
+                            "normal cache");
+    }
+    torch_engine_ = reinterpret_cast<TorchEngineLayout*>(torch_engine);
+    numpy_gauss_ = reinterpret_cast<NumpyGaussLayout*>(numpy_gauss);
+  }
+
+  // Every generator's whole state (cached normals included), for restore(): one copy, where
+  // the libraries' get_state/set_state cost ~85 us a batch (numpy's alone ~70).
+  std::pair<nb::bytes, nb::object> save() const {
+    require_direct();
+    Saved saved;
+    const auto* random = reinterpret_cast<const PyRandomLayout*>(python_.ptr());
+    saved.python_index = random->index;
+    std::memcpy(saved.python_state, random->state, sizeof saved.python_state);
+    saved.numpy = *numpy_;
+    saved.numpy_gauss = *numpy_gauss_;
+    saved.torch = *torch_engine_;
+    return {nb::bytes(reinterpret_cast<const char*>(&saved), sizeof saved),
+            nb::getattr(python_, gauss_next_)};
+  }
+
+  void restore(nb::bytes state, nb::object gauss_next) {
+    require_direct();
+    if (state.size() != sizeof(Saved)) throw nb::value_error("not a state save() returned");
+    Saved saved;
+    std::memcpy(&saved, state.c_str(), sizeof saved);
+    auto* random = reinterpret_cast<PyRandomLayout*>(python_.ptr());
+    random->index = saved.python_index;
+    std::memcpy(random->state, saved.python_state, sizeof saved.python_state);
+    nb::setattr(python_, gauss_next_, gauss_next);
+    *numpy_ = saved.numpy;
+    *numpy_gauss_ = saved.numpy_gauss;
+    *torch_engine_ = saved.torch;
+  }
+
  private:
+  struct Saved {
+    int python_index;
+    uint32_t python_state[kMtStateWords];
+    NumpyMtLayout numpy;
+    NumpyGaussLayout numpy_gauss;
+    TorchEngineLayout torch;
+  };
+
+  void require_direct() const {
+    if (torch_engine_ == nullptr) throw std::logic_error("save/restore need attach() first");
+  }
+
+  bool seed_direct(uint64_t seed) {
+    auto* random = reinterpret_cast<PyRandomLayout*>(python_.ptr());
+    mt_state_words(seed, kStreamPython, random->state, kMtStateWords);
+    random->index = static_cast<int>(kMtStateWords);
+    nb::setattr(python_, gauss_next_, nb::none());
+    mt_state_words(seed, kStreamNumpy, numpy_->key, kMtStateWords);
+    numpy_->pos = static_cast<int>(kMtStateWords);
+    numpy_gauss_->has_gauss = 0;
+    numpy_gauss_->gauss = 0.0;  // as numpy's own seeding leaves it
+    TorchMtData& torch = torch_engine_->data;
+    torch.seed = seed;
+    torch.left = 1;  // as after manual_seed: the next draw twists
+    torch.seeded = true;
+    torch.next = 0;
+    mt_state_words(seed, kStreamTorch, torch.state, kMtStateWords);
+    torch_engine_->float_normal.engaged = false;
+    torch_engine_->double_normal.engaged = false;
+    return true;
+  }
+
   void write_torch_state(uint64_t seed) {
     uint8_t* out = torch_state_.data();
     const int32_t left = 1, seeded = 1;  // as after manual_seed: the next draw twists
@@ -660,6 +768,8 @@ class GlobalRngs {
   nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> torch_state_;
   std::array<uint32_t, kMtStateWords> numpy_words_{};
   bool numpy_written_ = false;
+  TorchEngineLayout* torch_engine_ = nullptr;  // direct mode (attach)
+  NumpyGaussLayout* numpy_gauss_ = nullptr;
 };
 
 void bind_global_rngs(nb::module_& m) {
@@ -669,9 +779,15 @@ void bind_global_rngs(nb::module_& m) {
                     nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(),
            nb::arg("python_random"), nb::arg("numpy_random_state"),
            nb::arg("torch_state").noconvert())
-      .def("seed", &GlobalRngs::seed, nb::arg("seed"), nb::arg("force_numpy"),
+      .def("seed", &GlobalRngs::seed, nb::arg("seed"), nb::arg("force_numpy") = true,
            "Set the generators to the states of seed (see csrc/bindings.cpp); False: numpy was "
-           "drawn from since the last call and force_numpy is false, nothing written.");
+           "drawn from since the last call and force_numpy is false, nothing written.")
+      .def("attach", &GlobalRngs::attach, nb::arg("torch_engine"), nb::arg("numpy_gauss"),
+           "Write torch's engine and numpy's normal cache at these addresses from now on "
+           "(checked by the caller); enables save/restore.")
+      .def("save", &GlobalRngs::save, "Every generator's state: (bytes, Python's gauss_next).")
+      .def("restore", &GlobalRngs::restore, nb::arg("state"), nb::arg("gauss_next").none(),
+           "Put back a state save() returned.");
 }
 
 // ---------------------------------------------------------------- test support

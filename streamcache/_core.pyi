@@ -160,10 +160,21 @@ class GlobalRngs:
 
     def __init__(self, python_random: object, numpy_random_state: object, torch_state: Annotated[NDArray[numpy.uint8], dict(shape=(None,), order='C', device='cpu')]) -> None: ...
 
-    def seed(self, seed: int, force_numpy: bool) -> bool:
+    def seed(self, seed: int, force_numpy: bool = True) -> bool:
         """
         Set the generators to the states of seed (see csrc/bindings.cpp); False: numpy was drawn from since the last call and force_numpy is false, nothing written.
         """
+
+    def attach(self, torch_engine: int, numpy_gauss: int) -> None:
+        """
+        Write torch's engine and numpy's normal cache at these addresses from now on (checked by the caller); enables save/restore.
+        """
+
+    def save(self) -> tuple[bytes, object]:
+        """Every generator's state: (bytes, Python's gauss_next)."""
+
+    def restore(self, state: bytes, gauss_next: object | None) -> None:
+        """Put back a state save() returned."""
 
 class Xxh64:
     """XXH64 of the concatenation of every buffer given to update()."""

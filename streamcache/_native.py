@@ -28,6 +28,7 @@ from ._native_backend import (
     CODE_IO,
     CODE_OUT_OF_RANGE,
     Backend,
+    DirectGlobalRngsImpl,
     GlobalRngsImpl,
     available_backends,
     backend_name,
@@ -339,6 +340,20 @@ def global_rngs(python_random: Any, numpy_random_state: Any,
     return _native_backend.active.GlobalRngs(python_random, numpy_random_state, torch_state)
 
 
+def direct_global_rngs(python_random: Any, numpy_random_state: Any, torch_state: np.ndarray,
+                       torch_engine: int, numpy_gauss: int) -> DirectGlobalRngsImpl:
+    """The native ``GlobalRngs`` in direct mode: it writes torch's engine and numpy's normal
+    cache at these addresses itself (the caller has found and checked them:
+    :mod:`streamcache.loading.rng_layouts`), and saves and restores every state."""
+    if backend_name() != "native":
+        raise TypeError("direct mode writes the generators' memory: the native backend only")
+    rngs: Any = _native_backend.active.GlobalRngs(python_random, numpy_random_state,
+                                                  torch_state)
+    rngs.attach(torch_engine, numpy_gauss)
+    direct: DirectGlobalRngsImpl = rngs
+    return direct
+
+
 def twin_global_rngs(python_random: Any, numpy_random_state: Any,
                      torch_state: np.ndarray) -> GlobalRngsImpl:
     """The twin's ``GlobalRngs`` (the reference the native one is checked against)."""
@@ -400,6 +415,7 @@ __all__ = [
     "available_backends",
     "backend_name",
     "check_ipc_offsets",
+    "direct_global_rngs",
     "gather_bytes",
     "gather_bytes_chunks",
     "gather_fixed",

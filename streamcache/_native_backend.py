@@ -42,7 +42,14 @@ class SchedulerImpl(Protocol):
 class GlobalRngsImpl(Protocol):
     """``_core.GlobalRngs`` and ``_twin.GlobalRngs``; see csrc/bindings.cpp."""
 
-    def seed(self, seed: int, force_numpy: bool) -> bool: ...
+    def seed(self, seed: int, force_numpy: bool = True) -> bool: ...
+
+
+class DirectGlobalRngsImpl(GlobalRngsImpl, Protocol):
+    """``_core.GlobalRngs`` after ``attach`` (direct mode; the twin has none)."""
+
+    def save(self) -> tuple[bytes, Any]: ...
+    def restore(self, state: bytes, gauss_next: Any) -> None: ...
 
 
 class Xxh64Impl(Protocol):

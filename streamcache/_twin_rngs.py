@@ -78,7 +78,7 @@ class GlobalRngs:
         self._numpy = numpy_random_state
         self._torch_state = torch_state
 
-    def seed(self, seed: int, force_numpy: bool) -> bool:
+    def seed(self, seed: int, force_numpy: bool = True) -> bool:
         """Set every generator to ``seed``'s state (numpy's through ``set_state``, which also
         clears its cached normal, so this twin never needs ``force_numpy``); returns True."""
         words = state_words(seed, STREAM_PYTHON)

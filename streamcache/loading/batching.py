@@ -23,7 +23,7 @@ from torch.utils.data import default_collate
 from ..errors import TransformError
 from ..format.reader import Ragged, bytes_as_rows
 from ..format.schema import Field
-from .seeding import GlobalRngSeeder, global_rng_seeds, seed_global_rngs
+from .seeding import GlobalRngSeeder, global_rng_seeds, process_seeder, seed_global_rngs
 
 ID_KEY = "__id__"
 SEED_KEY = "__seed__"
@@ -142,11 +142,12 @@ def apply_sample_transform(arrays: Mapping[str, Any], fields: Mapping[str, Field
     samples = split_samples(arrays, fields) if samples is None else samples
     plan_seeds = np.asarray(arrays[SEED_KEY], dtype=np.uint64)
     seeds = global_rng_seeds(plan_seeds)
-    seed_all = seeder or GlobalRngSeeder()
+    seed_all = seeder or process_seeder()
+    seed_one = seed_all.direct or seed_all  # (the native call itself, where it can)
     outputs = []
     seeds_returned = False
     for sample, seed in zip(samples, seeds, strict=True):
-        seed_all(seed)
+        seed_one(seed)
         output = transform(sample)
         if collate is None:
             if type(output) is not dict:

@@ -34,7 +34,7 @@ from .mixture_store import MixtureReader
 from .node_reader import NodeReader
 from .options import StreamOptions
 from .schedule import StepRef
-from .seeding import GlobalRngSeeder, preserved_global_rngs, step_seed
+from .seeding import GlobalRngSeeder, preserved_global_rngs, process_seeder, step_seed
 
 Reader = DatasetReader | NodeReader | MixtureReader
 
@@ -130,7 +130,7 @@ def finish(options: StreamOptions, fields: Mapping[str, Field], ref: StepRef,
         return tensors(options, fields, arrays)
     # In a worker process nothing else draws from its generators: nothing to put back.
     with preserved_global_rngs() if get_worker_info() is None else contextlib.nullcontext():
-        seeder = GlobalRngSeeder()
+        seeder = process_seeder()
         seeder(step_seed(options.seed, ref.epoch, ref.segment.step_span(ref.step)[0]))
         if options.transform is not None:
             if len(arrays[ID_KEY]) == 0:  # an empty part of a "split" tail
