@@ -1,7 +1,7 @@
 """A local dataset's first run beside its warm runs: StreamLoader vs a DataLoader over a memmap.
 
 Run:  python benchmarks/bench_first_run.py [--mb 1000] [--repeats 3] [--data tokens,blobs]
-                                           [--workers 0]
+                                           [--workers 0] [--transform]
 
 Data: bench_loader.py's (1 KB token rows, batch 256; 100 KB rows, batch 32), written by
 ShardWriter at the library's defaults (zstd, 64 MB shards, 64 KiB chunks) and the same rows
@@ -18,6 +18,9 @@ Cases, each in a fresh process, interleaved, ``--repeats`` times, shuffled, one 
   zstd-cold         the same over the zstd shards: a fresh cache folder, page cache dropped
                     (decoded into the cache as it reads)
   zstd-warm         the same cache folder again (installed copies), page cache warm
+--transform: every case runs bench_loader.py's light per-sample transform (the DataLoader's
+dataset calls it in __getitem__; StreamDataset(transform=...)), the cold beside the warm of the
+tf-* cases of bench_loader.py.
 Measured: construction, first batch after construction, samples/s over the whole first epoch
 (first batch included: what a user waits for), the bytes the cache folder gained, peak RSS.
 The page cache is dropped with /proc/sys/vm/drop_caches (root); where that is not allowed the
@@ -73,7 +76,16 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_loader import BATCH, DATA, SHAPES, MemmapDataset, build, peak_rss_mb  # noqa: E402
+from bench_loader import (  # noqa: E402
+    BATCH,
+    DATA,
+    SHAPES,
+    MemmapDataset,
+    _rows,
+    build,
+    light_transform,
+    peak_rss_mb,
+)
 
 # each warm case right after its cold one (a cold case drops the page cache: a warm case
 # after another cold one would read its files from disk again)
@@ -113,7 +125,8 @@ def folder_bytes(folder: str) -> int:
                for root, _, names in os.walk(folder) for name in names)
 
 
-def run_case(case: str, data: str, workers: int, cache: str) -> dict[str, Any]:
+def run_case(case: str, data: str, workers: int, cache: str,
+             transform: bool = False) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)  # as in bench_loader.py: a fair num_workers=0 baseline
@@ -121,21 +134,23 @@ def run_case(case: str, data: str, workers: int, cache: str) -> dict[str, Any]:
     started = time.perf_counter()
     if case.startswith("dataloader"):
         loader: Any = torch.utils.data.DataLoader(
-            MemmapDataset(os.path.join(DATA, f"{data}.npy")), batch_size=batch, shuffle=True,
+            MemmapDataset(os.path.join(DATA, f"{data}.npy"),
+                          light_transform if transform else None), batch_size=batch, shuffle=True,
             num_workers=workers, drop_last=True)
     else:
         from streamcache import StreamDataset, StreamLoader
 
         url = os.path.join(DATA, data if case.startswith("zstd") else f"{data}-raw")
         loader = StreamLoader(StreamDataset(url, batch_size=batch, rank=0, world_size=1,
-                                            seed=int(time.time()), cache_dir=cache),
+                                            seed=int(time.time()), cache_dir=cache,
+                                            transform=light_transform if transform else None),
                               num_workers=workers)
     before = folder_bytes(cache) if os.path.isdir(cache) else 0
     constructed = time.perf_counter()
     first_batch, samples = None, 0
     for out in loader:
         first_batch = first_batch or time.perf_counter() - constructed
-        samples += len(out["__id__"]) if isinstance(out, dict) and "__id__" in out else len(out)
+        samples += _rows(out)
     elapsed = time.perf_counter() - constructed
     close = getattr(loader, "close", None)
     if close is not None:
@@ -189,10 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--case")
     parser.add_argument("--cache")
+    parser.add_argument("--transform", action="store_true",
+                        help="run the light per-sample transform in every case")
     parser.add_argument("--out", default=os.path.join(HERE, "out", "bench_first_run.json"))
     args = parser.parse_args(argv)
     if args.case:
-        print(json.dumps(run_case(args.case, args.data, args.workers, args.cache)))
+        print(json.dumps(run_case(args.case, args.data, args.workers, args.cache,
+                                  args.transform)))
         return 0
     build(args.mb)
     datas = args.data.split(",")
@@ -209,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                 cache = os.path.join(FIRST_CACHE, case.split("-")[0])
                 result = subprocess.run(
                     [sys.executable, __file__, "--case", case, "--data", data, "--workers",
-                     str(args.workers), "--cache", cache],
+                     str(args.workers), "--cache", cache,
+                     *(["--transform"] if args.transform else [])],
                     capture_output=True, text=True, check=True)
                 runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
     shutil.rmtree(FIRST_CACHE, ignore_errors=True)

@@ -87,6 +87,10 @@ with the page cache, 2.0-2.8M here); a light per-sample transform 0.84x the Data
 offsets at w0 (not met: in a steady epoch both read at the one-copy bandwidth, ~250 us a
 step of 3.2 MB). The run of 2026-12-02 (before steps were read together): tokens 0.62x /
 0.52x of the gather, the transform at w0 0.67x, bytes 0.95x / 1.01x (256 MB).
+A later run the same day (10:01-10:04 UTC, ``--data tokens,images`` at 4b8584a, the seeder's
+direct mode; load 0.97 -> 1.54): the transform 1.13x the DataLoader at w0 (206,981 against
+183,843) and 1.38x at w2; bytes at w0 0.98x as lists (0.90-1.07 per repeat) and 1.12x as
+values + offsets; tokens 0.88x / 0.98x of the gather (RESULTS.md has the table).
 
 Earlier result (2026-11-30 20:38-20:45 UTC, the 2-core machine shared with four engineers'
 tests and benchmarks, load average 2-5, so a case's rate moves by up to 1.5x between runs;
