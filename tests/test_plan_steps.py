@@ -524,3 +524,25 @@ def test_batched_steps_equal_single_steps(
             shards, rows_in_shard = order.shard_of_ids(many.sample_ids)
             assert np.array_equal(many.shards, shards)
             assert np.array_equal(many.rows, rows_in_shard)
+
+
+def test_the_first_batch_of_a_pass_waits_for_its_own_ids_only() -> None:
+    """An epoch's (or a resume's) first batch resolves only its own positions; the rest of
+    the pass comes after it, an eighth of a pass first."""
+    order = EpochOrder([5000] * 4, 5, 0, ShuffleOptions(window=7))
+    segment = EpochSegment(20_000, 0, 32, 1, TailPolicy.DROP)
+    resolved: list[int] = []
+    resolve = order._resolve
+
+    def counting(positions: np.ndarray) -> np.ndarray:
+        resolved.append(int(positions.size))
+        return resolve(positions)
+
+    order._resolve = counting  # type: ignore[method-assign]
+    order._blocks._compute = counting
+    batches = segment.worker_batches(order, 0, 0, 1, positions_per_pass=32 * 64)
+    first = next(batches)
+    assert first.step == 0 and resolved == [32]
+    rest = list(batches)
+    assert resolved[:3] == [32, 32 * 8, 32 * 64]  # one step, an eighth of a pass, a pass
+    assert [b.step for b in rest] == list(range(1, segment.num_steps))
