@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "copy.h"
+#include "feistel.h"
 #include "gather.h"
 #include "ipc.h"
 #include "scheduler.h"
@@ -51,6 +52,7 @@ using MutAny = nb::ndarray<nb::c_contig, nb::device::cpu>;
 using MutBytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using MutUint64s = nb::ndarray<uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Uint64s = nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Uint32Matrix = nb::ndarray<const uint32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
 using StatusTuple = std::tuple<int, int64_t, std::string>;
 
@@ -465,6 +467,26 @@ std::tuple<int, int64_t, std::string, int64_t> py_group_shards(const Int64s& sha
   }
   size_t k = group_values(shards.data(), n, unique_out.data(), which_out.data());
   return {0, -1, std::string(), static_cast<int64_t>(k)};
+}
+
+// Releases the GIL only for long arrays: a batch's few hundred points take microseconds,
+// less than handing the GIL over and back.
+StatusTuple py_feistel_walk(const Int64s& points, const Uint64s& sizes, const Uint32Matrix& keys,
+                            int width, MutInt64s& out) {
+  const size_t n = points.size();
+  const size_t m = keys.shape(1);
+  if (out.size() != n || (sizes.size() != 1 && sizes.size() != n) || (m != 1 && m != n)) {
+    return to_tuple(Status::Error(
+        StatusCode::kInvalid, -1,
+        "out must hold one entry per point; sizes and keys' columns one per point or one"));
+  }
+  auto walk = [&] {
+    return feistel_walk(points.data(), n, sizes.data(), sizes.size() == n, keys.data(), m, m == n,
+                        static_cast<int>(keys.shape(0)), width, out.data());
+  };
+  if (n < 4096) return to_tuple(walk());
+  nb::gil_scoped_release release;
+  return to_tuple(walk());
 }
 
 // One Python bytes object per row, each filled by one copy from the shards. The objects are
@@ -952,6 +974,11 @@ NB_MODULE(_core, m) {
         nb::arg("values_bytes").noconvert(), nb::arg("elem_size"),
         "Each batch's int64 offsets checked in order and within its values (csrc/ipc.h); "
         "returns (code, item, message).");
+  m.def("feistel_walk", &py_feistel_walk, nb::arg("points").noconvert(),
+        nb::arg("sizes").noconvert(), nb::arg("keys").noconvert(), nb::arg("width"),
+        nb::arg("out").noconvert(),
+        "Keyed Feistel bijections of [0, size) with cycle-walking at points into out (see "
+        "csrc/feistel.h); keys: (rounds, 1 or n) uint32; returns (code, item, message).");
   m.def("group_shards", &py_group_shards, nb::arg("shards").noconvert(),
         nb::arg("unique_out").noconvert(), nb::arg("which_out").noconvert(),
         "The distinct shards of a batch in increasing order into unique_out, each row's "

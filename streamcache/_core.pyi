@@ -78,6 +78,11 @@ def check_ipc_offsets(file: Annotated[NDArray[numpy.uint8], dict(shape=(None,), 
     Each batch's int64 offsets checked in order and within its values (csrc/ipc.h); returns (code, item, message).
     """
 
+def feistel_walk(points: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], sizes: Annotated[NDArray[numpy.uint64], dict(shape=(None,), order='C', device='cpu', writable=False)], keys: Annotated[NDArray[numpy.uint32], dict(shape=(None, None), order='C', device='cpu', writable=False)], width: int, out: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')]) -> tuple[int, int, str]:
+    """
+    Keyed Feistel bijections of [0, size) with cycle-walking at points into out (see csrc/feistel.h); keys: (rounds, 1 or n) uint32; returns (code, item, message).
+    """
+
 def group_shards(shards: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], unique_out: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')], which_out: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu')]) -> tuple[int, int, str, int]:
     """
     The distinct shards of a batch in increasing order into unique_out, each row's position among them into which_out; returns (code, item, message, count).

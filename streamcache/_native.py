@@ -36,6 +36,7 @@ from ._native_backend import (
     refused,
     use,
 )
+from ._native_plan import feistel_walk
 from ._native_split import owner_nodes, paid_moves, release_moves
 from .errors import NativeError
 
@@ -416,6 +417,7 @@ __all__ = [
     "backend_name",
     "check_ipc_offsets",
     "direct_global_rngs",
+    "feistel_walk",
     "gather_bytes",
     "gather_bytes_chunks",
     "gather_fixed",

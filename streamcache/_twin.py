@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ._twin_bijection import feistel_walk as feistel_walk  # the Backend protocol's Feistel pass
 from ._twin_checks import (
     CORRUPT,
     INVALID,

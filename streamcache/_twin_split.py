@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._mix import counter_hash
 from ._twin_checks import INVALID, OK, Status, first_problem
 
 _I64, _U64 = np.dtype(np.int64), np.dtype(np.uint64)
@@ -73,8 +74,6 @@ def release_moves(nodes: np.ndarray, surplus: np.ndarray, at: np.ndarray, rows: 
                   count: int, priority_bits: int) -> Status:
     """The paid moves of the slots on nodes with a surplus, hashed by their chunk keys
     (csrc/split.h)."""
-    from .plan.bijection import counter_hash  # (plan imports the native core)
-
     refused = first_problem("release_moves", (
         ("nodes", nodes, _I64, True), ("surplus", surplus, _I64, False),
         ("at", at, _I64, False), ("rows", rows, _I64, False),
