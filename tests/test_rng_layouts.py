@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -26,12 +27,9 @@ SEEDS = [0, 1, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1, 0x1234_5678_9ABC_D
 
 
 @pytest.fixture(autouse=True)
-def _keep_the_global_generators() -> Any:
-    saved = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
-    yield
-    random.setstate(saved[0])
-    np.random.set_state(saved[1])
-    torch.random.set_rng_state(saved[2])
+def _keep_the_global_generators() -> Iterator[None]:
+    with rng_layouts.public_preserved():  # (through the public functions, not direct mode)
+        yield
 
 
 def _direct() -> Any:
