@@ -469,6 +469,20 @@ std::tuple<int, int64_t, std::string, int64_t> py_group_shards(const Int64s& sha
   return {0, -1, std::string(), static_cast<int64_t>(k)};
 }
 
+// Keeps the GIL (an exception to the rule): a batch's rows take a microsecond or two.
+StatusTuple py_locate_chunks(const Int64s& counts, const Int64s& fixed, const Int32s& which,
+                             const Int64s& rows, MutInt32s& flat_out, MutInt64s& local_out) {
+  const size_t n = which.size();
+  if (fixed.size() != counts.size() || rows.size() != n || flat_out.size() != n ||
+      local_out.size() != n) {
+    return to_tuple(Status::Error(
+        StatusCode::kInvalid, -1,
+        "fixed must hold one entry per shard; rows and both outputs one per batch item"));
+  }
+  return to_tuple(locate_chunks(counts.data(), fixed.data(), counts.size(), which.data(),
+                                rows.data(), n, flat_out.data(), local_out.data()));
+}
+
 // Releases the GIL only for long arrays: a batch's few hundred points take microseconds,
 // less than handing the GIL over and back.
 StatusTuple py_feistel_walk(const Int64s& points, const Uint64s& sizes, const Uint32Matrix& keys,
@@ -973,6 +987,11 @@ NB_MODULE(_core, m) {
         nb::arg("at").noconvert(), nb::arg("count").noconvert(),
         nb::arg("values_bytes").noconvert(), nb::arg("elem_size"),
         "Each batch's int64 offsets checked in order and within its values (csrc/ipc.h); "
+        "returns (code, item, message).");
+  m.def("locate_chunks", &py_locate_chunks, nb::arg("counts").noconvert(),
+        nb::arg("fixed").noconvert(), nb::arg("which").noconvert(), nb::arg("rows").noconvert(),
+        nb::arg("flat_out").noconvert(), nb::arg("local_out").noconvert(),
+        "Each row's chunk over a batch's shards and its row inside it (csrc/gather.h); "
         "returns (code, item, message).");
   m.def("feistel_walk", &py_feistel_walk, nb::arg("points").noconvert(),
         nb::arg("sizes").noconvert(), nb::arg("keys").noconvert(), nb::arg("width"),

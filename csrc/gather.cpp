@@ -6,6 +6,7 @@
 #include <limits>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "thread_pool.h"
 
@@ -144,6 +145,40 @@ Status check_shard(size_t i, int32_t shard, size_t n_sources) {
 }
 
 }  // namespace
+
+Status locate_chunks(const int64_t* counts, const int64_t* fixed, size_t s, const int32_t* which,
+                     const int64_t* rows, size_t n, int32_t* flat_out, int64_t* local_out) {
+  std::vector<int64_t> base(s);
+  int64_t total = 0;
+  for (size_t k = 0; k < s; ++k) {
+    if (counts[k] < 1 || fixed[k] < 1) {
+      return Status::Error(StatusCode::kInvalid, static_cast<int64_t>(k),
+                           "shard " + std::to_string(k) + " has " + std::to_string(counts[k]) +
+                               " chunks of " + std::to_string(fixed[k]) +
+                               " rows; both must be at least 1");
+    }
+    base[k] = total;
+    total += counts[k];
+    if (total > std::numeric_limits<int32_t>::max()) {
+      return Status::Error(StatusCode::kInvalid, static_cast<int64_t>(k),
+                           "more than 2**31 - 1 chunks in one batch's shards");
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    Status st = check_shard(i, which[i], s);
+    if (!st.ok()) return st;
+    const size_t k = static_cast<size_t>(which[i]);
+    const int64_t row = rows[i];
+    int64_t chunk = row >= 0 ? row / fixed[k] : 0;
+    if (chunk > counts[k] - 1) chunk = counts[k] - 1;
+    flat_out[i] = static_cast<int32_t>(base[k] + chunk);
+    // (wrapping, as numpy's int64 does: only a placeholder row count can be that large, and
+    // the caller replaces those rows' places)
+    local_out[i] = static_cast<int64_t>(static_cast<uint64_t>(row) -
+                                        static_cast<uint64_t>(chunk) * static_cast<uint64_t>(fixed[k]));
+  }
+  return Status::Ok();
+}
 
 void set_gather_threads(size_t threads) { t_gather_threads = threads; }
 size_t gather_threads() { return t_gather_threads; }

@@ -64,6 +64,15 @@ void set_gather_threads(size_t threads);
 size_t gather_threads();
 
 // out[i*stride : (i+1)*stride] = sources[which[i]][rows[i]*stride : ...]
+// Each row's record batch, numbered over a batch's shards one after another (shard k's chunk
+// j is sum(counts[:k]) + j), into flat_out, and its row inside that chunk into local_out:
+// shard k's chunks hold fixed[k] rows each (its last one fewer or as many). A row outside its
+// shard stays in the shard's first or last chunk, outside its rows (the gather refuses it).
+// Errors: a shard index outside [0, s), a count or row count below 1, more than 2**31 - 1
+// chunks in all.
+Status locate_chunks(const int64_t* counts, const int64_t* fixed, size_t s, const int32_t* which,
+                     const int64_t* rows, size_t n, int32_t* flat_out, int64_t* local_out);
+
 Status gather_fixed(const SpanList& sources, size_t stride, const int32_t* which,
                     const int64_t* rows, size_t n, uint8_t* out, size_t out_size);
 

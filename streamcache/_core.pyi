@@ -78,6 +78,11 @@ def check_ipc_offsets(file: Annotated[NDArray[numpy.uint8], dict(shape=(None,), 
     Each batch's int64 offsets checked in order and within its values (csrc/ipc.h); returns (code, item, message).
     """
 
+def locate_chunks(counts: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], fixed: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], which: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu', writable=False)], rows: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], flat_out: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu')], local_out: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')]) -> tuple[int, int, str]:
+    """
+    Each row's chunk over a batch's shards and its row inside it (csrc/gather.h); returns (code, item, message).
+    """
+
 def feistel_walk(points: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], sizes: Annotated[NDArray[numpy.uint64], dict(shape=(None,), order='C', device='cpu', writable=False)], keys: Annotated[NDArray[numpy.uint32], dict(shape=(None, None), order='C', device='cpu', writable=False)], width: int, out: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')]) -> tuple[int, int, str]:
     """
     Keyed Feistel bijections of [0, size) with cycle-walking at points into out (see csrc/feistel.h); keys: (rounds, 1 or n) uint32; returns (code, item, message).

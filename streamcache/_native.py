@@ -36,6 +36,7 @@ from ._native_backend import (
     refused,
     use,
 )
+from ._native_chunks import locate_chunks
 from ._native_plan import feistel_walk
 from ._native_split import owner_nodes, paid_moves, release_moves
 from .errors import NativeError
@@ -429,6 +430,7 @@ __all__ = [
     "global_rngs",
     "group_shards",
     "ipc_record_batches",
+    "locate_chunks",
     "owner_nodes",
     "paid_moves",
     "release_moves",

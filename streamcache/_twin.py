@@ -2,10 +2,8 @@
 
 It is the test oracle and the readable statement of what the native code must do. Select it
 with ``STREAMCACHE_NATIVE=0``. Functions return errors as values, exactly as the extension does:
-``(code, item, message)`` tuples, with the codes of ``csrc/status.h``.
-
-The argument checks are in ``streamcache._twin_checks``, the scheduler twin in
-``streamcache._twin_scheduler``, the split's paid moves in ``streamcache._twin_split``.
+``(code, item, message)`` tuples, with the codes of ``csrc/status.h``. The argument checks
+and the other kernels' twins are in the ``streamcache._twin_*`` modules imported below.
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ from ._twin_checks import (
     check_var_args,
     check_var_request,
 )
+from ._twin_chunks import locate_chunks as locate_chunks  # the Backend protocol's chunk lookup
 from ._twin_ipc import check_ipc_offsets, ipc_record_batches  # noqa: F401 (_twin_ipc.py)
 from ._twin_rngs import GlobalRngs as GlobalRngs  # the Backend protocol's GlobalRngs
 from ._twin_scheduler import Scheduler as Scheduler  # the Backend protocol's Scheduler
