@@ -167,6 +167,20 @@ class ShardReader:
                 [part.data for part in parts], offsets if offsets else None)
         return found
 
+    def uniform_chunks(self, name: str, elem_size: int) -> tuple[int, _native.ColumnChunks] | None:
+        """For a variable-width column whose rows all hold the same number ``L > 0`` of
+        elements: ``L`` and its values as fixed rows of ``L * elem_size`` bytes, one buffer
+        per record batch (what :func:`gather` reads with the fixed-width gather, without the
+        offsets pass); None otherwise. Checked once per shard and column (the offsets, once)."""
+        found = self.__dict__.setdefault("_uniform", {})
+        if name not in found:
+            parts = [self._buffers[name]] if name in self._buffers else \
+                (self._views or {}).get(name)
+            # (None for chunks located natively: their offsets stay in the native object)
+            found[name] = _uniform_rows(parts, elem_size) if parts else None
+        result: tuple[int, _native.ColumnChunks] | None = found[name]
+        return result
+
     def buffers(self, name: str) -> ColumnBuffers:
         """The column's views (a shard of one record batch; :func:`gather` reads a chunked
         one chunk by chunk)."""
@@ -185,6 +199,7 @@ class ShardReader:
         self._buffers.clear()
         self._chunks = self._views = None
         self.__dict__.pop("_columns", None)
+        self.__dict__.pop("_uniform", None)
         self._mmap.close()
 
     def __enter__(self) -> ShardReader:
@@ -192,6 +207,41 @@ class ShardReader:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _uniform_rows(parts: Sequence[ColumnBuffers], elem_size: int
+                  ) -> tuple[int, _native.ColumnChunks] | None:
+    """:meth:`ShardReader.uniform_chunks` of a column's parts."""
+    length = None
+    views = []
+    for part in parts:
+        offsets = part.offsets
+        if offsets is None or len(offsets) < 2:
+            return None
+        lengths = np.diff(offsets)
+        first = int(lengths[0])
+        if first <= 0 or (length is not None and first != length) or \
+                not (lengths == first).all():
+            return None
+        length = first
+        views.append(part.data[int(offsets[0]) * elem_size:int(offsets[-1]) * elem_size])
+    if length is None:
+        return None
+    return length, _native.ColumnChunks(views, None)
+
+
+def _uniform_batch(shards: Sequence[ShardReader], field: Field
+                   ) -> tuple[int, list[_native.ColumnChunks]] | None:
+    """The row length shared by every row of ``field`` in all of ``shards``, with their
+    columns as fixed rows (:meth:`ShardReader.uniform_chunks`); None where any differs."""
+    length, columns = None, []
+    for shard in shards:
+        found = shard.uniform_chunks(field.name, field.elem_size)
+        if found is None or (length is not None and found[0] != length):
+            return None
+        length = found[0]
+        columns.append(found[1])
+    return None if length is None else (length, columns)
 
 
 class ChunkTable:
@@ -317,8 +367,18 @@ def gather(shards: Sequence[ShardReader], which: np.ndarray, rows: np.ndarray,
             out[field.name] = Ragged.from_rows(_native.gather_bytes_chunks(columns, which,
                                                                            rows))
             continue
-        values, offsets = _native.gather_var_chunks(columns, field.elem_size, which, rows,
-                                                    pool.take)
+        uniform = _uniform_batch(shards, field)
+        if uniform is not None:
+            # every row of these shards has the same length (sequences written with the
+            # defaults): the fixed-width gather, without the offsets pass
+            length, fixed_columns = uniform
+            values = pool.take(len(rows) * length * field.elem_size)
+            _native.gather_fixed_chunks(fixed_columns, length * field.elem_size, which, rows,
+                                        values)
+            offsets = np.arange(0, (len(rows) + 1) * length, length, dtype=np.int64)
+        else:
+            values, offsets = _native.gather_var_chunks(columns, field.elem_size, which, rows,
+                                                        pool.take)
         dtype = field.numpy_dtype
         if field.kind == "sequence" and field.elem_size != dtype.itemsize:
             offsets //= dtype.itemsize  # stored as raw bytes: offsets counted bytes
