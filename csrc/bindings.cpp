@@ -694,10 +694,7 @@ class GlobalRngs {
                           std::memcmp(numpy_->key, numpy_words_.data(), sizeof numpy_->key) == 0)) {
       return false;
     }
-    auto* random = reinterpret_cast<PyRandomLayout*>(python_.ptr());
-    mt_state_words(seed, kStreamPython, random->state, kMtStateWords);
-    random->index = static_cast<int>(kMtStateWords);
-    nb::setattr(python_, gauss_next_, nb::none());
+    write_python(seed);
     mt_state_words(seed, kStreamNumpy, numpy_words_.data(), kMtStateWords);
     std::memcpy(numpy_->key, numpy_words_.data(), sizeof numpy_->key);
     numpy_->pos = static_cast<int>(kMtStateWords);
@@ -762,11 +759,16 @@ class GlobalRngs {
     if (torch_engine_ == nullptr) throw std::logic_error("save/restore need attach() first");
   }
 
-  bool seed_direct(uint64_t seed) {
+  // Python's generator to the state of `seed`, its cached gauss cleared (both modes).
+  void write_python(uint64_t seed) {
     auto* random = reinterpret_cast<PyRandomLayout*>(python_.ptr());
     mt_state_words(seed, kStreamPython, random->state, kMtStateWords);
     random->index = static_cast<int>(kMtStateWords);
     nb::setattr(python_, gauss_next_, nb::none());
+  }
+
+  bool seed_direct(uint64_t seed) {
+    write_python(seed);
     mt_state_words(seed, kStreamNumpy, numpy_->key, kMtStateWords);
     numpy_->pos = static_cast<int>(kMtStateWords);
     numpy_gauss_->has_gauss = 0;

@@ -31,9 +31,8 @@ import torch
 
 from .. import _native, _twin_rngs
 
-# The part of torch's engine this mode writes and saves: mt19937_data_pod (2520 bytes) and the
-# two cached normals (TorchEngineLayout in csrc/bindings.cpp).
-_TORCH_ENGINE_BYTES = 2544
+# Where torch's engine (TorchEngineLayout in csrc/bindings.cpp: mt19937_data_pod, then the
+# two cached normals) keeps its state words:
 _TORCH_WORDS_AT = 20  # the state words, after seed_, left_, seeded_ and next_
 _TORCH_SEARCH_BYTES = 512  # the engine starts this close to the generator's start (80 today)
 _CHECK_SEEDS = (0, 0x0123_4567_89AB_CDEF, (1 << 64) - 1)
@@ -52,18 +51,26 @@ def direct_addresses() -> tuple[int, int] | None:
     return _found[1]
 
 
+def public_save() -> tuple[Any, Any, torch.Tensor]:
+    """The global generators' states, through their public functions."""
+    return random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+
+
+def public_restore(saved: tuple[Any, Any, torch.Tensor]) -> None:
+    """Put back what :func:`public_save` returned."""
+    random.setstate(saved[0])
+    np.random.set_state(saved[1])
+    torch.random.set_rng_state(saved[2])
+
+
 @contextlib.contextmanager
 def public_preserved() -> Iterator[None]:
     """Put the global generators back as they were, through their public functions."""
-    py_state = random.getstate()
-    np_state = np.random.get_state()
-    torch_state = torch.random.get_rng_state()
+    saved = public_save()
     try:
         yield
     finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-        torch.random.set_rng_state(torch_state)
+        public_restore(saved)
 
 
 def _find_and_check() -> tuple[int, int] | None:

@@ -39,7 +39,14 @@ import torch
 from .. import _native
 from .._native_backend import DirectGlobalRngsImpl
 from ..plan.bijection import derive_key, derive_keys
-from .rng_layouts import direct_addresses, global_states, public_preserved, same_states
+from .rng_layouts import (
+    direct_addresses,
+    global_states,
+    public_preserved,
+    public_restore,
+    public_save,
+    same_states,
+)
 
 _STEP_SEED_TAG = 0x5354_4550  # distinguishes step seeds from every other derived key
 # The global RNGs of a sample are seeded from its __seed__ folded with this key, so that they
@@ -114,17 +121,13 @@ class GlobalRngSeeder:
 
     def save(self) -> Any:
         """The global generators' states, for :meth:`restore`."""
-        if self._direct is not None:
-            return self._direct.save()
-        return random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+        return self._direct.save() if self._direct is not None else public_save()
 
     def restore(self, saved: Any) -> None:
         if self._direct is not None:
             self._direct.restore(*saved)
-            return
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-        torch.random.set_rng_state(saved[2])
+        else:
+            public_restore(saved)
 
 
 _seeder: tuple[tuple[int, str], GlobalRngSeeder] | None = None
