@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +175,35 @@ def test_a_mixture_and_a_cold_start_read_their_steps_alone(url: str, tmp_path: P
     arrays = reader.read_warm(np.array([0, 1]), np.array([3, 0]))
     assert arrays is not None and arrays["x"].tolist() == [3, 37]
     dataset.close()
+
+
+def test_a_thread_reads_its_next_group_while_the_loop_takes_the_last(
+        url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader thread reads its next group before the loop has taken all of the last one
+    (else the cores sit idle while the loop takes a group), and never holds more than two
+    groups' batches."""
+    monkeypatch.setattr(thread_batches, "MAX_TOGETHER", 4)
+    waiting: list[int] = []  # batches a thread held when it started a read of several steps
+    original = dataset_reader.DatasetReader.read_warm
+
+    def read_warm(reader: Any, shards: np.ndarray, rows: np.ndarray) -> Any:
+        waiting.extend(len(p._ready) for batches in list(thread_batches._running)
+                       for p in batches._producers if p._thread is threading.current_thread())
+        return original(reader, shards, rows)
+
+    monkeypatch.setattr(dataset_reader.DatasetReader, "read_warm", read_warm)
+    dataset = StreamDataset(url, rank=0, world_size=1, cache_dir=str(tmp_path / "cache"),
+                            seed=11, global_batch_size=2)
+    held = []
+    with StreamLoader(dataset, threads=1, prefetch=1) as loader:
+        for _ in range(2):
+            for batch in loader:
+                time.sleep(0.002)  # a slow loop: the thread is ahead of it
+                held.extend(len(p._ready) for batches in list(thread_batches._running)
+                            for p in batches._producers)
+                assert len(batch["__id__"]) == 2
+    assert waiting and max(waiting) >= 1, waiting  # a read started while batches waited
+    assert max(held) <= 2 * 4 - 1, held  # at most two groups (one of them being taken)
 
 
 @pytest.mark.parametrize("row_bytes, batch, expected", [
