@@ -384,7 +384,33 @@ Status pad_rows(const uint8_t* values, size_t values_size, size_t elem_size,
 }
 
 size_t group_values(const int64_t* values, size_t n, int64_t* unique_out, int32_t* which) {
-  // A batch reads a few shards: collect them with a linear scan while they are few, else sort.
+  if (n == 0) return 0;
+  // A batch's shards usually lie in a narrow range of numbers (a window's shards): then a
+  // table over the range numbers them in two passes (a few ns a row; the scan below cost
+  // ~20 ns a row for 16 shards and 2,048 rows).
+  int64_t lo = values[0], hi = values[0];
+  for (size_t i = 1; i < n; ++i) {
+    lo = std::min(lo, values[i]);
+    hi = std::max(hi, values[i]);
+  }
+  const uint64_t span = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo);  // no overflow
+  const auto at = [lo](int64_t value) {
+    return static_cast<uint64_t>(value) - static_cast<uint64_t>(lo);
+  };
+  if (n >= 64 && span < 4 * static_cast<uint64_t>(n)) {
+    std::vector<int32_t> slot(span + 1, -1);
+    for (size_t i = 0; i < n; ++i) slot[at(values[i])] = 0;
+    size_t k = 0;
+    for (uint64_t v = 0; v <= span; ++v) {
+      if (slot[v] == 0) {
+        slot[v] = static_cast<int32_t>(k);
+        unique_out[k++] = static_cast<int64_t>(static_cast<uint64_t>(lo) + v);
+      }
+    }
+    for (size_t i = 0; i < n; ++i) which[i] = slot[at(values[i])];
+    return k;
+  }
+  // Else collect them with a linear scan while they are few, else sort.
   constexpr size_t kFew = 16;
   size_t k = 0;
   for (size_t i = 0; i < n && k <= kFew; ++i) {

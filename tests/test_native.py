@@ -322,10 +322,23 @@ def test_streaming_xxh64_over_pieces_is_the_xxh64_of_the_whole(backend: str) -> 
                                        xxhash.xxh64_intdigest(data))
 
 
-@given(shards=st.lists(st.integers(-3, 2**40), max_size=300), few=st.booleans())
-@settings(max_examples=60, deadline=None)
-def test_group_shards_is_numpy_unique_with_inverse(shards: list[int], few: bool) -> None:
-    values = np.array([s % 7 for s in shards] if few else shards, dtype=np.int64)
+@given(shards=st.lists(st.integers(-2**63, 2**63 - 1), max_size=300),
+       copies=st.integers(1, 40),
+       spread=st.sampled_from(["any", "few", "dense", "dense-negative"]))
+@settings(max_examples=80, deadline=None)
+def test_group_shards_is_numpy_unique_with_inverse(shards: list[int], copies: int,
+                                                   spread: str) -> None:
+    """Any shard numbers; a few distinct ones; many in a narrow range (the table path, at
+    64 rows or more), near the ends of int64 too; each drawn row ``copies`` times, spread
+    over the batch."""
+    shards = [s for k in range(copies) for s in shards[k % 3:] + shards[:k % 3]]
+    if spread == "few":
+        shards = [s % 7 for s in shards]
+    elif spread == "dense":
+        shards = [2**63 - 1 - s % (2 * len(shards) + 1) for s in shards]
+    elif spread == "dense-negative":
+        shards = [-2**63 + s % (3 * len(shards) + 1) for s in shards]
+    values = np.array(shards, dtype=np.int64)
     want_unique, want_which = np.unique(values, return_inverse=True)
     for name in _native.available_backends():
         with _native.use(name):
