@@ -107,11 +107,14 @@ def split_samples(arrays: Mapping[str, Any], fields: Mapping[str, Field]) -> lis
         if isinstance(column, np.ndarray):
             # tolist(): the Python scalars that item() gives; list(): the rows as array views
             values = column.tolist() if scalar and column.ndim == 1 else list(column)
+        elif type(column) is list:  # Python values already (the seeds' tolist())
+            values = column
         else:
             values = [value.item() if scalar and isinstance(value, np.generic) else value
                       for value in column]
         if samples is None:
-            samples = [{} for _ in values]
+            samples = [{name: value} for value in values]
+            continue
         # column by column: a third of the time of one dict(zip(...)) per sample
         for sample, value in zip(samples, values, strict=True):
             sample[name] = value
