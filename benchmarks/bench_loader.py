@@ -33,131 +33,51 @@ Rates are steady state (first batch to end of epoch); "1st batch s" includes imp
 streamcache (0.5-0.7 s of it here). "vs DL-w0": ratio to the DataLoader w0 of the same data
 (and transform); "vs limit": to gather-limit of the same data; both from this run.
 
-Last result (2026-12-07 10:48-10:56 UTC, ``--mb 1000 --repeats 3`` at 3a18bf0, nothing else
-running, load average 0.59 before, 1.36 after: the benchmark's own processes; medians; the
-full rows in benchmarks/out/bench_loader.json):
+Last result (2026-12-07 12:43-12:51 UTC, ``--mb 1000 --repeats 3`` at a9e63c8, nothing else
+running, load average 1.04 before, 1.22 after: the benchmark's own processes; medians; the
+page-cache gather's rate fell within the run (tokens 3.36M, 2.59M, 2.03M by repeat), and
+sequences' gather read 0.95-2.37M; benchmarks/RESULTS.md has the runs beside it):
 
   data    case                       samples/s vs DL-w0 vs DL-wN vs limit 1st batch s  RSS MB
-  tokens  gather-limit               3,069,142    10.06   10.06     1.00      0.0380    1188
-  tokens  dataloader-w0                305,051     1.00    1.00     0.10      0.0517    1227
-  tokens  streamcache-w0             2,352,204     7.71    7.71     0.77      0.3638    1254
-  tokens  dataloader-w2                169,268     0.55    1.00     0.06      0.0653    1397
-  tokens  streamcache-w2             2,609,446     8.55   15.42     0.85      0.3638    1254
-  tokens  resume-0                       9,326     0.03    0.03     0.00      0.0254     311
-  tokens  resume-90                     16,332     0.05    0.05     0.01      0.0138     310
-  tokens  tf-dataloader-w0             176,074     1.00    1.00     0.06      0.0517    1229
-  tokens  tf-streamcache-w0            187,755     1.07    1.07     0.06      0.3652    1263
-  tokens  tf-dataloader-w2             142,577     0.81    1.00     0.05      0.0667    1399
-  tokens  tf-streamcache-w2            192,004     1.09    1.35     0.06      0.4184    1441
-  tokens  open                    import 0.376 s, construct 0.0021 s, first batch 0.0201 s
-  blobs   gather-limit                  69,445     3.50    3.50     1.00      0.0257    1187
-  blobs   dataloader-w0                 19,824     1.00    1.00     0.29      0.0075    1194
-  blobs   streamcache-w0               110,616     5.58    5.58     1.59      0.4977    1247
-  blobs   dataloader-w2                 10,446     0.53    1.00     0.15      0.0409    1322
-  blobs   streamcache-w2                93,798     4.73    8.98     1.35      0.4199    1247
-  blobs   resume-0                         383     0.02    0.02     0.01      0.0583     868
-  blobs   resume-90                        364     0.02    0.02     0.01      0.0631     911
-  images  gather-limit                  76,537     0.86    0.86     1.00      0.0342    1184
-  images  dataloader-w0                 89,312     1.00    1.00     1.17      0.0055    1188
-  images  streamcache-w0               103,718     1.16    1.16     1.36      0.4853    1251
-  images  streamcache-offsets-w0        90,427     1.01    1.01     1.18      0.4243    1251
-  images  dataloader-w2                  7,797     0.09    1.00     0.10      0.0520    1067
-  images  streamcache-w2               100,115     1.12   12.84     1.31      0.4175    1251
-  seqs    gather-limit               2,289,807    13.54   13.54     1.00      0.0769    1188
-  seqs    dataloader-w0                169,162     1.00    1.00     0.07      0.1662    1236
-  seqs    streamcache-w0             1,085,277     6.42    6.42     0.47      0.4104    1260
-  seqs    streamcache-offsets-w0     1,708,065    10.10   10.10     0.75      0.4082    1260
-  seqs    streamcache-w2             1,695,955    10.03     nan     0.74      0.3742    1259
-  varseqs gather-limit                 797,031     4.79    4.79     1.00      0.1091    1195
-  varseqs dataloader-w0                166,435     1.00    1.00     0.21      0.0592    1238
-  varseqs streamcache-w0             1,052,643     6.32    6.32     1.32      0.3598    1264
-  varseqs streamcache-offsets-w0     2,044,747    12.29   12.29     2.57      0.3878    1260
-  varseqs streamcache-w2             1,250,188     7.51     nan     1.57      0.3622    1265
-  jpegs   dataloader-w0                    483     1.00    1.00      nan      0.1868     339
-  jpegs   streamcache-w0                   488     1.01    1.01      nan      0.4804     401
-  jpegs   dataloader-w2                    813     1.68    1.00      nan      0.2666     493
-  jpegs   streamcache-w2                   876     1.81    1.08      nan      0.5106     602
-
-Against issue 37's goals: a light per-sample transform 1.07x the DataLoader at w0 and 1.35x
-at w2 (met; 0.84x / 1.33x in the 08:19 run at 7e8a387, before the seeder's direct mode);
-80-120 KB bytes at w0 1.16x as lists of bytes and 1.01x as values + offsets (met in this
-run; 0.92x / 0.95x at 08:19); 1 KB tokens 0.77x (w0) / 0.85x (w2) of the page-cache gather (met),
-sequences written with the defaults 0.47x padded, 0.75x as values + offsets and 0.74x w2:
-the padded case not met in this run, where its own rate (0.97-1.15M) was well under what the
-same commit gave alone minutes later (1.58-1.93M, fce7f20: 1.49-1.51M); a rerun of the seqs
-cases (10:56-10:57, ``--data seqs``) gave padded 1.63M, offsets 1.72M, w2 1.43M against a
-limit of 2.32-3.36M: 0.59x / 0.63x / 0.52x. The limit's own rate moved from 1.8M (08:19)
-to 2.3-3.4M for seqs and from 2.0-2.8M to 2.9-4.3M for tokens within hours, while
-streamcache's moved less: the "vs limit" goal is decided by the machine's state as much as by
-the code here. The run of 2026-12-02 (before steps were read together): tokens 0.62x /
-0.52x of the gather, the transform at w0 0.67x, bytes 0.95x / 1.01x (256 MB).
-
-Earlier result (2026-11-30 20:38-20:45 UTC, the 2-core machine shared with four engineers'
-tests and benchmarks, load average 2-5, so a case's rate moves by up to 1.5x between runs;
-`--repeats 3`, run with --python pointing at a snapshot of commit e7d2e86, as the shared
-tree was being edited; medians):
-
-  data    case                       samples/s     MB/s vs DL-w0 vs limit 1st batch s
-  tokens  gather-limit                 948,731      972     6.26     1.00      0.0228
-  tokens  dataloader-w0                151,543      155     1.00     0.16      0.0192
-  tokens  streamcache-w0               437,381      448     2.89     0.46      0.5101
-  tokens  dataloader-w2                 58,917       60     0.39     0.06      0.1486
-  tokens  streamcache-w2               391,923      401     2.59     0.41      0.6024
-  tokens  tf-dataloader-w0              68,100       70     1.00     0.07      0.0343
-  tokens  tf-streamcache-w0             31,258       32     0.46     0.03      0.5165
-  tokens  tf-dataloader-w2              38,450       39     0.56     0.04      0.1704
-  tokens  tf-streamcache-w2             27,322       28     0.40     0.03      0.7727
-  tokens  open       import 0.513 s, construct 0.0059 s, first batch 0.0297 s
-  blobs   gather-limit                  20,265    2,027     1.16     1.00      0.0239
-  blobs   dataloader-w0                 17,532    1,753     1.00     0.87      0.0152
-  blobs   streamcache-w0                19,453    1,945     1.11     0.96      0.5195
-  blobs   streamcache-w2                24,204    2,420     1.38     1.19      0.4593
-  images  gather-limit                  28,966    2,897     0.89     1.00      0.0163
-  images  dataloader-w0                 32,540    3,254     1.00     1.12      0.0074
-  images  streamcache-w0                19,184    1,918     0.59     0.66      0.5130
-  images  streamcache-offsets-w0        25,333    2,533     0.78     0.87      0.5313
-  images  streamcache-w2                22,363    2,236     0.69     0.77      0.4981
-
-(DataLoader w2 rows: tokens above, blobs 5,086/s, images 4,450/s; resume-0 / -90 first
-batch 0.021 / 0.029 s for tokens, 0.024 / 0.029 s for blobs; peak RSS 470-720 MB.) The run
-before it (20:23-20:35, load 5-8) gave the same picture: images 0.60x / 0.77x (offsets),
-blobs 1.65x, tokens w0 3.5x the DataLoader.
-
-Reading it:
-- streamcache-w0 and -w2 without a transform run the same code (two native reader threads),
-  so their gap is this machine's noise. The epochs of blobs and images are 79 steps long
-  (about 0.1 s): background work right after the first batch weighs on them.
-- 100 KB: a fixed-size 100 KB tensor reaches the DataLoader and the page-cache limit (1.1x /
-  0.96x); variable-size bytes reach 0.59x (lists of bytes) and 0.78x (values + offsets) of a
-  DataLoader that is itself at the page-cache limit here. Per step, measured with getrusage
-  over a whole epoch in one process, streamcache and the DataLoader spend about the same CPU
-  time (0.9-1.3 ms per 32 images) and the page faults are at the shard's own 60-120 per step;
-  what is left is scheduling of streamcache's threads on two loaded cores.
-- Before/after (01f3ee2 vs e7d2e86, each case alternating which goes first, 4 repeats,
-  medians, 20:46-20:51; ab_loader.py's method with these cases): images (lists of bytes)
-  1.44x, images offsets 1.73x, blobs 1.24x, tokens 1.04x, tokens with a transform 1.08x;
-  the DataLoader rows, which run no streamcache code, moved 1.05x and 0.76x: that is the
-  noise. A 3-repeat run before it: 1.70x, 1.04x, 1.40x, 0.87x, 1.15x. What changed: the
-  gather's outputs are pooled (a fresh 3.2 MB output was about 250 page faults and as much
-  CPU as the copy, every step), a bytes field handed out as bytes is copied once, into its
-  bytes objects, and a transform's per-sample seeding calls the C seeding functions directly.
-- 1 KB: 0.46x of the page-cache gather, 2.9x the DataLoader; the goals (1.5M/s, 4x) are not
-  met. Per step of 256 (one thread, warm pages): the plan's next step 36 us, the reader's
-  Python around the gather (np.unique of the shards 18 us, shard lookups, dicts) about 45 us,
-  the gather itself 110-150 us on pages not yet in the CPU cache, tensors 3 us, then the
-  loader's hand-off between threads. One native call per step needs the plan's step
-  (plan/steps.py) and the reader's shard lookup (loading/dataset_reader.py) to move with it.
-- A light transform: 0.46x of the DataLoader with w0 and 0.40x with w2 processes (goal: w2
-  >= 2x the DataLoader w2: not met). Per sample, seeding the three global RNGs costs 7.9 us
-  (the contract of docs/design.md; a DataLoader seeds none), the transform and collate the
-  rest. Moving a batch from a worker costs about 0.5 ms per tensor (shared-memory file and
-  descriptor; torch's default_collate in a worker already stacks into shared memory, nothing
-  is pickled by value), small beside 256 samples of transform. On this machine two processes
-  do not beat one even for the DataLoader (0.56x).
-- Fresh open (torch imported): construction 6 ms and first batch 30 ms (target 50 ms: met);
-  importing streamcache takes 0.5-0.7 s, of which fsspec about 130 ms and pyarrow.compute
-  80-180 ms (imported at module level by format/columns.py, shard_paths.py, shard_table.py).
-- Pinned memory (pin_memory=True) and host-to-device copies need a GPU: not measured here.
+  tokens  gather-limit               2,590,204     8.69    8.69     1.00      0.0833    1188
+  tokens  dataloader-w0                297,964     1.00    1.00     0.12      0.0564    1227
+  tokens  streamcache-w0             2,352,368     7.89    7.89     0.91      0.3886    1258
+  tokens  dataloader-w2                165,607     0.56    1.00     0.06      0.0668    1397
+  tokens  streamcache-w2             2,311,894     7.76   13.96     0.89      0.3663    1256
+  tokens  resume-0                       6,992     0.02    0.02     0.00      0.0287     403
+  tokens  resume-90                      8,392     0.03    0.03     0.00      0.0191     365
+  tokens  tf-dataloader-w0             177,619     1.00    1.00     0.07      0.0541    1229
+  tokens  tf-streamcache-w0            167,863     0.95    0.95     0.06      0.4172    1267
+  tokens  tf-dataloader-w2             129,348     0.73    1.00     0.05      0.0711    1399
+  tokens  tf-streamcache-w2            163,907     0.92    1.27     0.06      0.4210    1441
+  tokens  open                    import 0.344 s, construct 0.0023 s, first batch 0.0250 s
+  blobs   gather-limit                  61,843     3.18    3.18     1.00      0.0214    1187
+  blobs   dataloader-w0                 19,455     1.00    1.00     0.31      0.0087    1194
+  blobs   streamcache-w0               105,459     5.42    5.42     1.71      0.5084    1247
+  blobs   dataloader-w2                  9,727     0.50    1.00     0.16      0.0492    1327
+  blobs   streamcache-w2               100,856     5.18   10.37     1.63      0.4210    1247
+  blobs   resume-0                         404     0.02    0.02     0.01      0.0600     868
+  blobs   resume-90                        338     0.02    0.02     0.01      0.0729     911
+  images  gather-limit                 100,739     0.91    0.91     1.00      0.0215    1184
+  images  dataloader-w0                110,515     1.00    1.00     1.10      0.0061    1188
+  images  streamcache-w0               111,920     1.01    1.01     1.11      0.5207    1251
+  images  streamcache-offsets-w0       114,260     1.03    1.03     1.13      0.4295    1252
+  images  dataloader-w2                  7,507     0.07    1.00     0.07      0.0489    1304
+  images  streamcache-w2                84,248     0.76   11.22     0.84      0.4586    1251
+  seqs    gather-limit               1,189,211     7.19    7.19     1.00      0.1574    1188
+  seqs    dataloader-w0                165,389     1.00    1.00     0.14      0.0780    1236
+  seqs    streamcache-w0             1,796,712    10.86   10.86     1.51      0.4320    1261
+  seqs    streamcache-offsets-w0     2,893,778    17.50   17.50     2.43      0.4126    1263
+  seqs    streamcache-w2             2,215,014    13.39     nan     1.86      0.3718    1264
+  varseqs gather-limit                 726,756     4.67    4.67     1.00      0.1559    1195
+  varseqs dataloader-w0                155,626     1.00    1.00     0.21      0.0593    1238
+  varseqs streamcache-w0               959,868     6.17    6.17     1.32      0.4404    1273
+  varseqs streamcache-offsets-w0     1,580,170    10.15   10.15     2.17      0.3895    1266
+  varseqs streamcache-w2             1,415,806     9.10     nan     1.95      0.4102    1279
+  jpegs   dataloader-w0                    471     1.00    1.00      nan      0.1968     339
+  jpegs   streamcache-w0                   487     1.03    1.03      nan      0.4846     401
+  jpegs   dataloader-w2                    815     1.73    1.00      nan      0.2381     490
+  jpegs   streamcache-w2                   869     1.85    1.07      nan      0.5763     601
 """
 
 from __future__ import annotations
