@@ -17,7 +17,7 @@ import torch
 
 from streamcache import _native
 from streamcache.loading import rng_layouts, seeding
-from streamcache.loading.batching import apply_sample_transform
+from streamcache.loading.batching import SampleColumns, apply_sample_transform
 from streamcache.loading.rng_layouts import global_states, same_states
 
 pytestmark = pytest.mark.skipif("native" not in _native.available_backends(),
@@ -165,7 +165,7 @@ def _transform(sample: dict[str, Any]) -> dict[str, Any]:
 def _transformed() -> tuple[Any, tuple[float, ...]]:
     arrays = {"__id__": np.arange(6, dtype=np.int64),
               "__seed__": np.arange(100, 106, dtype=np.uint64)}
-    samples = [{"__id__": i, "__seed__": 100 + i} for i in range(6)]
+    samples = SampleColumns(("__id__", "__seed__"), (list(range(6)), list(range(100, 106))))
     _fill_caches()
     with seeding.preserved_global_rngs():
         batch = apply_sample_transform(arrays, {}, _transform, samples=samples)

@@ -33,6 +33,7 @@ from ..plan.cursor import ResumeCheck
 from ..plan.shuffle import DEFAULT_WINDOW
 from ..remote.options import FetchOptions
 from . import step_batch
+from .batching import SampleColumns
 from .dataset_reader import DatasetReader
 from .feed import ShardFeed, dataset_fetcher, default_cache_dir
 from .mixture import MixtureFeed
@@ -361,19 +362,19 @@ class StreamDataset(IterableDataset):
         return step_batch.read_steps_together(self.options, self.tail, self._feed,
                                               self.reader, steps)
 
-    def sample_dicts(self, arrays: dict[str, Any]) -> list[dict[str, Any]] | None:
-        """What a per-sample transform receives of a step's arrays (None: no such transform),
-        for :meth:`finish_step`; safe from any thread."""
-        return step_batch.sample_dicts(self.options, self._fields, arrays)
+    def sample_columns(self, arrays: dict[str, Any]) -> SampleColumns | None:
+        """The per-sample values a per-sample transform's dicts are made of (None: no such
+        transform), for :meth:`finish_step`; safe from any thread."""
+        return step_batch.sample_columns(self.options, self._fields, arrays)
 
     def finish_step(self, ref: StepRef, arrays: dict[str, Any],
-                    samples: list[dict[str, Any]] | None = None) -> Any:
+                    samples: SampleColumns | None = None) -> Any:
         """Transform (if any) and convert one step's arrays to the batch the loop receives.
 
         A transform runs with the process-wide RNGs seeded (per sample for ``transform``, per
         batch for ``batch_transform``; see :mod:`streamcache.loading.batching`) and restored
         after, so this must run on one thread at a time (the loader runs it on the consumer thread).
-        ``samples``: :meth:`sample_dicts` of ``arrays``, where made already.
+        ``samples``: :meth:`sample_columns` of ``arrays``, where made already.
         """
         return step_batch.finish(self.options, self._fields, ref, arrays,
                                  lambda: self._first_of_step(ref), samples)

@@ -20,13 +20,14 @@ from .batching import (
     ID_KEY,
     PADDING_KEY,
     SEED_KEY,
+    SampleColumns,
     apply_batch_transform,
     apply_sample_transform,
     empty_like,
     gathering,
-    split_samples,
     to_torch,
 )
+from .batching import sample_columns as batching_columns
 from .dataset_reader import DatasetReader
 from .feed import ShardFeed
 from .mixture import MixtureFeed
@@ -99,15 +100,15 @@ def _with_keys(options: StreamOptions, tail: TailPolicy, feed: ShardFeed | Mixtu
     return arrays
 
 
-def sample_dicts(options: StreamOptions, fields: Mapping[str, Field],
-                 arrays: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The per-sample dicts a per-sample transform receives (each with its ``__seed__`` as
-    a Python int), made where the step is read (a reader thread), so that the loop's thread
-    only transforms them (0.6 us of its ~5 us a sample of a light transform); None without a
-    per-sample transform or for an empty part."""
+def sample_columns(options: StreamOptions, fields: Mapping[str, Field],
+                   arrays: dict[str, Any]) -> SampleColumns | None:
+    """The per-sample values a per-sample transform's dicts are made of (each
+    ``__seed__`` a Python int), made where the step is read (a reader thread), so that the
+    loop's thread only makes the dicts and transforms them; None without a per-sample
+    transform or for an empty part."""
     if options.transform is None or len(arrays[ID_KEY]) == 0:
         return None
-    return split_samples(_with_int_seeds(arrays), fields)
+    return batching_columns(_with_int_seeds(arrays), fields)
 
 
 def _with_int_seeds(arrays: dict[str, Any]) -> dict[str, Any]:
@@ -118,13 +119,13 @@ def _with_int_seeds(arrays: dict[str, Any]) -> dict[str, Any]:
 
 def finish(options: StreamOptions, fields: Mapping[str, Field], ref: StepRef,
            arrays: dict[str, Any], first_of_step: Callable[[], dict[str, Any]],
-           samples: list[dict[str, Any]] | None = None) -> Any:
+           samples: SampleColumns | None = None) -> Any:
     """Transform (if any) and convert one step's arrays to the batch the loop receives.
 
     ``first_of_step()`` reads the raw arrays of the step's first sample: the template of an
     empty part (a transform's output has a structure only a sample can show). A transform
     runs with the process-wide RNGs seeded and restored after, so this must run on one
-    thread at a time. ``samples``: :func:`sample_dicts` of ``arrays``, where made already.
+    thread at a time. ``samples``: :func:`sample_columns` of ``arrays``, where made already.
     """
     if not transformed(options):
         return tensors(options, fields, arrays)
@@ -143,7 +144,7 @@ def finish(options: StreamOptions, fields: Mapping[str, Field], ref: StepRef,
 
 def _transform_samples(options: StreamOptions, fields: Mapping[str, Field],
                        arrays: dict[str, Any], seeder: GlobalRngSeeder,
-                       samples: list[dict[str, Any]] | None = None) -> Any:
+                       samples: SampleColumns | None = None) -> Any:
     assert options.transform is not None
     return apply_sample_transform(arrays if samples is not None else _with_int_seeds(arrays),
                                   fields, options.transform, options.collate_fn, seeder,

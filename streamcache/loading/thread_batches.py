@@ -19,6 +19,7 @@ from .. import _native
 from ..format.buffers import gather_into
 from ..plan import RankBatch
 from ..processes import usable_cores
+from .batching import SampleColumns
 from .dataset import StreamDataset
 from .pinning import pinned, pinned_pool
 from .schedule import Schedule, StepRef
@@ -182,7 +183,7 @@ class ThreadBatches:
         """A step's batch from its arrays; with a transform, its arrays and samples, finished
         on the loop's thread."""
         if self.dataset.transformed:
-            return _Arrays(ref, arrays, self.dataset.sample_dicts(arrays))
+            return _Arrays(ref, arrays, self.dataset.sample_columns(arrays))
         batch = self.dataset.finish_step(ref, arrays)
         return pinned(batch) if self._pin else batch
 
@@ -251,12 +252,12 @@ def gather_width(readers: int) -> int:
 
 class _Arrays:
     """A step's arrays, read ahead, to be transformed on the loop's thread (with a per-sample
-    transform, its samples already split on the reader thread)."""
+    transform, its samples' values already split into columns on the reader thread)."""
 
     __slots__ = ("arrays", "ref", "samples")
 
     def __init__(self, ref: StepRef, arrays: dict[str, Any],
-                 samples: list[dict[str, Any]] | None) -> None:
+                 samples: SampleColumns | None) -> None:
         self.ref = ref
         self.arrays = arrays
         self.samples = samples
