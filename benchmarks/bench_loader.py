@@ -9,7 +9,7 @@ the baselines read the same bytes from numpy memmaps):
   blobs   100 KB samples: uint8[100000] tensors               (--mb MB in all), batch 32
   images  80-120 KB samples of varying size: a bytes field,
           as encoded images are (values + offsets .npy)       (--mb MB in all), batch 32
-  seqs    token sequences written with the writer's defaults
+  seqs    token                      sequences  written    with      the    writer'sdefaults
           (write({"tokens": row}): a sequence field, zstd, so
           read from the cache's installed copy): 256 int32
           tokens each (values + offsets .npy)                 (--mb MB in all), batch 256
@@ -33,51 +33,51 @@ Rates are steady state (first batch to end of epoch); "1st batch s" includes imp
 streamcache (0.5-0.7 s of it here). "vs DL-w0": ratio to the DataLoader w0 of the same data
 (and transform); "vs limit": to gather-limit of the same data; both from this run.
 
-Last result (2026-12-07 12:43-12:51 UTC, ``--mb 1000 --repeats 3`` at a9e63c8, nothing else
-running, load average 1.04 before, 1.22 after: the benchmark's own processes; medians; the
-page-cache gather's rate fell within the run (tokens 3.36M, 2.59M, 2.03M by repeat), and
-sequences' gather read 0.95-2.37M; benchmarks/RESULTS.md has the runs beside it):
+Last result (2026-12-07 14:48-14:56 UTC, ``--mb 1000 --repeats 3`` at fab7028, nothing else
+running, load average 0.24 before, 1.24 after: the benchmark's own processes; medians; the
+page-cache gather's rate fell within the run again (tokens 2.20M, 1.49M, 1.18M by repeat);
+benchmarks/RESULTS.md has the runs beside it):
 
   data    case                       samples/s vs DL-w0 vs DL-wN vs limit 1st batch s  RSS MB
-  tokens  gather-limit               2,590,204     8.69    8.69     1.00      0.0833    1188
-  tokens  dataloader-w0                297,964     1.00    1.00     0.12      0.0564    1227
-  tokens  streamcache-w0             2,352,368     7.89    7.89     0.91      0.3886    1258
-  tokens  dataloader-w2                165,607     0.56    1.00     0.06      0.0668    1397
-  tokens  streamcache-w2             2,311,894     7.76   13.96     0.89      0.3663    1256
-  tokens  resume-0                       6,992     0.02    0.02     0.00      0.0287     403
-  tokens  resume-90                      8,392     0.03    0.03     0.00      0.0191     365
-  tokens  tf-dataloader-w0             177,619     1.00    1.00     0.07      0.0541    1229
-  tokens  tf-streamcache-w0            167,863     0.95    0.95     0.06      0.4172    1267
-  tokens  tf-dataloader-w2             129,348     0.73    1.00     0.05      0.0711    1399
-  tokens  tf-streamcache-w2            163,907     0.92    1.27     0.06      0.4210    1441
-  tokens  open                    import 0.344 s, construct 0.0023 s, first batch 0.0250 s
-  blobs   gather-limit                  61,843     3.18    3.18     1.00      0.0214    1187
-  blobs   dataloader-w0                 19,455     1.00    1.00     0.31      0.0087    1194
-  blobs   streamcache-w0               105,459     5.42    5.42     1.71      0.5084    1247
-  blobs   dataloader-w2                  9,727     0.50    1.00     0.16      0.0492    1327
-  blobs   streamcache-w2               100,856     5.18   10.37     1.63      0.4210    1247
-  blobs   resume-0                         404     0.02    0.02     0.01      0.0600     868
-  blobs   resume-90                        338     0.02    0.02     0.01      0.0729     911
-  images  gather-limit                 100,739     0.91    0.91     1.00      0.0215    1184
-  images  dataloader-w0                110,515     1.00    1.00     1.10      0.0061    1188
-  images  streamcache-w0               111,920     1.01    1.01     1.11      0.5207    1251
-  images  streamcache-offsets-w0       114,260     1.03    1.03     1.13      0.4295    1252
-  images  dataloader-w2                  7,507     0.07    1.00     0.07      0.0489    1304
-  images  streamcache-w2                84,248     0.76   11.22     0.84      0.4586    1251
-  seqs    gather-limit               1,189,211     7.19    7.19     1.00      0.1574    1188
-  seqs    dataloader-w0                165,389     1.00    1.00     0.14      0.0780    1236
-  seqs    streamcache-w0             1,796,712    10.86   10.86     1.51      0.4320    1261
-  seqs    streamcache-offsets-w0     2,893,778    17.50   17.50     2.43      0.4126    1263
-  seqs    streamcache-w2             2,215,014    13.39     nan     1.86      0.3718    1264
-  varseqs gather-limit                 726,756     4.67    4.67     1.00      0.1559    1195
-  varseqs dataloader-w0                155,626     1.00    1.00     0.21      0.0593    1238
-  varseqs streamcache-w0               959,868     6.17    6.17     1.32      0.4404    1273
-  varseqs streamcache-offsets-w0     1,580,170    10.15   10.15     2.17      0.3895    1266
-  varseqs streamcache-w2             1,415,806     9.10     nan     1.95      0.4102    1279
-  jpegs   dataloader-w0                    471     1.00    1.00      nan      0.1968     339
-  jpegs   streamcache-w0                   487     1.03    1.03      nan      0.4846     401
-  jpegs   dataloader-w2                    815     1.73    1.00      nan      0.2381     490
-  jpegs   streamcache-w2                   869     1.85    1.07      nan      0.5763     601
+  tokens  gather-limit               1,487,763     5.08    5.08     1.00      0.0722    1188
+  tokens  dataloader-w0                292,812     1.00    1.00     0.20      0.0523    1227
+  tokens  streamcache-w0             1,964,027     6.71    6.71     1.32      0.3815    1261
+  tokens  dataloader-w2                165,033     0.56    1.00     0.11      0.0864    1397
+  tokens  streamcache-w2             2,075,853     7.09   12.58     1.40      0.3956    1259
+  tokens  resume-0                       6,706     0.02    0.02     0.00      0.0233     363
+  tokens  resume-90                     10,023     0.03    0.03     0.01      0.0163     365
+  tokens  tf-dataloader-w0             175,869     1.00    1.00     0.12      0.0559    1229
+  tokens  tf-streamcache-w0            201,170     1.14    1.14     0.14      0.4468    1265
+  tokens  tf-dataloader-w2             129,337     0.74    1.00     0.09      0.0918    1399
+  tokens  tf-streamcache-w2            195,370     1.11    1.51     0.13      0.4246    1441
+  tokens  open                    import 0.363 s, construct 0.0024 s, first batch 0.0234 s
+  blobs   gather-limit                  53,212     2.45    2.45     1.00      0.0291    1187
+  blobs   dataloader-w0                 21,746     1.00    1.00     0.41      0.0081    1194
+  blobs   streamcache-w0                84,939     3.91    3.91     1.60      0.5061    1247
+  blobs   dataloader-w2                  8,612     0.40    1.00     0.16      0.0422    1276
+  blobs   streamcache-w2                67,293     3.09    7.81     1.26      0.4613    1247
+  blobs   resume-0                         317     0.01    0.01     0.01      0.0735     868
+  blobs   resume-90                        302     0.01    0.01     0.01      0.0798     910
+  images  gather-limit                  82,251     1.03    1.03     1.00      0.0258    1184
+  images  dataloader-w0                 79,904     1.00    1.00     0.97      0.0082    1188
+  images  streamcache-w0                98,221     1.23    1.23     1.19      0.5003    1251
+  images  streamcache-offsets-w0        93,646     1.17    1.17     1.14      0.4325    1252
+  images  dataloader-w2                  6,010     0.08    1.00     0.07      0.0526    1080
+  images  streamcache-w2                94,578     1.18   15.74     1.15      0.4725    1251
+  seqs    gather-limit               1,962,308    12.16   12.16     1.00      0.0756    1188
+  seqs    dataloader-w0                161,353     1.00    1.00     0.08      0.0576    1236
+  seqs    streamcache-w0             1,691,663    10.48   10.48     0.86      0.3989    1262
+  seqs    streamcache-offsets-w0     2,630,852    16.30   16.30     1.34      0.3673    1265
+  seqs    streamcache-w2             2,249,675    13.94     nan     1.15      0.3643    1266
+  varseqs gather-limit                 653,358     4.20    4.20     1.00      0.1408    1195
+  varseqs dataloader-w0                155,387     1.00    1.00     0.24      0.0593    1239
+  varseqs streamcache-w0               991,613     6.38    6.38     1.52      0.4010    1278
+  varseqs streamcache-offsets-w0     1,728,694    11.13   11.13     2.65      0.4180    1264
+  varseqs streamcache-w2             1,186,811     7.64     nan     1.82      0.3754    1277
+  jpegs   dataloader-w0                    443     1.00    1.00      nan      0.2122     339
+  jpegs   streamcache-w0                   462     1.04    1.04      nan      0.5240     401
+  jpegs   dataloader-w2                    806     1.82    1.00      nan      0.2417     487
+  jpegs   streamcache-w2                   838     1.89    1.04      nan      0.5315     602
 """
 
 from __future__ import annotations
