@@ -78,7 +78,8 @@ class PrefetchError(StreamcacheError):
 
 class TransformError(StreamcacheError, TypeError):
     """A user's ``transform`` or ``batch_transform`` returned something the loader cannot
-    batch (the message names the transform and what it must return)."""
+    batch (the message names the transform and what it must return), or it or a
+    ``collate_fn`` raised StopIteration, which would end the loop's iteration early."""
 
 
 class ConfigError(StreamcacheError, ValueError):

@@ -610,6 +610,50 @@ def test_a_transform_that_does_not_return_a_dict_is_a_clear_error(
     assert isinstance(error.value, StreamcacheError)
 
 
+def _stops_at_sample_100(sample: dict[str, Any]) -> dict[str, Any]:
+    if sample["x"] == 100:
+        raise StopIteration  # (as next() of an exhausted iterator inside a transform does)
+    return {"x": sample["x"]}
+
+
+def _batch_stops_at_sample_100(batch: dict[str, Any]) -> dict[str, Any]:
+    if 100 in batch["x"]:
+        next(iter(()))
+    return batch
+
+
+def _collate_stops_at_sample_100(samples: list[Any]) -> Any:
+    if any(sample["x"] == 100 for sample in samples):
+        raise StopIteration
+    return torch.utils.data.default_collate(samples)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("options, name, what", [
+    ({"transform": _stops_at_sample_100}, "transform _stops_at_sample_100", "sample"),
+    ({"batch_transform": _batch_stops_at_sample_100}, "batch_transform "
+     "_batch_stops_at_sample_100", "batch starting"),
+    ({"transform": lambda sample: {"x": sample["x"]}, "collate_fn":
+      _collate_stops_at_sample_100}, "collate_fn _collate_stops_at_sample_100",
+     "batch starting"),
+])
+def test_a_stop_iteration_in_user_code_is_an_error_not_the_end_of_the_epoch(
+        data: tuple[str, str], workers: int, options: dict[str, Any], name: str,
+        what: str) -> None:
+    """A StopIteration out of a transform or collate_fn ended the loop's ``for`` at that
+    step as if the epoch were over (at w0, without an error; with worker processes as a
+    RuntimeError of the generator): it is a TransformError naming the function."""
+    from streamcache.errors import TransformError
+
+    url, cache = data
+    seen: list[int] = []
+    with loader(url, cache, workers=workers, global_batch_size=10, **options) as it, \
+            pytest.raises(TransformError, match=f"{name} raised StopIteration for the {what}"):
+        for batch in it:
+            seen.extend(ids_of(batch).tolist())
+    assert 100 not in seen and len(seen) < 200
+
+
 @pytest.mark.parametrize("options", [
     {"global_batch_size": 201},
     {"batch_size": 101, "rank": 0, "world_size": 2},

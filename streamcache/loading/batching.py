@@ -52,6 +52,16 @@ def check_transform_output(value: Any, transform: Callable[..., Any], option: st
            "that batches it)" if option == "transform" else ", which becomes the batch"))
 
 
+def stopped(option: str, function: Callable[..., Any], what: str) -> TransformError:
+    """The error for a user's function that raised StopIteration: let through, it would end
+    the loop's iteration as if the epoch were over (a DataLoader's does), and the rest of the
+    epoch's samples would be lost without a word."""
+    return TransformError(
+        f"{option} {transform_name(function)} raised StopIteration for {what}; it must not: "
+        "the loop's iteration would end there as if the epoch were over, silently losing the "
+        "rest of its samples. Raise another exception (or return a value) instead")
+
+
 def _tensor(array: np.ndarray) -> torch.Tensor:
     if array.dtype.kind in "mM":  # datetimes travel as their int64 counts
         array = array.view(np.int64)
@@ -198,21 +208,33 @@ def apply_sample_transform(arrays: Mapping[str, Any], fields: Mapping[str, Field
     seed_one = seed_all.direct or seed_all  # (the native call itself, where it can)
     outputs = []
     seeds_returned = False
-    for sample, seed in zip(columns.dicts(), seeds, strict=True):
-        seed_one(seed)
-        output = transform(sample)
-        if collate is None:
-            if type(output) is not dict:
-                check_transform_output(output, transform, "transform",
-                                       f"the sample with __id__ {sample[ID_KEY]}")
-            elif SEED_KEY in output:
-                # a sample dict returned as it came: its __seed__ is a Python int of up to
-                # 2**64 - 1, which default_collate cannot make a tensor of (it overflows
-                # int64); the batch gets the seeds column instead, as without a transform
-                output = {key: value for key, value in output.items() if key != SEED_KEY}
-                seeds_returned = True
-        outputs.append(output)
-    batch = (collate or default_collate)(outputs)
+    sample: dict[str, Any] = {}
+    try:
+        for sample, seed in zip(columns.dicts(), seeds, strict=True):
+            seed_one(seed)
+            output = transform(sample)
+            if collate is None:
+                if type(output) is not dict:
+                    check_transform_output(output, transform, "transform",
+                                           f"the sample with __id__ {sample[ID_KEY]}")
+                elif SEED_KEY in output:
+                    # a sample dict returned as it came: its __seed__ is a Python int of up
+                    # to 2**64 - 1, which default_collate cannot make a tensor of (it
+                    # overflows int64); the batch gets the seeds column instead, as without
+                    # a transform
+                    output = {key: value for key, value in output.items() if key != SEED_KEY}
+                    seeds_returned = True
+            outputs.append(output)
+    except StopIteration as stop:
+        raise stopped("transform", transform,
+                      f"the sample with __id__ {sample.get(ID_KEY)}") from stop
+    try:
+        batch = (collate or default_collate)(outputs)
+    except StopIteration as stop:
+        ids = np.asarray(arrays[ID_KEY]) if ID_KEY in arrays else np.zeros(0)
+        raise stopped("collate_fn", collate or default_collate,
+                      f"the batch starting at __id__ {ids[0]}" if len(ids) else
+                      "an empty batch") from stop
     if isinstance(batch, dict):
         for key in BOOKKEEPING_KEYS:
             if key in arrays and key not in batch:
@@ -243,7 +265,11 @@ def apply_batch_transform(arrays: dict[str, Any],
     what = (f"the batch starting at __id__ {int(ids[0])}" if ids is not None and len(ids)
             else "an empty batch")
     kept = {key: arrays[key] for key in BOOKKEEPING_KEYS if key in arrays}
-    output = check_transform_output(transform(arrays), transform, "batch_transform", what)
+    try:
+        returned = transform(arrays)
+    except StopIteration as stop:
+        raise stopped("batch_transform", transform, what) from stop
+    output = check_transform_output(returned, transform, "batch_transform", what)
     dropped = {key: value for key, value in kept.items() if key not in output}
     return {**output, **dropped} if dropped else output
 
