@@ -126,8 +126,14 @@ def test_ids_once_per_epoch_with_steps_read_together(url: str, tmp_path: Path,
     assert counting.together > 0
 
 
-def test_an_error_comes_at_the_step_whose_rows_have_it(url: str, tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("raised, expected", [
+    (RowOutOfRangeError, RowOutOfRangeError),
+    # a StopIteration from a read would end the loop's for as if the epoch were over
+    (StopIteration, RuntimeError),
+])
+def test_an_error_comes_at_the_step_whose_rows_have_it(
+        url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        raised: type[Exception], expected: type[Exception]) -> None:
     """A row that cannot be read (here: sample 120, made to fail in the gather) fails its own
     step: every step before it is delivered, then its error, even when the step was read
     together with others."""
@@ -140,7 +146,8 @@ def test_an_error_comes_at_the_step_whose_rows_have_it(url: str, tmp_path: Path,
     def gather(shards: Any, which: np.ndarray, rows: np.ndarray, fields: Any) -> Any:
         if any(os.path.basename(shards[k].path).endswith("00002.arrow") and rows[i] == 120 - 101
                for i, k in enumerate(which.tolist())):
-            raise RowOutOfRangeError("sample 120 cannot be read")
+            raise raised("sample 120 cannot be read")  # (a new one: a raised one keeps
+            # its traceback's frames, and with them the readers, for as long as it lives)
         return original(shards, which, rows, fields)
 
     monkeypatch.setattr(dataset_reader, "gather", gather)
@@ -148,7 +155,7 @@ def test_an_error_comes_at_the_step_whose_rows_have_it(url: str, tmp_path: Path,
     dataset = StreamDataset(url, rank=0, world_size=1, cache_dir=cache, seed=11,
                             global_batch_size=4)
     got = []
-    with StreamLoader(dataset) as loader, pytest.raises(RowOutOfRangeError, match="120"):
+    with StreamLoader(dataset) as loader, pytest.raises(expected, match="120"):
         for batch in loader:
             got.append(batch["__id__"].numpy())
     assert len(got) == bad_step

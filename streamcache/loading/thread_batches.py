@@ -120,7 +120,16 @@ class _Producer:
 
 
 class _Failed:
+    """What a read raised, for the loop. A StopIteration (a ``next()`` on an exhausted
+    iterator somewhere in the read) becomes a RuntimeError, as PEP 479 does in generators:
+    raised from ``__next__`` as it is, it would end the loop's ``for`` as if the epoch were
+    over."""
+
     def __init__(self, error: BaseException) -> None:
+        if isinstance(error, StopIteration):
+            stopped = RuntimeError(f"a read of the loader raised StopIteration: {error!r}")
+            stopped.__cause__ = error
+            error = stopped
         self.error = error
 
 
