@@ -62,6 +62,13 @@ def stopped(option: str, function: Callable[..., Any], what: str) -> TransformEr
         "rest of its samples. Raise another exception (or return a value) instead")
 
 
+def batch_named(arrays: Mapping[str, Any]) -> str:
+    """How an error names a batch: by its first sample's ``__id__``."""
+    ids = arrays.get(ID_KEY)
+    return (f"the batch starting at __id__ {int(ids[0])}" if ids is not None and len(ids)
+            else "an empty batch")
+
+
 def _tensor(array: np.ndarray) -> torch.Tensor:
     if array.dtype.kind in "mM":  # datetimes travel as their int64 counts
         array = array.view(np.int64)
@@ -231,10 +238,7 @@ def apply_sample_transform(arrays: Mapping[str, Any], fields: Mapping[str, Field
     try:
         batch = (collate or default_collate)(outputs)
     except StopIteration as stop:
-        ids = np.asarray(arrays[ID_KEY]) if ID_KEY in arrays else np.zeros(0)
-        raise stopped("collate_fn", collate or default_collate,
-                      f"the batch starting at __id__ {ids[0]}" if len(ids) else
-                      "an empty batch") from stop
+        raise stopped("collate_fn", collate or default_collate, batch_named(arrays)) from stop
     if isinstance(batch, dict):
         for key in BOOKKEEPING_KEYS:
             if key in arrays and key not in batch:
@@ -261,9 +265,7 @@ def apply_batch_transform(arrays: dict[str, Any],
     seeds = np.asarray(arrays[SEED_KEY], dtype=np.uint64)
     if len(seeds):
         seed_global_rngs(global_rng_seeds(seeds[:1])[0])
-    ids = arrays.get(ID_KEY)
-    what = (f"the batch starting at __id__ {int(ids[0])}" if ids is not None and len(ids)
-            else "an empty batch")
+    what = batch_named(arrays)
     kept = {key: arrays[key] for key in BOOKKEEPING_KEYS if key in arrays}
     try:
         returned = transform(arrays)
