@@ -14,7 +14,7 @@ from streamcache.loading.batching import (
     ID_KEY,
     SEED_KEY,
     gathering,
-    split_samples,
+    sample_columns,
 )
 from streamcache.loading.seeding import GlobalRngSeeder, seed_global_rngs
 
@@ -49,7 +49,7 @@ def test_a_sample_sees_no_normal_cached_by_the_one_before(backend: str) -> None:
     assert float(np.random.standard_normal()) == after_a_draw
 
 
-def test_split_samples_gives_python_scalars_row_views_and_bytes() -> None:
+def test_sample_dicts_give_python_scalars_row_views_and_bytes() -> None:
     fields = {"x": Field.tensor("x", "int64"), "img": Field.tensor("img", "uint8", (2, 2)),
               "when": Field.tensor("when", "datetime64[s]"), "b": Field("b", "bytes"),
               "t": Field.sequence("t", "int32")}
@@ -60,7 +60,7 @@ def test_split_samples_gives_python_scalars_row_views_and_bytes() -> None:
         "t": Ragged(np.arange(3, dtype=np.int32), np.array([0, 1, 3])),
         ID_KEY: np.array([10, 11], np.int64), SEED_KEY: [5, 6],
     }
-    samples = split_samples(arrays, fields)
+    samples = list(sample_columns(arrays, fields).dicts())
     assert [s["x"] for s in samples] == [3, 4] and type(samples[0]["x"]) is int
     assert [s["when"] for s in samples] == [arrays["when"][0].item(), arrays["when"][1].item()]
     assert np.array_equal(samples[1]["img"], arrays["img"][1])

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from streamcache.format.columns import build_column
 from streamcache.format.schema import Field, Schema
 from streamcache.format.writer import ShardWriter
-from streamcache.loading.batching import DICTS_AT_ONCE, SampleColumns, split_samples
+from streamcache.loading.batching import DICTS_AT_ONCE, SampleColumns, sample_columns
 from streamcache.loading.dataset import StreamDataset
 from streamcache.loading.loader import StreamLoader
 
@@ -39,7 +39,7 @@ def test_columns_of_unequal_length_are_an_error_not_a_short_batch() -> None:
     columns = SampleColumns(("a", "b"), ([1, 2, 3], [1, 2]))
     with pytest.raises(ValueError, match="unequal length"):
         list(columns.dicts())
-    assert split_samples({}, {}) == []
+    assert list(sample_columns({}, {}).dicts()) == []
 
 
 @pytest.fixture(scope="module")

@@ -164,7 +164,7 @@ DICTS_AT_ONCE = 64
 
 def sample_columns(arrays: Mapping[str, Any], fields: Mapping[str, Field]) -> SampleColumns:
     """The per-sample values of a gathered batch's columns (numpy rows, bytes, str, Python
-    scalars): what :func:`split_samples` makes dicts of."""
+    scalars): what :meth:`SampleColumns.dicts` makes the samples' dicts of."""
     names: list[str] = []
     values: list[list[Any]] = []
     for name, column in arrays.items():
@@ -180,11 +180,6 @@ def sample_columns(arrays: Mapping[str, Any], fields: Mapping[str, Field]) -> Sa
                            for value in column])
         names.append(name)
     return SampleColumns(tuple(names), tuple(values))
-
-
-def split_samples(arrays: Mapping[str, Any], fields: Mapping[str, Field]) -> list[dict[str, Any]]:
-    """Per-sample dicts of a gathered batch (numpy rows, bytes, str, Python scalars)."""
-    return list(sample_columns(arrays, fields).dicts())
 
 
 def apply_sample_transform(arrays: Mapping[str, Any], fields: Mapping[str, Field],
