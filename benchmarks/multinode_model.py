@@ -73,10 +73,10 @@ def node_bytes(folder: str, global_batch: int, nodes: int, ranks_per_node: int =
         data = StreamDataset(folder, global_batch_size=global_batch, rank=0, world_size=world,
                              nodes=nodes, partitions=partitions, seed=seed, cache_dir=scratch)
         locality = data.locality
+        order = data.order(0)
         if key is not None:
             locality = NodeLocality(locality.topology, key, locality.layout, global_batch,
-                                    partitions)
-        order = data.order(0)
+                                    partitions, None if partitions else order)
         steps = len(data)
         data.close()
     split, layout = locality.split, locality.layout

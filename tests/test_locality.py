@@ -74,7 +74,9 @@ def cases(draw: st.DrawFn) -> tuple[EpochOrder, EpochSegment, LocalityAssignment
     if segment.num_steps == 0:
         segment = EpochSegment(order.num_samples, start, world, world, TailPolicy.PAD)
     key = draw(st.integers(0, 2**64 - 1))
-    return order, segment, LocalityAssignment(nodes, key, layout, segment.global_batch)
+    # pieces held twice drawn blind, or chosen from the order (plan/backup_plan.py)
+    first = draw(st.sampled_from([None, order, OnlyPositions(order)]))
+    return order, segment, LocalityAssignment(nodes, key, layout, segment.global_batch, first)
 
 
 def some_steps(segment: EpochSegment) -> list[int]:

@@ -10,11 +10,11 @@ each other (the split is computed by every rank alone), so the nodes run one aft
 and the server's byte counters give each node's remote bytes exactly.
 
 What must hold: the global batch of every step is the 1-rank run's, every sample is read
-once; a node never fetches more than the dataset; 2 nodes fetch at most 1.3x the dataset for
-the whole job, 8 nodes about 1.3/8 of it each at a global batch of 1024; a node installs
-only units (pieces and chunks), never the whole shard. A 4-node state resumes on 3 nodes
-exactly. (benchmarks/bench_multinode.py measures the bytes by sample size, batch and node
-count; docs/multinode.md has the model.)
+once; a node never fetches more than the dataset; 2 and 4 nodes fetch at most 1.3x the
+dataset for the whole job, 8 nodes at most 1.3/8 of it each at a global batch of 1024; a
+node installs only units (pieces and chunks), never the whole shard. A 4-node state resumes
+on 3 nodes exactly. (benchmarks/bench_multinode.py measures the bytes by sample size, batch
+and node count; docs/multinode.md has the model.)
 """
 
 from __future__ import annotations
@@ -213,31 +213,32 @@ def test_two_nodes_at_the_defaults_fetch_at_most_1_3x_the_dataset(served, tmp_pa
 def test_four_nodes_at_the_defaults_fetch_what_the_model_says(served, tmp_path) -> None:
     """The model of benchmarks/multinode_model.py against real node processes at 4 nodes
     (check_job compares it at 2 and 8 too). At 64 samples a node a step the default split
-    fetches about 1.34x the dataset here (partitions=: about 1.05x)."""
+    fetches about 1.21x the dataset here (1.30x with the pieces held twice drawn blind;
+    partitions=: about 1.04x)."""
     shares = check_job(served, 4, 1, 256, tmp_path)
-    assert sum(shares) <= 1.5
+    assert sum(shares) <= 1.3
 
 
 def test_eight_nodes_at_the_defaults_fetch_about_1_3_eighths_each(served, tmp_path) -> None:
-    """The goal, the job <= 1.3x the dataset, holds on average over the piece-to-node keys
-    at 128 samples a node a step; the most loaded node takes more (about 1.35 x D/8 on
-    average: benchmarks/bench_multinode.py measures larger datasets).
+    """The goal at 128 samples a node a step: the job <= 1.3x the dataset and the most loaded
+    node <= 1.3 x D/8, with margin for the job (about 1.19x here; 1.22-1.48x, mean 1.27x, over
+    40 keys with the pieces held twice drawn blind, which this dataset's one-window epoch
+    lets the split choose from the order instead: plan/backup_plan.py).
 
-    The bytes depend on the key (a hash of the dataset's fingerprint, which the writer's
-    random shard names draw anew in each run): one real 8-node run checks exactness and the
-    model (check_job: every node within 2% of it), and the model, checked so, gives the
-    bytes under 40 fixed keys, whose mean is what is asserted (one run's key is one draw:
-    1.22-1.48x in the model's 40)."""
+    The key (a hash of the dataset's fingerprint, which the writer's random shard names draw
+    anew in each run) decides the owners; one real 8-node run checks exactness and the model
+    (check_job: every node within 2% of it), and the model, checked so, gives the bytes under
+    8 more keys."""
     shares = check_job(served, 8, 1, 1024, tmp_path)
-    assert sum(shares) <= 1.6, (served[1].fingerprint, shares)
+    assert sum(shares) <= 1.25 and max(shares) * 8 <= 1.3, (served[1].fingerprint, shares)
     _, index, _ = served
     total = dataset_bytes(index)
-    jobs = np.array([sum(multinode_model.node_bytes(
-        os.path.join(served[0].root, "ds"), 1024, 8, key=7919 * key + 1)) / total
-        for key in range(40)])
-    print(f"job / dataset over 40 keys: mean {jobs.mean():.3f}, "
-          f"p90 {np.quantile(jobs, 0.9):.3f}, max {jobs.max():.3f}")
-    assert jobs.mean() <= 1.3 and jobs.max() <= 1.6, jobs.round(3).tolist()
+    nodes = np.array([multinode_model.node_bytes(
+        os.path.join(served[0].root, "ds"), 1024, 8, key=7919 * key + 1)
+        for key in range(8)]) / total
+    jobs, peaks = nodes.sum(axis=1), nodes.max(axis=1) * 8
+    print(f"over 8 keys: job max {jobs.max():.3f}, most loaded node max {peaks.max():.3f}")
+    assert jobs.max() <= 1.25 and peaks.max() <= 1.3, (jobs.round(3), peaks.round(3))
 
 
 @pytest.mark.parametrize("nodes, global_batch", [(8, 64), (8, 1024)])

@@ -226,6 +226,11 @@ class ShardFeed(FeedBase):
                                                  if e == epoch - 1}}
         return order
 
+    def first_order(self, cursor: Cursor) -> EpochOrder:
+        """The order of epoch 0 (made anew: the orders kept are the pass's), from which a
+        multi-node job chooses the pieces two nodes hold (plan/backup_plan.py)."""
+        return EpochOrder(self.index.shard_table.counts(), cursor.seed, 0, self.shuffle)
+
     def advice(self, cursor: Cursor, epoch: int) -> ShardAdvice:
         """Where each shard is read in ``epoch`` (for prefetching and eviction)."""
         with self._lock:

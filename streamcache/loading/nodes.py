@@ -33,6 +33,7 @@ from ..cache.node import LAYOUT_OVERHEAD
 from ..cache.prefetch import Prefetcher, PrefetchOptions
 from ..format.index import DatasetIndex
 from ..plan import CONTIGUOUS, PlanError, RankAssignment, ShuffleOptions
+from ..plan.backup_plan import PlannedBackups
 from ..plan.locality import LocalityAssignment, ShardPositions, locality_key
 from ..plan.partition_split import PartitionAssignment
 from ..plan.partitions import check_partition_layout
@@ -132,13 +133,19 @@ class NodeLocality:
         key: the piece-to-node key (:func:`~streamcache.plan.locality.locality_key` of the
             fingerprint), the same on every node.
         layout: how the shards are cut into units (None: whole shards).
+        global_batch: samples a step (None: no piece is held twice).
+        partitions: the order's canonical partitions (0: none).
+        first_order: the order of epoch 0, from which the pieces held twice are chosen where
+            it is small enough (:mod:`~streamcache.plan.backup_plan`).
 
     Thread safety: read-only after construction (the assignment's tables fill under a lock).
-    Pickles as its arguments.
+    Pickles as its arguments and the pieces held twice as chosen (a worker process does not
+    choose them again).
     """
 
     def __init__(self, topology: NodeTopology, key: int, layout: UnitLayout | None = None,
-                 global_batch: int | None = None, partitions: int = 0) -> None:
+                 global_batch: int | None = None, partitions: int = 0,
+                 first_order: ShardPositions | None = None) -> None:
         self.topology = topology
         self.key = key
         self.layout = layout
@@ -157,27 +164,34 @@ class NodeLocality:
             # (pieces held by two nodes only where the node holds units)
             held_twice = layout is not None and layout.any_cut
             self._split = LocalityAssignment(topology.num_nodes, key, layout,
-                                             global_batch if held_twice else None)
+                                             global_batch if held_twice else None,
+                                             first_order)
 
     @classmethod
     def resolve(cls, cursor: Any, rank: int, world_size: int, nodes: int | None, *,
                 collective: bool = True,
                 layout: Callable[[int], UnitLayout | None] | None = None,
                 job: Sequence[tuple[str, Any]] = (),
-                global_batch: int | None = None) -> NodeLocality:
+                global_batch: int | None = None,
+                first_order: Callable[[], ShardPositions] | None = None) -> NodeLocality:
         """This rank's locality now (see :func:`resolve_nodes` for where the node count comes
         from, and how the ranks agree on it and on ``job`` where ``collective`` allows a
-        process group); ``layout`` gives the units for a node count."""
+        process group); ``layout`` gives the units for a node count, ``first_order`` the
+        order of epoch 0 (see the class)."""
         topology = resolve_nodes(rank, world_size, nodes, collective=collective, job=job)
         units = layout(topology.num_nodes) if layout is not None and \
             topology.num_nodes > 1 else None
         partitions = int(getattr(cursor.shuffle, "partitions", 0))
+        first = first_order() if first_order is not None and units is not None and \
+            not partitions else None
         return cls(topology, locality_key(fingerprint_of(cursor)), units, global_batch,
-                   partitions)
+                   partitions, first)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (NodeLocality, (self.topology, self.key, self.layout, self.global_batch,
-                               self.partitions))
+        split = self._split
+        planned = None if split is None or self.partitions else split.planned_backups()
+        return (_rebuild_locality, (self.topology, self.key, self.layout, self.global_batch,
+                                    self.partitions, planned))
 
     def __repr__(self) -> str:
         t = self.topology
@@ -234,6 +248,16 @@ class NodeLocality:
         layout = self.units
         assert layout is not None and self._split is not None
         return UnitAdvice(order, layout, self._split, self.topology.node_rank, window_rows)
+
+
+def _rebuild_locality(topology: NodeTopology, key: int, layout: UnitLayout | None,
+                      global_batch: int | None, partitions: int,
+                      planned: PlannedBackups | None) -> NodeLocality:
+    """A pickled :class:`NodeLocality`, with its pieces held twice as chosen."""
+    locality = NodeLocality(topology, key, layout, global_batch, partitions)
+    if locality.split is not None and planned is not None:
+        locality.split.use_planned(planned)
+    return locality
 
 
 class UnitAdvice:

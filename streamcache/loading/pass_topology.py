@@ -57,7 +57,8 @@ class PassTopology:
             return self._locality
         return NodeLocality.resolve(cursor, *self.topology, self._options.nodes,
                                     collective=False, layout=self.unit_layout(),
-                                    global_batch=self.global_batch())
+                                    global_batch=self.global_batch(),
+                                    first_order=self.first_order(cursor))
 
     def start(self, cursor: Any) -> tuple[int, int]:
         """A pass starts at ``cursor``: resolve the topology and the node layout now (the
@@ -66,7 +67,8 @@ class PassTopology:
         self._topology = resolve_topology(self._options.rank, self._options.world_size)
         self._locality = NodeLocality.resolve(cursor, *self._topology, self._options.nodes,
                                               layout=self.unit_layout(), job=self._job(cursor),
-                                              global_batch=self.global_batch())
+                                              global_batch=self.global_batch(),
+                                              first_order=self.first_order(cursor))
         self.check_budget(self._locality.num_nodes)
         self._feed.use_locality(self._locality)
         return self._topology
@@ -100,6 +102,12 @@ class PassTopology:
         return [("the global batch", self.global_batch()),
                 ("the data", fingerprint_of(cursor)),
                 ("the loader state", f"{where} (state {state})")]
+
+    def first_order(self, cursor: Any) -> Callable[[], Any] | None:
+        """The order of epoch 0, made when called (a dataset's; None for a mixture, whose
+        pieces held twice are drawn blind)."""
+        make = getattr(self._feed, "first_order", None)
+        return None if make is None else (lambda: make(cursor))
 
     def unit_layout(self) -> Callable[[int], Any] | None:
         """How the shards are cut into units for a node count."""

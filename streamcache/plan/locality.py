@@ -35,6 +35,7 @@ import numpy as np
 
 from .. import _native
 from ._util import PlanError, check_int
+from .backup_plan import ChoiceLock, PlannedBackups, planned_for
 from .bijection import MASK64, counter_hash, derive_key
 from .flows import flexible_moves
 from .owners import (
@@ -83,20 +84,30 @@ class LocalityAssignment:
         key: the assignment's key, e.g. :func:`locality_key` of the dataset's fingerprint.
         layout: how the shards are cut into pieces and chunks (default: every shard one
             piece, its chunk priority the shard's).
+        global_batch: samples a step (None: no piece is held twice).
+        first_order: the order of epoch 0. Where pieces are held twice and it holds at most
+            :data:`~streamcache.plan.backup_plan.PLAN_MAX_SAMPLES` samples, which pieces and
+            which second nodes are chosen from it (:mod:`~streamcache.plan.backup_plan`), when
+            first needed; else they are drawn blind.
 
     Thread safety: ``slots`` may be called from any thread; the last batch's split is kept
     (every rank of a process, and :meth:`EpochSegment.check_assignment`, ask for the same one).
     """
 
     def __init__(self, num_nodes: int, key: int, layout: UnitLayout | None = None,
-                 global_batch: int | None = None) -> None:
+                 global_batch: int | None = None,
+                 first_order: ShardPositions | None = None) -> None:
         check_int("num_nodes", num_nodes, minimum=1, maximum=MAX_NODES)
         self.num_nodes = num_nodes
         self.key = key & MASK64
         self.layout = layout
         self.global_batch = global_batch
-        self.dual = dual_fraction(num_nodes, global_batch, typical_chunk_rows(layout))
-        self._dual_threshold = np.uint64(min(_WEYL_SIZE - 1, int(self.dual * _WEYL_SIZE)))
+        self._drawn = dual_fraction(num_nodes, global_batch, typical_chunk_rows(layout))
+        self._dual_threshold = np.uint64(min(_WEYL_SIZE - 1, int(self._drawn * _WEYL_SIZE)))
+        # (chosen from the first epoch's order when first needed; None: drawn blind)
+        self._planned: PlannedBackups | None = None
+        self._first_order = first_order if self._drawn > 0 and layout is not None else None
+        self._plan_lock = ChoiceLock()
         self._release_key = derive_key(self.key, TAG_RELEASE)
         dual_key = derive_key(self.key, TAG_DUAL)
         self._weyl_shard = np.uint64(dual_key % _WEYL_SIZE | 1)  # (per dataset)
@@ -120,11 +131,40 @@ class LocalityAssignment:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"num_nodes": self.num_nodes, "key": self.key, "layout": self.layout,
-                "global_batch": self.global_batch}
+                "global_batch": self.global_batch, "planned": self.planned_backups()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["num_nodes"], state["key"], state["layout"],  # type: ignore[misc]
                       state["global_batch"])
+        self.use_planned(state.get("planned"))
+
+    @property
+    def dual(self) -> float:
+        """The fraction of pieces held by two nodes (0: none)."""
+        planned = self.planned_backups()
+        return self._drawn if planned is None else planned.fraction
+
+    def planned_backups(self) -> PlannedBackups | None:
+        """The pieces held twice as chosen from the first epoch's order (chosen now if not
+        yet), or None where they are drawn blind."""
+        if self._first_order is not None:
+            with self._plan_lock:
+                order, layout = self._first_order, self.layout
+                if order is not None and layout is not None:
+                    self._planned = planned_for(
+                        order, layout, self._sample_nodes, self.num_nodes,
+                        self.global_batch or 0, self._drawn, (self.key, self.layout))
+                    self._first_order = None
+        return self._planned
+
+    def use_planned(self, planned: PlannedBackups | None) -> None:
+        """Hold twice the pieces ``planned`` names (as chosen from the first epoch's order
+        elsewhere: a pickled split), instead of choosing or drawing them."""
+        if planned is not None:
+            planned.check(self.num_nodes)
+        with self._plan_lock:
+            self._planned = planned
+            self._first_order = None
 
     # ------------------------------------------------------------ the RankAssignment
 
@@ -214,9 +254,26 @@ class LocalityAssignment:
 
     def _backups(self, facts: StepFacts, owners: np.ndarray) -> np.ndarray:
         """:meth:`backups` of flat samples whose owners are known."""
-        piece = facts.piece()
-        backup = self._backup(facts.shards, piece, owners)
-        return np.where(self._twice(facts.shards, piece), backup, -1)
+        dual, second = self._held_twice(facts.shards, facts.piece(), owners)
+        backups = np.full(owners.shape, -1, dtype=np.int64)
+        backups[dual] = second
+        return backups
+
+    def _held_twice(self, shards: np.ndarray, piece: np.ndarray,
+                    owners: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The samples (indices) of pieces held twice, and each one's second node: as chosen
+        from the first epoch's order, or drawn blind (:meth:`_twice`, :meth:`_backup`)."""
+        planned = self.planned_backups()
+        if planned is not None:
+            second = planned.backups(shards, piece)
+            dual = np.flatnonzero(second >= 0)
+            if (second[dual] == owners[dual]).any():
+                raise PlanError("a piece held twice names its owner as its second node: the "
+                                "pieces were chosen for another job or damaged; make the "
+                                "dataset again in this job")
+            return dual, second[dual]
+        dual = np.flatnonzero(self._twice(shards, piece))
+        return dual, self._backup(shards[dual], piece[dual], owners[dual])
 
     def _twice(self, shards: np.ndarray, piece: np.ndarray) -> np.ndarray:
         """Whether each piece (shard, index in it) is held twice.
@@ -308,12 +365,10 @@ class LocalityAssignment:
         """Move samples of pieces held by two nodes from owner to backup where that balances
         the step (:func:`~streamcache.plan.flows.flexible_moves`); ``nodes`` and ``surplus``
         are updated."""
-        piece = facts.piece()
-        dual = np.flatnonzero(self._twice(shards, piece))
+        dual, backups = self._held_twice(shards, facts.piece(), nodes)
         if dual.size == 0:
             return
         owners = nodes[dual]
-        backups = self._backup(shards[dual], piece[dual], owners)
         priority = counter_hash(self._release_key, facts.chunk_keys(dual))
         moved = dual[flexible_moves(dual // width, owners, backups,
                                     (priority >> np.uint64(64 - PRIORITY_BITS)).astype(
