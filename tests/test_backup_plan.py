@@ -224,3 +224,19 @@ def test_a_child_forked_while_the_parent_chooses_chooses_them_itself() -> None:
     status = done[1]
     with os.fdopen(read, "rb") as f:
         assert f.read() == b"1" and status == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.dictionaries(st.tuples(st.integers(0, 40), st.integers(0, 30)), st.integers(0, 7),
+                       max_size=60),
+       st.lists(st.tuples(st.integers(-2, 50), st.integers(-2, 40)), max_size=80))
+def test_a_choice_answers_every_shard_and_piece_asked(chosen, asked) -> None:
+    keys = sorted(chosen)
+    planned = PlannedBackups(backup_plan.piece_keys(np.array([k[0] for k in keys], np.int64),
+                                                    np.array([k[1] for k in keys], np.int64)),
+                             np.array([chosen[k] for k in keys], np.int64), 0.5)
+    shards = np.array([a[0] for a in asked], dtype=np.int64)
+    pieces = np.array([a[1] for a in asked], dtype=np.int64)
+    expected = [chosen.get(a, -1) for a in asked]
+    assert planned.backups(shards, pieces).tolist() == expected
+    assert pickle.loads(pickle.dumps(planned)) == planned

@@ -96,6 +96,14 @@ class PlannedBackups:
                             f"pieces, {self.nodes.shape} nodes")
         if (np.diff(self.keys) <= 0).any():
             raise PlanError("the pieces held twice must be named in ascending order, each once")
+        # a direct table: piece j of shard k at flat[bases[k] + j] (shards up to the last one
+        # named; each as long as its last piece named)
+        shard, piece = self.keys >> _PIECE_BITS, self.keys & ((1 << _PIECE_BITS) - 1)
+        lengths = np.zeros(int(shard.max()) + 1 if shard.size else 0, dtype=np.int64)
+        np.maximum.at(lengths, shard, piece + 1)
+        self._bases = np.concatenate(([0], np.cumsum(lengths)))
+        self._flat = np.full(int(self._bases[-1]), -1, dtype=np.int64)
+        self._flat[self._bases[shard] + piece] = self.nodes
 
     def check(self, num_nodes: int) -> None:
         """Raise :class:`PlanError` unless every second node is one of ``num_nodes``."""
@@ -124,11 +132,16 @@ class PlannedBackups:
     def backups(self, shards: np.ndarray, piece: np.ndarray) -> np.ndarray:
         """The second node of each (shard, piece within it), -1 where only its owner holds
         it."""
-        wanted = piece_keys(shards, piece)
-        if self.keys.size == 0:
-            return np.full(wanted.shape, -1, dtype=np.int64)
-        at = np.minimum(np.searchsorted(self.keys, wanted), self.keys.size - 1)
-        return np.where(self.keys[at] == wanted, self.nodes[at], -1)
+        shards = np.asarray(shards, dtype=np.int64)
+        piece = np.asarray(piece, dtype=np.int64)
+        count = self._bases.size - 1
+        if count == 0:
+            return np.full(shards.shape, -1, dtype=np.int64)
+        inside = (shards >= 0) & (shards < count)
+        shard = np.where(inside, shards, 0)
+        at = self._bases[shard] + piece
+        inside &= (piece >= 0) & (at < self._bases[shard + 1])
+        return np.where(inside, self._flat[np.where(inside, at, 0)], -1)
 
 
 def planned_for(order: Any, layout: UnitLayout,
@@ -228,13 +241,13 @@ def _greedy(entries: _Entries, owner: np.ndarray, chunks: np.ndarray, surplus: n
     count, nodes = owner.size, surplus.shape[1]
     if budget <= 0 or count == 0:
         return {}
-    # every pair's count before any is chosen, from all entries at once
-    entry_piece = np.repeat(np.arange(count), np.diff(entries.bounds))
-    home = owner[entry_piece]
+    # every pair's count before any is chosen: a pass over all entries per node (every
+    # piece has an entry, so each piece's are one run of them)
+    home = np.repeat(owner, np.diff(entries.bounds))
     movable = np.minimum(entries.rows, np.maximum(surplus[entries.steps, home], 0))
-    gains = np.minimum(movable[:, None], np.maximum(-surplus[entries.steps], 0))
-    first = np.zeros((count, nodes), dtype=np.int64)
-    np.add.at(first, entry_piece, gains)
+    under = np.maximum(-surplus, 0)
+    first = np.stack([np.add.reduceat(np.minimum(movable, under[entries.steps, node]),
+                                      entries.bounds[:-1]) for node in range(nodes)], axis=1)
     first[np.arange(count), owner] = -1
     best = first.max(axis=1)
     heap = [(-int(v), p) for p, v in enumerate(best.tolist())
