@@ -34,6 +34,7 @@
 #include "ipc.h"
 #include "scheduler.h"
 #include "seeding.h"
+#include "backups.h"
 #include "split.h"
 #include "thread_pool.h"
 #include "xxh64.h"
@@ -413,6 +414,31 @@ StatusTuple py_release_moves(MutInt64s& nodes, const Int64s& surplus, const Int6
   s = release_moves(nodes.data(), surplus.size() / per, static_cast<size_t>(width), per,
                     surplus.data(), at.data(), rows.data(), key_base.data(), key_rows.data(),
                     key_base.size(), release_key, priority_bits);
+  return to_tuple(s);
+}
+
+StatusTuple py_choose_backups(const Int64s& bounds, const Int64s& steps, const Int64s& rows,
+                              const Int64s& owner, const Int64s& chunks, MutInt64s& surplus,
+                              int64_t nodes, int64_t budget, MutInt64s& chosen) {
+  const size_t pieces = owner.size();
+  Status s = Status::Ok();
+  if (nodes < 1) {
+    s = Status::Error(StatusCode::kInvalid, -1, "nodes must be at least 1");
+  } else if (bounds.size() != pieces + 1 || chunks.size() != pieces || chosen.size() != pieces) {
+    s = Status::Error(StatusCode::kInvalid, -1,
+                      "bounds must hold pieces + 1 entries; owner, chunks and chosen one per "
+                      "piece");
+  } else if (steps.size() != rows.size()) {
+    s = Status::Error(StatusCode::kInvalid, -1, "steps and rows must hold one value per entry");
+  } else if (surplus.size() % static_cast<size_t>(nodes) != 0) {
+    s = Status::Error(StatusCode::kInvalid, -1, "surplus must hold steps * nodes entries");
+  }
+  if (!s.ok()) return to_tuple(s);
+  const size_t per = static_cast<size_t>(nodes);
+  nb::gil_scoped_release release;
+  s = choose_backups(bounds.data(), pieces, steps.data(), rows.data(), steps.size(),
+                     owner.data(), chunks.data(), surplus.data(), surplus.size() / per, per,
+                     budget, chosen.data());
   return to_tuple(s);
 }
 
@@ -1022,6 +1048,13 @@ NB_MODULE(_core, m) {
         nb::arg("release_key"), nb::arg("width"), nb::arg("count"), nb::arg("priority_bits"),
         "The paid moves of the slots on nodes with a surplus, hashed by their chunk keys "
         "(csrc/split.h): nodes updated in place; returns (code, item, message).");
+  m.def("choose_backups", &py_choose_backups, nb::arg("bounds").noconvert(),
+        nb::arg("steps").noconvert(), nb::arg("rows").noconvert(),
+        nb::arg("owner").noconvert(), nb::arg("chunks").noconvert(),
+        nb::arg("surplus").noconvert(), nb::arg("nodes"), nb::arg("budget"),
+        nb::arg("chosen").noconvert(),
+        "The pieces held twice chosen greedily (csrc/backups.h): surplus updated and each "
+        "piece's second node into chosen; returns (code, item, message).");
   m.def("set_num_threads", [](size_t n) { set_global_pool_size(n); }, nb::arg("threads"),
         "Size of the native thread pool (0 = the cores this process may run on).");
   m.def("get_num_threads", []() { return global_pool_size(); },

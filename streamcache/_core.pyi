@@ -108,6 +108,11 @@ def release_moves(nodes: Annotated[NDArray[numpy.int64], dict(shape=(None,), ord
     The paid moves of the slots on nodes with a surplus, hashed by their chunk keys (csrc/split.h): nodes updated in place; returns (code, item, message).
     """
 
+def choose_backups(bounds: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], steps: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], rows: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], owner: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], chunks: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], surplus: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')], nodes: int, budget: int, chosen: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')]) -> tuple[int, int, str]:
+    """
+    The pieces held twice chosen greedily (csrc/backups.h): surplus updated and each piece's second node into chosen; returns (code, item, message).
+    """
+
 def set_num_threads(threads: int) -> None:
     """
     Size of the native thread pool (0 = the cores this process may run on).

@@ -38,7 +38,7 @@ from ._native_backend import (
 )
 from ._native_chunks import locate_chunks
 from ._native_plan import feistel_walk
-from ._native_split import owner_nodes, paid_moves, release_moves
+from ._native_split import choose_backups, owner_nodes, paid_moves, release_moves
 from .errors import NativeError
 
 
@@ -417,6 +417,7 @@ __all__ = [
     "available_backends",
     "backend_name",
     "check_ipc_offsets",
+    "choose_backups",
     "direct_global_rngs",
     "feistel_walk",
     "gather_bytes",

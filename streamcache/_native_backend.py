@@ -111,6 +111,9 @@ class Backend(Protocol):
                       rows: np.ndarray, key_base: np.ndarray, key_rows: np.ndarray,
                       release_key: int, width: int, count: int,
                       priority_bits: int) -> tuple[int, int, str]: ...
+    def choose_backups(self, bounds: np.ndarray, steps: np.ndarray, rows: np.ndarray,
+                       owner: np.ndarray, chunks: np.ndarray, surplus: np.ndarray, nodes: int,
+                       budget: int, chosen: np.ndarray) -> tuple[int, int, str]: ...
     def ipc_record_batches(self, file: np.ndarray, nodes_per_batch: int, buffers_per_batch: int,
                            ) -> tuple[int, int, str, np.ndarray, np.ndarray, np.ndarray]: ...
     def check_ipc_offsets(self, file: np.ndarray, at: np.ndarray, count: np.ndarray,

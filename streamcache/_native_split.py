@@ -105,3 +105,29 @@ def paid_moves(nodes: np.ndarray, candidate: np.ndarray, hashed: np.ndarray,
             ("candidate", candidate, _I64, False),
             ("hashed", hashed, _U64, False))))
     raise_error(*status)
+
+
+def choose_backups(bounds: np.ndarray, steps: np.ndarray, rows: np.ndarray, owner: np.ndarray,
+                   chunks: np.ndarray, surplus: np.ndarray, budget: int) -> np.ndarray:
+    """The pieces held twice chosen greedily (``csrc/backups.h``): piece ``p``'s entries
+    ``[bounds[p], bounds[p + 1])`` are its rows ``rows`` in steps ``steps``; ``surplus`` (an
+    int64 ``(steps, nodes)`` array) is updated. Returns each piece's second node (-1: none).
+
+    Raises:
+        NativeError: arrays of the wrong dtype or layout, sizes that disagree, bounds that do
+            not rise from 0 to the entries, an entry's step or rows, or a piece's owner or
+            chunks, out of range; nothing is then written.
+    """
+    surplus = _surplus_table("choose_backups", surplus)
+    chosen = np.empty(len(owner) if isinstance(owner, np.ndarray) else 0, dtype=np.int64)
+    try:
+        status = _native_backend.active.choose_backups(
+            bounds, steps, rows, owner, chunks, surplus.reshape(-1), surplus.shape[1],
+            int(budget), chosen)
+    except TypeError as exc:
+        refused(exc, _twin_checks.first_problem("choose_backups", (
+            ("bounds", bounds, _I64, False), ("steps", steps, _I64, False),
+            ("rows", rows, _I64, False), ("owner", owner, _I64, False),
+            ("chunks", chunks, _I64, False), ("surplus", surplus.reshape(-1), _I64, True))))
+    raise_error(*status)
+    return chosen

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ._twin_backups import choose_backups as choose_backups  # the Backend protocol's choice
 from ._twin_bijection import feistel_walk as feistel_walk  # the Backend protocol's Feistel pass
 from ._twin_checks import (
     CORRUPT,

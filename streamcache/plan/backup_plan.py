@@ -20,14 +20,13 @@ docs/multinode.md). Pure: the same inputs give the same pairs on every rank.
 from __future__ import annotations
 
 import collections
-import heapq
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
 
-from .. import forksafe
+from .. import _native, forksafe
 from ._util import PlanError
 from .split_lookup import StepFacts
 from .unit_columns import CHUNK, PIECE, ROWS
@@ -214,68 +213,12 @@ def plan_backups(shards: np.ndarray, piece: np.ndarray, owners: np.ndarray,
     chunks[which] = np.asarray(piece_chunks[:size], dtype=np.int64)
     surplus = (np.bincount(step * num_nodes + owners, minlength=steps * num_nodes)
                .reshape(steps, num_nodes) - global_batch // num_nodes)
-    cut = chunks > 0
-    budget = round(budget_fraction * int(cut.sum()))
-    chosen = _greedy(_Entries(bounds, entry_step, rows), owner, chunks, surplus, budget)
-    picked = np.array(sorted(chosen), dtype=np.int64)
-    nodes = np.array([chosen[p] for p in picked.tolist()], dtype=np.int64)
-    return PlannedBackups(unique[picked], nodes, len(chosen) / max(1, int(cut.sum())))
-
-
-class _Entries:
-    """Each piece's steps and rows there: ``steps[bounds[p]:bounds[p + 1]]``."""
-
-    def __init__(self, bounds: np.ndarray, steps: np.ndarray, rows: np.ndarray) -> None:
-        self.bounds, self.steps, self.rows = bounds, steps, rows
-
-    def of(self, piece: int) -> tuple[np.ndarray, np.ndarray]:
-        lo, hi = int(self.bounds[piece]), int(self.bounds[piece + 1])
-        return self.steps[lo:hi], self.rows[lo:hi]
-
-
-def _greedy(entries: _Entries, owner: np.ndarray, chunks: np.ndarray, surplus: np.ndarray,
-            budget: int) -> dict[int, int]:
-    """Piece -> second node, chosen one at a time by the samples it moves now (a lazy
-    greedy: a pair's count only falls as others are chosen, so a popped pair whose count,
-    recomputed, is still the largest is the best). ``surplus`` is updated."""
-    count, nodes = owner.size, surplus.shape[1]
-    if budget <= 0 or count == 0:
-        return {}
-    # every pair's count before any is chosen: a pass over all entries per node (every
-    # piece has an entry, so each piece's are one run of them)
-    home = np.repeat(owner, np.diff(entries.bounds))
-    movable = np.minimum(entries.rows, np.maximum(surplus[entries.steps, home], 0))
-    under = np.maximum(-surplus, 0)
-    first = np.stack([np.add.reduceat(np.minimum(movable, under[entries.steps, node]),
-                                      entries.bounds[:-1]) for node in range(nodes)], axis=1)
-    first[np.arange(count), owner] = -1
-    best = first.max(axis=1)
-    heap = [(-int(v), p) for p, v in enumerate(best.tolist())
-            if chunks[p] > 0 and v > chunks[p]]
-    heapq.heapify(heap)
-    chosen: dict[int, int] = {}
-    held = np.zeros(nodes, dtype=np.int64)  # chunks each node holds twice so far
-    while heap and len(chosen) < budget:
-        _, p = heapq.heappop(heap)
-        at, rows = entries.of(p)
-        source = int(owner[p])
-        moves = np.minimum(rows, np.maximum(surplus[at, source], 0))
-        pair = np.minimum(moves[:, None], np.maximum(-surplus[at], 0)).sum(axis=0)
-        pair[source] = -1
-        # (of the nodes it helps most, the one holding the fewest chunks twice so far)
-        node = int(np.argmax(pair * (held.sum() + 1) - held))
-        gain = int(pair[node])
-        if gain <= chunks[p]:
-            continue
-        if heap and gain < -heap[0][0]:
-            heapq.heappush(heap, (-gain, p))
-            continue
-        moved = np.minimum(moves, np.maximum(-surplus[at, node], 0))
-        surplus[at, source] -= moved
-        surplus[at, node] += moved
-        held[node] += chunks[p]
-        chosen[p] = node
-    return chosen
+    cut = int((chunks > 0).sum())
+    chosen = _native.choose_backups(bounds, entry_step, rows, owner, chunks,
+                                    np.ascontiguousarray(surplus, dtype=np.int64),
+                                    round(budget_fraction * cut))
+    picked = np.flatnonzero(chosen >= 0)
+    return PlannedBackups(unique[picked], chosen[picked], picked.size / max(1, cut))
 
 
 __all__ = ["PLANS_KEPT", "PLAN_MAX_SAMPLES", "ChoiceLock", "PlannedBackups", "piece_keys",
