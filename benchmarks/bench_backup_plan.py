@@ -1,6 +1,6 @@
 """What choosing the pieces held twice from the first epoch's order costs, and what it moves.
 
-Run:  python benchmarks/bench_backup_plan.py [--repeats 5]
+Run:  python benchmarks/bench_backup_plan.py [--repeats 5] [--first-batch DATASET]
 
 A multi-node job whose epoch is small (at most 2^18 samples: plan/backup_plan.py) chooses which
 pieces two nodes hold from the order of epoch 0, once per process; a larger epoch draws them
@@ -18,13 +18,25 @@ count and global batch:
   chunk), chosen and drawn.
 
 The bytes these save are in benchmarks/multinode_model.py's terms: bench_multinode.py's table.
+
+``--first-batch DATASET`` (a dataset folder written by ShardWriter of at most 2^18 samples,
+e.g. bench_multinode.py's 1 KB one at full scale): the cold first batch of rank 0 of an
+8-node job of one rank per node, global batch 1,024, served over HTTP on 127.0.0.1 by the
+tests' server: a fresh process and a fresh cache folder each time, torchrun's variables,
+the choice on and off (``PLAN_MAX_SAMPLES = 0`` in the process: the blind draw), alternated,
+``--repeats`` pairs; the seconds from making the dataset to the first batch, and the
+process's CPU seconds to then.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
 
@@ -89,10 +101,55 @@ def split_cost(nodes: int, batch: int, first: bool) -> tuple[float, float]:
     return spent, paid / segment.num_steps
 
 
+_FIRST_BATCH = """
+import json, os, sys, time
+began, cpu = time.perf_counter(), time.process_time()
+from streamcache import StreamDataset, StreamLoader
+from streamcache.plan import backup_plan
+if sys.argv[3] == "off":
+    backup_plan.PLAN_MAX_SAMPLES = 0
+dataset = StreamDataset(sys.argv[1], global_batch_size=1024, cache_dir=sys.argv[2])
+with StreamLoader(dataset) as loader:
+    next(iter(loader))
+    print(json.dumps({"s": time.perf_counter() - began, "cpu": time.process_time() - cpu,
+                      "dual": dataset.locality.split.dual}))
+"""
+
+
+def first_batch(folder: str, repeats: int) -> None:
+    """The cold first batch with the choice on and off (see the module docstring)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "..", "tests"))
+    from servers import FaultServer  # (the tests' counting HTTP server)
+
+    root, name = os.path.split(os.path.abspath(folder))
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0",
+           "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0"}
+    found: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
+    with FaultServer(root=root) as server:
+        url = server.url_for(f"{name}/index.json")
+        for _ in range(repeats):
+            for mode in ("on", "off"):
+                with tempfile.TemporaryDirectory(prefix="bench-first-") as cache:
+                    out = subprocess.run([sys.executable, "-c", _FIRST_BATCH, url, cache, mode],
+                                         env=env, capture_output=True, text=True, check=True)
+                found[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"first batch, rank 0 of 8 nodes, cold, {repeats} pairs: s (CPU s), each run")
+    for mode, runs in found.items():
+        print(f"  choice {mode:3} dual {runs[0]['dual']:.3f}: median "
+              f"{statistics.median(r['s'] for r in runs):.2f} s "
+              f"({statistics.median(r['cpu'] for r in runs):.2f}); "
+              + ", ".join(f"{r['s']:.2f} ({r['cpu']:.2f})" for r in runs))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--first-batch", metavar="DATASET", default=None)
     args = parser.parse_args(argv)
+    if args.first_batch:
+        first_batch(args.first_batch, args.repeats)
+        return 0
     print(f"epoch of {SAMPLES} samples, {SHARDS} shards, {CHUNK_ROWS}-row chunks; CPU, "
           f"medians of {args.repeats}")
     print(f"{'nodes':>5} {'batch':>5} {'pieces':>6} {'choose ms':>9} {'peak MB':>7} "
