@@ -56,6 +56,17 @@ def test_chosen_pairs_are_cut_pieces_held_by_another_node_within_the_budget(fact
     shards, piece, owners, chunks, (nodes, batch), (budget,) = facts
     planned = plan_backups(shards, piece, owners, chunks, int(nodes), int(batch), budget)
     assert planned == plan_backups(shards, piece, owners, chunks, int(nodes), int(batch), budget)
+    # the same with the pieces numbered (as a layout numbers its piece units), and with the
+    # (piece, step) table sorted instead of counted densely
+    numbered = (shards * 5 + piece, int((shards * 5 + piece).max()) + 1)
+    assert planned == plan_backups(shards, piece, owners, chunks, int(nodes), int(batch),
+                                   budget, numbered)
+    dense, backup_plan.DENSE_CELLS = backup_plan.DENSE_CELLS, 0
+    try:
+        assert planned == plan_backups(shards, piece, owners, chunks, int(nodes), int(batch),
+                                       budget)
+    finally:
+        backup_plan.DENSE_CELLS = dense
     whole = owners.size // batch * batch  # (only whole steps are planned for)
     keys = backup_plan.piece_keys(shards, piece)[:whole]
     cut = np.unique(keys[chunks[:whole] > 0])

@@ -29,11 +29,13 @@ import numpy as np
 from .. import _native, forksafe
 from ._util import PlanError
 from .split_lookup import StepFacts
-from .unit_columns import CHUNK, PIECE, ROWS
+from .unit_columns import CHUNK, PIECE, PIECE_BASE, ROWS, distinct_values
 from .units import UnitLayout
 
 #: Largest epoch (samples) whose order is read whole to choose the pieces held twice.
 PLAN_MAX_SAMPLES = 1 << 18
+#: Largest (pieces x steps) table counted densely (int64 cells: 64 MiB); beyond, sorted.
+DENSE_CELLS = 1 << 23
 #: Choices a process keeps (a pass of each epoch would otherwise choose again).
 PLANS_KEPT = 8
 _PIECE_BITS = 32
@@ -168,13 +170,13 @@ def planned_for(order: Any, layout: UnitLayout,
     facts = StepFacts(layout, shards, rows)
     owners = owners_of(facts)
     piece = facts.piece()
-    distinct, at = np.unique(shards, return_inverse=True)
-    shard_rows, piece_rows, chunk = (a[at] for a in layout.lookup(distinct,
-                                                                  (ROWS, PIECE, CHUNK)))
+    distinct, at = distinct_values(shards, layout.num_shards)  # (no sort)
+    shard_rows, piece_rows, chunk, base = (a[at] for a in layout.lookup(
+        distinct, (ROWS, PIECE, CHUNK, PIECE_BASE)))
     size = np.minimum(piece_rows, shard_rows - piece * piece_rows)
     chunks = np.where(chunk > 0, -(-size // np.maximum(chunk, 1)), 0)
     planned = plan_backups(shards, piece, owners, chunks, num_nodes, global_batch,
-                           budget_fraction)
+                           budget_fraction, (base + piece, layout.num_pieces))
     if kept is not None:
         with _plans_lock:
             _plans[kept] = planned
@@ -185,7 +187,8 @@ def planned_for(order: Any, layout: UnitLayout,
 
 def plan_backups(shards: np.ndarray, piece: np.ndarray, owners: np.ndarray,
                  piece_chunks: np.ndarray, num_nodes: int, global_batch: int,
-                 budget_fraction: float) -> PlannedBackups:
+                 budget_fraction: float,
+                 numbered: tuple[np.ndarray, int] | None = None) -> PlannedBackups:
     """Choose the pieces held twice for the steps of an order (see the module docstring).
 
     Args:
@@ -196,15 +199,27 @@ def plan_backups(shards: np.ndarray, piece: np.ndarray, owners: np.ndarray,
             cut, never held twice).
         num_nodes: nodes (each takes ``global_batch // num_nodes`` samples a step).
         budget_fraction: at most this fraction of the cut pieces is held twice.
+        numbered: each sample's piece numbered in ``[0, count)`` in (shard, piece) order (the
+            layout's piece units), and ``count``: the pieces are then told apart without a
+            sort of the samples.
     """
     steps = owners.size // global_batch
     size = steps * global_batch
     keys = piece_keys(shards[:size], piece[:size])
     owners = np.asarray(owners[:size], dtype=np.int64)
-    unique, which = np.unique(keys, return_inverse=True)
+    if numbered is None:
+        unique, which = np.unique(keys, return_inverse=True)
+    else:
+        unique, which = _compact(keys, numbered[0][:size], numbered[1])
     step = np.arange(size, dtype=np.int64) // global_batch
-    # the rows of each piece in each step it is read in: entries sorted by piece, then step
-    entry, rows = np.unique(which * max(1, steps) + step, return_counts=True)
+    # the rows of each piece in each step it is read in: entries ordered by piece, then step
+    cells = unique.size * max(1, steps)
+    if cells <= DENSE_CELLS:
+        counted = np.bincount(which * max(1, steps) + step, minlength=cells)
+        entry = np.flatnonzero(counted)
+        rows = counted[entry]
+    else:
+        entry, rows = np.unique(which * max(1, steps) + step, return_counts=True)
     entry_piece, entry_step = np.divmod(entry, max(1, steps))
     bounds = np.searchsorted(entry_piece, np.arange(unique.size + 1))
     owner = np.zeros(unique.size, dtype=np.int64)
@@ -219,6 +234,21 @@ def plan_backups(shards: np.ndarray, piece: np.ndarray, owners: np.ndarray,
                                     round(budget_fraction * cut))
     picked = np.flatnonzero(chosen >= 0)
     return PlannedBackups(unique[picked], chosen[picked], picked.size / max(1, cut))
+
+
+def _compact(keys: np.ndarray, numbers: np.ndarray,
+             count: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`numpy.unique` of ``keys`` with its inverse, where ``numbers`` (in ``[0,
+    count)``) number the keys in the same order: the distinct numbers found without a sort
+    (a scatter), then only those few sorted."""
+    distinct, where = distinct_values(numbers, count)
+    ranked = np.argsort(distinct)
+    rank = np.empty(distinct.size, dtype=np.int64)
+    rank[ranked] = np.arange(distinct.size)
+    which = rank[where]
+    unique = np.empty(distinct.size, dtype=np.int64)
+    unique[which] = keys
+    return unique, which
 
 
 __all__ = ["PLANS_KEPT", "PLAN_MAX_SAMPLES", "ChoiceLock", "PlannedBackups", "piece_keys",
