@@ -12,9 +12,10 @@ pairs chosen before have left. The choice stops at the blind draw's number of pi
 earlier once a pair would move no more than one sample per chunk of its piece (a piece held
 twice costs its chunks; a sample moved otherwise costs part of a chunk).
 
-The same pairs serve every later epoch: a node keeps the pieces it holds from epoch to epoch,
-and on another epoch's order they are as good as a blind draw or better (measured:
-docs/multinode.md). Pure: the same inputs give the same pairs on every rank.
+The same pairs serve every later epoch: a node keeps the pieces it holds from epoch to epoch;
+on another epoch's order they fetched less than a blind draw in 6 of 8 settings probed and
+up to 2.4% more in the other 2 (benchmarks/RESULTS.md). Pure: the same inputs give the same
+pairs on every rank.
 """
 
 from __future__ import annotations
