@@ -54,17 +54,17 @@ def step_facts(draw: st.DrawFn) -> tuple[np.ndarray, ...]:
 @given(step_facts())
 def test_chosen_pairs_are_cut_pieces_held_by_another_node_within_the_budget(facts) -> None:
     shards, piece, owners, chunks, (nodes, batch), (budget,) = facts
-    planned = plan_backups(shards, piece, owners, chunks, int(nodes), int(batch), budget)
-    assert planned == plan_backups(shards, piece, owners, chunks, int(nodes), int(batch), budget)
-    # the same with the pieces numbered (as a layout numbers its piece units), and with the
-    # (piece, step) table sorted instead of counted densely
+    # the pieces numbered in (shard, piece) order, as a layout numbers its piece units
     numbered = (shards * 5 + piece, int((shards * 5 + piece).max()) + 1)
+    planned = plan_backups(shards, piece, owners, chunks, int(nodes), int(batch), budget,
+                           numbered)
     assert planned == plan_backups(shards, piece, owners, chunks, int(nodes), int(batch),
                                    budget, numbered)
+    # the same with the (piece, step) table sorted instead of counted densely
     dense, backup_plan.DENSE_CELLS = backup_plan.DENSE_CELLS, 0
     try:
         assert planned == plan_backups(shards, piece, owners, chunks, int(nodes), int(batch),
-                                       budget)
+                                       budget, numbered)
     finally:
         backup_plan.DENSE_CELLS = dense
     whole = owners.size // batch * batch  # (only whole steps are planned for)
@@ -96,9 +96,10 @@ def test_nothing_is_chosen_without_a_budget_or_a_cut_piece_or_an_imbalance() -> 
     shards = np.zeros(64, dtype=np.int64)
     piece = np.arange(64) % 8
     owners = piece % 4
-    assert len(plan_backups(shards, piece, owners, np.full(64, 2), 4, 16, 0.0)) == 0
-    assert len(plan_backups(shards, piece, owners, np.zeros(64), 4, 16, 1.0)) == 0
-    balanced = plan_backups(shards, piece, owners, np.ones(64), 4, 16, 1.0)
+    numbered = (piece, 8)
+    assert len(plan_backups(shards, piece, owners, np.full(64, 2), 4, 16, 0.0, numbered)) == 0
+    assert len(plan_backups(shards, piece, owners, np.zeros(64), 4, 16, 1.0, numbered)) == 0
+    balanced = plan_backups(shards, piece, owners, np.ones(64), 4, 16, 1.0, numbered)
     assert len(balanced) == 0  # every step gives every node its 4 samples
     assert np.array_equal(balanced.backups(shards, piece), np.full(64, -1))
 

@@ -188,8 +188,7 @@ def planned_for(order: Any, layout: UnitLayout,
 
 def plan_backups(shards: np.ndarray, piece: np.ndarray, owners: np.ndarray,
                  piece_chunks: np.ndarray, num_nodes: int, global_batch: int,
-                 budget_fraction: float,
-                 numbered: tuple[np.ndarray, int] | None = None) -> PlannedBackups:
+                 budget_fraction: float, numbered: tuple[np.ndarray, int]) -> PlannedBackups:
     """Choose the pieces held twice for the steps of an order (see the module docstring).
 
     Args:
@@ -201,17 +200,14 @@ def plan_backups(shards: np.ndarray, piece: np.ndarray, owners: np.ndarray,
         num_nodes: nodes (each takes ``global_batch // num_nodes`` samples a step).
         budget_fraction: at most this fraction of the cut pieces is held twice.
         numbered: each sample's piece numbered in ``[0, count)`` in (shard, piece) order (the
-            layout's piece units), and ``count``: the pieces are then told apart without a
-            sort of the samples.
+            layout's piece units), and ``count``: the pieces are told apart by these numbers,
+            without a sort of the samples.
     """
     steps = owners.size // global_batch
     size = steps * global_batch
     keys = piece_keys(shards[:size], piece[:size])
     owners = np.asarray(owners[:size], dtype=np.int64)
-    if numbered is None:
-        unique, which = np.unique(keys, return_inverse=True)
-    else:
-        unique, which = _compact(keys, numbered[0][:size], numbered[1])
+    unique, which = _compact(keys, numbered[0][:size], numbered[1])
     step = np.arange(size, dtype=np.int64) // global_batch
     # the rows of each piece in each step it is read in: entries ordered by piece, then step
     cells = unique.size * max(1, steps)
@@ -239,9 +235,10 @@ def plan_backups(shards: np.ndarray, piece: np.ndarray, owners: np.ndarray,
 
 def _compact(keys: np.ndarray, numbers: np.ndarray,
              count: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`numpy.unique` of ``keys`` with its inverse, where ``numbers`` (in ``[0,
-    count)``) number the keys in the same order: the distinct numbers found without a sort
-    (a scatter), then only those few sorted."""
+    """The distinct ``keys`` (ascending) and where each key is among them, as
+    :func:`numpy.unique` gives them, where ``numbers`` (in ``[0, count)``) number the keys in
+    the same order: the distinct numbers found without a sort (a scatter), then only those
+    few sorted."""
     distinct, where = distinct_values(numbers, count)
     ranked = np.argsort(distinct)
     rank = np.empty(distinct.size, dtype=np.int64)
