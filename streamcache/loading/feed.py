@@ -227,8 +227,11 @@ class ShardFeed(FeedBase):
         return order
 
     def first_order(self, cursor: Cursor) -> EpochOrder:
-        """The order of epoch 0 (made anew: the orders kept are the pass's), from which a
-        multi-node job chooses the pieces two nodes hold (plan/backup_plan.py)."""
+        """The order of epoch 0, from which a multi-node job chooses the pieces two nodes hold
+        (plan/backup_plan.py): the pass's own at epoch 0 (its blocks read once for both), else
+        made anew (the orders kept are the pass's)."""
+        if cursor.epoch == 0:
+            return self.order(cursor, 0)
         return EpochOrder(self.index.shard_table.counts(), cursor.seed, 0, self.shuffle)
 
     def advice(self, cursor: Cursor, epoch: int) -> ShardAdvice:
